@@ -1,0 +1,164 @@
+"""KV memory: a token-granular slot pool and the request-to-token table.
+
+`KVPool` owns, per layer, K and V buffers of shape [num_slots, kv_heads, head_dim] and a
+free list of slot indices. Slot 0 is reserved as a padding target (never handed out), so
+a padded batch can always write somewhere harmless.
+
+`ReqToTokenTable` maps (request row, position) -> slot index; a request's row is held from
+admission to finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spruce.runtime.errors import SpruceError
+
+
+class OutOfSlotsError(SpruceError):
+    """More KV slots were asked for than are free (the scheduler should have checked)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes one token takes across all layers, K and V."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free list of slot indices 1..num_slots-1 (0 is the padding slot).
+
+    Allocation takes the lowest free indices first, so that a request's prompt usually
+    lands in one contiguous run. A double free or an over-allocation is an error."""
+
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots >= 2, "the pool needs at least one usable slot"
+        self.num_slots = num_slots
+        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._is_free[0] = False
+        self._free = torch.arange(1, num_slots, dtype=torch.int64)
+        self._num_free = num_slots - 1
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._num_free:
+            raise OutOfSlotsError(f"asked for {n} KV slots, {self._num_free} free")
+        out = self._free[:n].clone()
+        self._free = self._free[n:]
+        self._num_free -= n
+        self._is_free[out] = False
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64).flatten()
+        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+            raise AssertionError("KV slot freed twice")
+        if bool((slots == 0).any()):
+            raise AssertionError("the padding slot 0 cannot be freed")
+        self._is_free[slots] = True
+        self._free = torch.cat([self._free, slots])
+        self._num_free += slots.numel()
+
+    def compact(self) -> None:
+        """Sorts the free list (called when idle) so later allocations are contiguous."""
+        self._free = torch.nonzero(self._is_free).flatten()
+
+    def check_integrity(self, held: int) -> None:
+        """`held` = slots owned by requests and caches; with the free ones they make the pool."""
+        assert self._num_free == int(self._is_free.sum()) == self._free.numel()
+        assert self._num_free + held == self.capacity, (
+            f"slot leak: free {self._num_free} + held {held} != capacity {self.capacity}"
+        )
+
+
+class KVPool:
+    """K and V buffers for every layer, indexed by slot, plus their allocator."""
+
+    def __init__(self, shape: KVShape, num_slots: int, device: torch.device | str = "cpu") -> None:
+        self.shape = shape
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        dims = (num_slots, shape.kv_heads, shape.head_dim)
+        self.k = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.allocator = SlotAllocator(num_slots)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    # The allocator's API, re-exported so callers hold one object.
+    def alloc(self, n: int) -> torch.Tensor:
+        return self.allocator.alloc(n)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+
+class ReqToTokenTable:
+    """[max_running_requests, max_context_len] int32 slot indices, one row per request."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise OutOfSlotsError("no free request row (max_running_requests reached)")
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        assert row not in self._free_rows, "request row freed twice"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)
+
+    def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        return self.table[row, start:end].to(torch.int64)
+
+
+def pool_slots_for_budget(shape: KVShape, budget_bytes: int, min_slots: int) -> int:
+    """How many slots fit in `budget_bytes`; a clear error when fewer than `min_slots`."""
+    slots = budget_bytes // shape.bytes_per_slot
+    if slots < min_slots:
+        need_mib = min_slots * shape.bytes_per_slot / 2**20
+        raise SpruceError(
+            f"the KV pool budget gives {slots} token slots but at least {min_slots} are needed "
+            f"(one full context); raise --kv-memory-gb to at least {need_mib / 1024:.2f} GB"
+        )
+    return int(slots)

@@ -1,0 +1,281 @@
+"""Tokenizer: encode / decode on the `tokenizers` library, raw token bytes for the
+constrained decoder, incremental UTF-8-safe detokenization and the model's chat template.
+
+A tokenizer comes from a Hugging Face folder (tokenizer.json + tokenizer_config.json) or
+from a GGUF file's metadata (byte-level BPE from `tokenizer.ggml.*`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Iterable
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from spruce.runtime.errors import ModelLoadError
+
+# llama.cpp pre-tokenizer names whose regex splits every digit on its own before the
+# GPT-2 split (llama-vocab.cpp groups "smollm" with starcoder, refact, codeshell...).
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted (char -> byte)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """The runtime's one tokenizer interface.
+
+    `eos_token_ids` are the ids that end generation; `token_bytes()` gives the raw bytes
+    each id stands for (special tokens map to their text, for masking they are excluded by
+    the caller through `special_token_ids`).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        self._byte_level = _is_byte_level(backend)
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder: str, config: dict[str, Any] | None = None) -> "Tokenizer":
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"{folder} has no tokenizer.json (Spruce needs the fast tokenizer file)")
+        backend = tokenizers.Tokenizer.from_file(path)
+        tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        gen_config = _read_json(os.path.join(folder, "generation_config.json"))
+        config = config or _read_json(os.path.join(folder, "config.json"))
+        bos = _token_id(backend, tok_config.get("bos_token")) or config.get("bos_token_id")
+        eos = _as_list(gen_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))
+        eos_tok = _token_id(backend, tok_config.get("eos_token"))
+        eos = set(eos) | ({eos_tok} if eos_tok is not None else set())
+        template = tok_config.get("chat_template") or _read_text(os.path.join(folder, "chat_template.jinja"))
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            add_bos_token=bool(tok_config.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+            )
+        backend = _gguf_byte_level_bpe(meta)
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        extra_eos = meta.get("tokenizer.ggml.eot_token_id")
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[i for i in (eos, extra_eos) if i is not None],
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    # -- encode / decode ------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_bytes(self) -> list[bytes]:
+        """Raw bytes of every token id (what the token appends to the output)."""
+        out = []
+        for i in range(self.vocab_size):
+            piece = self.backend.id_to_token(i)
+            if piece is None:
+                out.append(b"")
+            elif i in self.special_token_ids:
+                out.append(piece.encode())
+            else:
+                out.append(self._piece_bytes(piece))
+        return out
+
+    def _piece_bytes(self, piece: str) -> bytes:
+        if self._byte_level:
+            table = _byte_level_alphabet()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    # -- chat template ----------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model ships no chat template; send a plain prompt instead")
+        template = _compile_template(self.chat_template)
+        return template.render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_token_id),
+            eos_token=self._special_text(min(self.eos_token_ids, default=None)),
+        )
+
+    def _special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never end in a broken
+    UTF-8 character. Decodes a small window (prefix_offset..) so that tokenizers which
+    strip a leading space still join pieces correctly."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids else []
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: Iterable[int]) -> str:
+        """Appends ids; returns the newly complete text (possibly empty)."""
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back (a trailing broken character)."""
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _gguf_byte_level_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+        split.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(split)
+    backend.decoder = decoders.ByteLevel()
+    added = [
+        tokenizers.AddedToken(tokens[i], special=types[i] == _GGUF_CONTROL, normalized=False)
+        for i in range(len(tokens))
+        if types[i] in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+    ]
+    backend.add_tokens(added)
+    return backend
+
+
+def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return "ByteLevel" in json.dumps(decoder)
+
+
+def _token_id(backend: tokenizers.Tokenizer, token: Any) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_text(path: str) -> str | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
