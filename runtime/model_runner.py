@@ -1,0 +1,96 @@
+"""Model runner: owns the model, the KV pool, the request-to-token table and the attention
+backend; turns a batch description into tensors and runs one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spruce.runtime.attention import create_backend
+from spruce.runtime.attention.base import ForwardContext
+from spruce.runtime.memory_pool import KVPool, KVShape, ReqToTokenTable
+from spruce.runtime.model_loader import LoadedModel
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """One request's part of a forward pass.
+
+    The request's row in the request-to-token table already holds the slots of its first
+    `prefix_len` tokens; `new_slots` are where the K/V of `new_ids` go (allocated by the
+    caller). `all_logits` asks for logits of every new position, not only the last."""
+
+    row: int
+    prefix_len: int
+    new_ids: list[int]
+    new_slots: torch.Tensor
+    all_logits: bool = False
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [rows, vocab] float32
+    offsets: list[int]  # item i's logits are rows offsets[i] .. offsets[i + 1]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        max_requests: int,
+        max_context_len: int,
+        attention_backend: str = "torch",
+        device: str = "cpu",
+    ) -> None:
+        config = loaded.config
+        self.model = loaded.model
+        self.config = config
+        self.device = torch.device(device)
+        dtype = next(self.model.parameters()).dtype
+        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        self.pool = KVPool(shape, num_slots, self.device)
+        self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)
+        self.model.backend = create_backend(
+            attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim
+        )
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> ForwardOutput:
+        ctx, input_ids = self._build(items)
+        logits_rows, offsets = self._logits_rows(items)
+        logits = self.model(input_ids, ctx, logits_rows)
+        return ForwardOutput(logits.float(), offsets)
+
+    def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
+        for item in items:
+            self.req_to_token.write(item.row, item.prefix_len, item.new_slots)
+        prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
+        extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
+        starts = torch.cumsum(extend, 0) - extend
+        total = int(extend.sum())
+        # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
+        positions = torch.arange(total) + torch.repeat_interleave(prefix - starts, extend)
+        input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
+        ctx = ForwardContext(
+            positions=positions.to(self.device),
+            out_slots=torch.cat([it.new_slots for it in items]).to(self.device),
+            req_pool_indices=torch.tensor([it.row for it in items], device=self.device),
+            prefix_lens=prefix.to(self.device),
+            extend_lens=extend.to(self.device),
+            prefix_lens_cpu=prefix.tolist(),
+            extend_lens_cpu=extend.tolist(),
+        )
+        return ctx, input_ids.to(self.device)
+
+    def _logits_rows(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
+        rows, offsets, start = [], [0], 0
+        for it in items:
+            n = len(it.new_ids)
+            rows.extend(range(start, start + n) if it.all_logits else [start + n - 1])
+            offsets.append(len(rows))
+            start += n
+        if len(rows) == start:
+            return None, offsets
+        return torch.tensor(rows, device=self.device), offsets
