@@ -66,7 +66,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", de
     start = time.perf_counter()
     path = path or default_model_path()
     dtype = parse_dtype(dtype)
-    hf_config, state_dict, tokenizer = _read_checkpoint(path, dtype)
+    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype)
     config = ModelConfig.from_hf(hf_config)
     model = _build(config, state_dict, dtype, torch.device(device))
     params = sum(p.numel() for p in model.parameters())
@@ -78,7 +78,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", de
     return LoadedModel(model, config, tokenizer, path, name)
 
 
-def _read_checkpoint(path: str, dtype: torch.dtype):
+def read_checkpoint(path: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF file."""
     if os.path.isdir(path):
         return _read_hf_folder(path)
     if os.path.isfile(path) and path.endswith(".gguf"):

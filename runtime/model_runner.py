@@ -64,19 +64,23 @@ class ModelRunner:
         return ForwardOutput(logits.float(), offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
-        for item in items:
-            self.req_to_token.write(item.row, item.prefix_len, item.new_slots)
         prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
         extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
+        rows = torch.tensor([it.row for it in items], dtype=torch.int64)
         starts = torch.cumsum(extend, 0) - extend
         total = int(extend.sum())
         # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
         positions = torch.arange(total) + torch.repeat_interleave(prefix - starts, extend)
+        out_slots = torch.cat([it.new_slots for it in items]).to(self.device)
+        positions = positions.to(self.device)
+        # the new tokens' slots go into their rows of the request-to-token table, in one write
+        table_rows = torch.repeat_interleave(rows, extend).to(self.device)
+        self.req_to_token.table[table_rows, positions] = out_slots.to(self.req_to_token.table.dtype)
         input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
         ctx = ForwardContext(
-            positions=positions.to(self.device),
-            out_slots=torch.cat([it.new_slots for it in items]).to(self.device),
-            req_pool_indices=torch.tensor([it.row for it in items], device=self.device),
+            positions=positions,
+            out_slots=out_slots,
+            req_pool_indices=rows.to(self.device),
             prefix_lens=prefix.to(self.device),
             extend_lens=extend.to(self.device),
             prefix_lens_cpu=prefix.tolist(),

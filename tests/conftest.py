@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run in its interpreter when there is no GPU; the variable must be set
+# before triton is first imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"

@@ -1,0 +1,215 @@
+"""Offline throughput: N requests through the Engine (optionally vs transformers).
+
+Prints requests/s, input and output tokens/s, the mean decode-step time at the largest
+batch, the model's bare matrix multiplications for that batch measured alone, batch-1
+decode tokens/s and the prefill tokens/s of one long prompt. `--compare hf` runs the same
+requests through transformers' batched `generate` in the same process and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from spruce.runtime.bench import write_json
+
+USES_ENGINE = True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len-min", type=int, default=64)
+    parser.add_argument("--input-len-max", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128, help="max_new_tokens per request")
+    parser.add_argument("--dataset", default=None, help="JSONL file with a 'prompt' (text) per line")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
+    parser.add_argument("--skip-single", action="store_true", help="skip the batch-1 and long-prefill probes")
+    parser.add_argument("--output-json", default=None)
+
+
+def synthetic_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids (no special tokens) of random lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    allowed = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.special_token_ids]
+    return [[rng.choice(allowed) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def dataset_prompts(tokenizer, path: str, n: int) -> list[list[int]]:
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [tokenizer.encode(r["prompt"]) for r in rows[:n]]
+
+
+def mean_decode_step(steps) -> tuple[float, int]:
+    """Mean seconds of the all-decode steps at the largest batch size seen, and that size."""
+    decode = [st for st in steps if st.all_decode]
+    if not decode:
+        return 0.0, 0
+    top = max(st.batch_size for st in decode)
+    times = [st.seconds for st in decode if st.batch_size == top]
+    return sum(times) / len(times), top
+
+
+def bare_matmul_seconds(model, batch: int, repeats: int = 5) -> float:
+    """Time of the model's linear layers alone for `batch` rows (the decode step's floor)."""
+    params = next(model.parameters())
+    x = torch.randn(batch, model.config.hidden_size, dtype=params.dtype)
+    weights = []
+    for layer in model.layers:
+        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
+        weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=params.dtype) for w in weights}
+
+    def run():
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        torch.nn.functional.linear(x, head)
+
+    with torch.inference_mode():
+        run()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+    return (time.perf_counter() - start) / repeats
+
+
+def run_engine(engine, prompts: list[list[int]], params: dict) -> dict:
+    engine.core.step_log = []
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    seconds = time.perf_counter() - start
+    step_s, step_batch = mean_decode_step(engine.core.step_log)
+    engine.core.step_log = None
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(len(o["output_ids"]) for o in outs)
+    return {
+        "seconds": seconds,
+        "requests_per_s": len(prompts) / seconds,
+        "input_tokens_per_s": n_in / seconds,
+        "output_tokens_per_s": n_out / seconds,
+        "output_tokens": n_out,
+        "decode_step_ms": step_s * 1e3,
+        "decode_step_batch": step_batch,
+        "outputs": [o["output_ids"] for o in outs],
+    }
+
+
+def single_probes(engine, tokenizer) -> dict:
+    prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
+    engine.flush_cache()
+    start = time.perf_counter()
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    prefill = 512 / (time.perf_counter() - start)
+    short = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
+    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=short, sampling_params={**params, "max_new_tokens": 4})
+    start = time.perf_counter()
+    out = engine.generate(input_ids=short, sampling_params=params)
+    decode = len(out["output_ids"]) / (time.perf_counter() - start)
+    return {"prefill_512_tokens_per_s": prefill, "batch1_decode_tokens_per_s": decode}
+
+
+def run_hf(loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool) -> dict:
+    """transformers' batched generate on the same weights: left padding, greedy."""
+    model = hf_model_from(loaded)
+    pad = 0
+    eos = None if ignore_eos else sorted(loaded.tokenizer.eos_token_ids)
+    start = time.perf_counter()
+    n_out = 0
+    outputs = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            gen = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=eos, pad_token_id=pad, min_new_tokens=max_new_tokens if ignore_eos else 0,
+            )
+        for row in gen[:, width:].tolist():
+            row = _until_eos(row, eos)
+            outputs.append(row)
+            n_out += len(row)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens_per_s": n_out / seconds, "output_tokens": n_out, "outputs": outputs}
+
+
+def _until_eos(row: list[int], eos: list[int] | None) -> list[int]:
+    if not eos:
+        return row
+    for j, t in enumerate(row):
+        if t in eos:
+            return row[: j + 1]
+    return row
+
+
+def hf_model_from(loaded):
+    """A transformers model holding exactly the weights Spruce runs (fp32)."""
+    import transformers
+
+    from spruce.runtime.model_loader import read_checkpoint
+
+    hf_config, state_dict, _ = read_checkpoint(loaded.path, torch.float32)
+    config = transformers.AutoConfig.for_model(**{**hf_config, "model_type": hf_config.get("model_type", "llama")})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state_dict, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    from spruce.runtime.cli import engine_options
+    from spruce.runtime.engine import Engine
+
+    engine = Engine(**engine_options(args))
+    tokenizer = engine.tokenizer
+    if args.dataset:
+        prompts = dataset_prompts(tokenizer, args.dataset, args.num_prompts)
+    else:
+        prompts = synthetic_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max)
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": args.ignore_eos}
+    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    engine.flush_cache()
+    spruce = run_engine(engine, prompts, params)
+    result = {"config": vars(args) | {"func": None}, "spruce": _public(spruce)}
+    result["bare_matmul_ms"] = bare_matmul_seconds(engine.core.loaded.model, max(spruce["decode_step_batch"], 1)) * 1e3
+    result["decode_step_over_matmul"] = spruce["decode_step_ms"] / result["bare_matmul_ms"]
+    if not args.skip_single:
+        result.update(single_probes(engine, tokenizer))
+    if args.compare == "hf":
+        hf = run_hf(engine.core.loaded, prompts, args.output_len, args.hf_batch_size or len(prompts), args.ignore_eos)
+        result["hf"] = _public(hf)
+        result["speedup_vs_hf"] = spruce["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        same = sum(a == b for a, b in zip(spruce["outputs"], hf["outputs"]))
+        result["identical_outputs_vs_hf"] = f"{same}/{len(prompts)}"
+    print_report(result)
+    write_json(args.output_json, result)
+    return 0
+
+
+def _public(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "outputs"}
+
+
+def print_report(r: dict) -> None:
+    s = r["spruce"]
+    print(f"requests/s            {s['requests_per_s']:.3f}")
+    print(f"input tokens/s        {s['input_tokens_per_s']:.1f}")
+    print(f"output tokens/s       {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)")
+    print(f"decode step           {s['decode_step_ms']:.1f} ms at batch {s['decode_step_batch']}")
+    print(f"bare matmuls          {r['bare_matmul_ms']:.1f} ms at that batch -> step/matmul {r['decode_step_over_matmul']:.2f}x")
+    if "batch1_decode_tokens_per_s" in r:
+        print(f"batch-1 decode        {r['batch1_decode_tokens_per_s']:.1f} tokens/s")
+        print(f"prefill (512 tokens)  {r['prefill_512_tokens_per_s']:.1f} tokens/s")
+    if "hf" in r:
+        print(f"transformers output   {r['hf']['output_tokens_per_s']:.1f} tokens/s")
+        print(f"speedup vs hf         {r['speedup_vs_hf']:.2f}x (identical outputs: {r['identical_outputs_vs_hf']})")

@@ -1,0 +1,119 @@
+"""Runtime configuration: a few frozen dataclasses, built once from options or the CLI.
+
+`EngineConfig.from_options(**options)` routes each flat option (as the Engine, the server
+CLI and the DSL's `Runtime(...)` accept them) to the one sub-config that owns it; an unknown
+option is an error listing the known ones. Nothing mutates config after start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from spruce.runtime.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    context_length: int | None = None  # cap below the model's own
+    num_threads: int | None = None  # torch CPU threads; None: all cores
+    disable_cuda_graph: bool = False
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    kv_memory_gb: float | None = None  # KV pool budget; None: 2 GB on CPU, most free memory on GPU
+    gpu_memory_fraction: float = 0.85  # share of free GPU memory for the pool when on GPU
+    disable_radix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    max_running_requests: int = 128
+    chunked_prefill_size: int = 1024  # prefill tokens per step, over all requests
+    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight
+    prefill_first: bool = False  # True: a step with prefill work runs no decode tokens
+    decode_reserve_ratio: float = 0.3  # share of future output tokens kept free at admission
+    lpm_max_queue: int = 128  # lpm falls back to fcfs beyond this waiting-queue length
+
+
+@dataclass(frozen=True)
+class ConstraintOptions:
+    disable_jump_forward: bool = False
+    jump_forward_min_chars: int = 2
+    grammar_whitespace_pattern: str | None = None
+    grammar_timeout_s: float = 30.0
+    grammar_cache_size: int = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    constraint: ConstraintOptions = field(default_factory=ConstraintOptions)
+    seed: int = 0
+    log_level: str | None = None  # None: leave the "spruce" logger as the application set it
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        groups = {name: {} for name in _SECTIONS}
+        top = {}
+        for key, value in options.items():
+            section = _OWNER.get(key)
+            if section is None and key not in _TOP_LEVEL:
+                raise InvalidRequestError(f"unknown option {key!r}; known: {', '.join(known_options())}")
+            (groups[section] if section else top)[key] = value
+        parts = {name: cls_(**groups[name]) for name, cls_ in _SECTIONS.items()}
+        return cls(**parts, **top)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: vars(getattr(self, name)) for name in _SECTIONS}
+        return {**out, "seed": self.seed, "log_level": self.log_level}
+
+    @property
+    def resolved_device(self) -> str:
+        if self.model.device != "auto":
+            return self.model.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def num_threads(self) -> int:
+        return self.model.num_threads or os.cpu_count() or 1
+
+
+_SECTIONS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "constraint": ConstraintOptions}
+_OWNER = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
+_TOP_LEVEL = {"seed", "log_level"}
+
+
+def known_options() -> list[str]:
+    return sorted(set(_OWNER) | _TOP_LEVEL)
+
+
+def option_fields() -> list[tuple[str, type, Any]]:
+    """(name, value type, default) of every engine option, for building CLI flags."""
+    out = []
+    for cls in (*_SECTIONS.values(), EngineConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name in _SECTIONS:
+                continue
+            kind = hints[f.name]
+            args = [a for a in typing.get_args(kind) if a is not type(None)]
+            out.append((f.name, args[0] if args else kind, f.default))
+    return out

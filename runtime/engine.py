@@ -1,0 +1,157 @@
+"""The offline Engine: generate in-process, single requests or batches, optionally streamed.
+
+    from spruce.runtime import Engine
+    with Engine() as engine:                       # the bundled SmolLM2-135M-Instruct
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"], out["meta_info"]["finish_reason"])
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from spruce.runtime.config import EngineConfig
+from spruce.runtime.detokenizer import OutputText, meta_info
+from spruce.runtime.engine_core import EngineCore
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.request import Req
+from spruce.runtime.sampling_params import SamplingParams
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig.from_options(model_path=model_path, **options)
+        if self.config.log_level:
+            logging.getLogger("spruce").setLevel(self.config.log_level.upper())
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.tokenizer
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | SamplingParams | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ):
+        """Returns one result dict (a list for list input), or an iterator of chunks when
+        `stream=True`. Every request is validated before any runs: one bad request raises
+        InvalidRequestError and nothing is computed."""
+        prompts, single = _as_batch(prompt, input_ids)
+        params = _params_for(sampling_params, len(prompts))
+        reqs = [
+            self.core.make_request(
+                self._ids(p), sp, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num, stream=stream,
+            )
+            for p, sp in zip(prompts, params)
+        ]
+        if stream:
+            return self._stream(reqs)
+        results = self._run(reqs)
+        return results[0] if single else results
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def flush_cache(self) -> None:
+        self.core.flush_cache()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _run(self, reqs: list[Req]) -> list[dict]:
+        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
+        for r in reqs:
+            self.core.add_request(r)
+        pending = {r.rid for r in reqs}
+        while pending:
+            for req in self.core.step():
+                if req.rid in texts:
+                    texts[req.rid].update(req)
+                    if req.finished:
+                        pending.discard(req.rid)
+        return [_result(r, texts[r.rid].text) for r in reqs]
+
+    def _stream(self, reqs: list[Req]) -> Iterator[dict]:
+        """Chunks: {"index", "text" (new text), "output_ids" (new ids), "finished", "meta_info"}."""
+        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        for r in reqs:
+            self.core.add_request(r)
+        pending = set(index)
+        try:
+            while pending:
+                for req in self.core.step():
+                    if req.rid not in index:
+                        continue
+                    delta = texts[req.rid].update(req)
+                    yield {
+                        "index": index[req.rid],
+                        "text": delta,
+                        "output_ids": texts[req.rid].new_output_ids(req),
+                        "finished": req.finished,
+                        "meta_info": meta_info(req),
+                    }
+                    if req.finished:
+                        pending.discard(req.rid)
+        finally:
+            for rid in pending:  # a consumer that stops early aborts what is left
+                self.core.abort(rid, "the stream was closed")
+            while pending and self.core.has_work():
+                pending -= {r.rid for r in self.core.step() if r.finished}
+
+
+def _result(req: Req, text: str) -> dict:
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+
+
+def _as_batch(prompt, input_ids) -> tuple[list, bool]:
+    if (prompt is None) == (input_ids is None):
+        raise InvalidRequestError("give exactly one of prompt or input_ids")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return [prompt], True
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            return list(prompt), False
+        raise InvalidRequestError("prompt must be a string or a list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return [list(x) for x in input_ids], False
+    if isinstance(input_ids, list):
+        return [input_ids], True
+    raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
+
+
+def _params_for(sampling_params, n: int) -> list[SamplingParams]:
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != n:
+            raise InvalidRequestError(f"{len(sampling_params)} sampling_params for {n} prompts")
+        return [_one_params(p) for p in sampling_params]
+    return [_one_params(sampling_params)] * n
+
+
+def _one_params(p) -> SamplingParams:
+    if isinstance(p, SamplingParams):
+        return p
+    if p is None or isinstance(p, dict):
+        return SamplingParams.from_dict(p)
+    raise InvalidRequestError("sampling_params must be a dict or a SamplingParams")

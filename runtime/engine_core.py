@@ -1,0 +1,208 @@
+"""EngineCore: the model runner, scheduler and sampler behind one `step()`.
+
+The offline Engine and the server's scheduler process both drive this class; only their
+I/O differs. `make_request` validates everything a user can get wrong before a request
+reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from spruce.radix import NoPrefixCache, RadixCache
+from spruce.runtime.config import EngineConfig
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.memory_pool import KVShape, pool_slots_for_budget
+from spruce.runtime.model_loader import LoadedModel, load_model
+from spruce.runtime.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.request import Req
+from spruce.runtime.sampler import Sampler, prompt_logprobs
+from spruce.runtime.sampling_params import SamplingParams
+from spruce.runtime.scheduler.cache import CacheManager
+from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.scheduler import Scheduler
+from spruce.runtime.stop import StopChecker
+
+logger = logging.getLogger("spruce")
+DEFAULT_CPU_KV_GB = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    seconds: float
+    batch_size: int
+    num_tokens: int
+    all_decode: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = config.resolved_device
+        if device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model.model_path, config.resolved_dtype, device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.config
+        self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
+        self.runner = ModelRunner(
+            self.loaded,
+            num_slots=self._num_slots(device),
+            max_requests=config.scheduler.max_running_requests + 1,
+            max_context_len=self.context_len,
+            attention_backend=_backend_name(config, device),
+            device=device,
+        )
+        self.vocab_size = model_config.vocab_size
+        pool = self.runner.pool
+        prefix_cache = NoPrefixCache(pool.allocator) if config.cache.disable_radix_cache else RadixCache(pool.allocator)
+        self.cache = CacheManager(pool.allocator, self.runner.req_to_token, prefix_cache)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.cache, StopChecker(self.tokenizer, eos))
+        self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
+        self.scheduler.on_release = lambda req: self.sampler.release(req.rid)
+        self.step_log: list[StepInfo] | None = None  # set to a list to record every step
+        logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
+
+    def _num_slots(self, device: str) -> int:
+        c = self.loaded.config
+        dtype = next(self.loaded.model.parameters()).dtype
+        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        budget_gb = self.config.cache.kv_memory_gb
+        if budget_gb is None and device != "cpu":
+            free, _ = torch.cuda.mem_get_info()
+            budget_bytes = int(free * self.config.cache.gpu_memory_fraction)
+        else:
+            budget_bytes = int((budget_gb or DEFAULT_CPU_KV_GB) * 2**30)
+        slots = pool_slots_for_budget(shape, budget_bytes, min_slots=self.context_len + 1)
+        if budget_gb is None:  # never more than every running request at full context needs
+            slots = min(slots, self.config.scheduler.max_running_requests * self.context_len + 1)
+        return slots
+
+    # -- requests -------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> Req:
+        """A validated request; raises InvalidRequestError with an actionable message."""
+        sampling.validate(len(prompt_ids), self.context_len)
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise InvalidRequestError("top_logprobs_num must be an integer >= 0")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
+        return Req(
+            rid=rid or uuid.uuid4().hex,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            stream=stream,
+        )
+
+    def add_request(self, req: Req) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        self.scheduler.abort(rid, message)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """One scheduling step and forward pass; returns requests with new tokens or finished."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        changed = self.scheduler.pop_finished_outside_step()
+        if not out:
+            return changed
+        changed += self.scheduler.update(out, self._run(out))
+        if self.step_log is not None:
+            all_decode = all(n == 1 for n in out.extend_lens)
+            self.step_log.append(StepInfo(time.perf_counter() - start, len(out.reqs), out.num_tokens, all_decode))
+        return changed
+
+    def _run(self, out: ScheduleOutput) -> StepResult:
+        items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
+        forward = self.runner.forward(items)
+        samples = out.samples
+        last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
+        sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
+        next_ids: list[int | None] = [None] * len(out.reqs)
+        token_lps: list = [None] * len(out.reqs)
+        if sampling_reqs:
+            ids, lps = self.sampler.sample(forward.logits[last_rows], sampling_reqs)
+            slots = [i for i, s in enumerate(samples) if s]
+            for j, i in enumerate(slots):
+                next_ids[i], token_lps[i] = ids[j], lps[j]
+        prompt_lps = [
+            prompt_logprobs(r, forward.logits[forward.offsets[i] : forward.offsets[i + 1]], r.computed_len)
+            if items[i].all_logits
+            else None
+            for i, r in enumerate(out.reqs)
+        ]
+        return StepResult(next_ids, token_lps, prompt_lps)
+
+    def _forward_item(self, req: Req, n: int, slots: torch.Tensor) -> ForwardItem:
+        start = req.computed_len
+        lp_start = req.prompt_logprob_start
+        # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
+        all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
+        return ForwardItem(req.row, start, req.token_ids(start, start + n), slots, all_logits)
+
+    # -- observability ------------------------------------------------------------------------
+
+    def flush_cache(self) -> None:
+        if self.scheduler.running or self.scheduler.waiting:
+            raise InvalidRequestError(
+                "cannot flush the cache while requests are running or waiting; retry when idle"
+            )
+        self.cache.cache.reset()
+        self.runner.pool.allocator.compact()
+
+    def stats(self) -> dict:
+        size = self.cache.cache.size_info()
+        pool = self.runner.pool
+        s = self.scheduler.stats
+        return {
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "kv_slots_total": pool.capacity,
+            "kv_slots_free": pool.num_free,
+            "kv_slots_used": pool.capacity - pool.num_free,
+            "cache_tokens": size.cached_tokens,
+            "cache_evictable_tokens": size.evictable_tokens,
+            "cache_locked_tokens": size.locked_tokens,
+            "prompt_tokens_total": self.cache.prompt_tokens,
+            "cached_prompt_tokens_total": self.cache.cached_prompt_tokens,
+            "evicted_tokens_total": self.cache.cache.evicted_tokens,
+            "generated_tokens_total": s.generated_tokens,
+            "requests_finished_total": s.requests_finished,
+            "retractions_total": s.retractions,
+            "steps_total": s.steps,
+            "time": time.time(),
+        }
+
+
+def _backend_name(config: EngineConfig, device: str) -> str:
+    name = config.model.attention_backend
+    if name != "auto":
+        return name
+    return "torch"  # the GPU issue adds triton / flashinfer selection

@@ -1,0 +1,111 @@
+"""`Req`: the one object that flows through the runtime, from admission to finish.
+
+Progress is counted, not named: the request's tokens are prompt + output, of which the
+first `computed_len` have their K/V in the pool. A step advances it by some tokens; when
+all are computed the next token is sampled. "Prefill" (several tokens left to compute) and
+"decode" (exactly one) are derived from the counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from spruce.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string
+    message: str | None = None  # why an abort happened
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(slots=True)
+class LogprobResult:
+    """Accumulated logprobs: lists of (logprob, token_id); top lists per position."""
+
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position with a logprob; -1 = output only
+    top_logprobs_num: int = 0
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    # KV progress
+    computed_len: int = 0  # tokens of prompt + output whose K/V are in the pool
+    cache_owned_len: int = 0  # leading positions whose slots belong to the prefix cache
+    cached_len: int = -1  # prompt tokens found in the cache at first admission (-1: not yet)
+    row: int | None = None  # row in the request-to-token table while admitted
+    last_node: Any = None  # locked prefix-cache node while admitted
+    admit_order: int = 0
+    # constrained decoding
+    grammar: Any = None  # a spruce.constrained cursor
+    jump_forward_tokens: int = 0
+    # results
+    finish_reason: FinishReason | None = None
+    logprobs: LogprobResult | None = None
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.return_logprob and self.logprobs is None:
+            self.logprobs = LogprobResult()
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose K/V still have to be computed (1 while decoding)."""
+        return self.total_len - self.computed_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_sample(self) -> bool:
+        return self.sampling.max_new_tokens > len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """prompt + output ids [start, end) without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def finish(self, reason: FinishReason) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finished_at = time.perf_counter()
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """First prompt position whose logprob is wanted, or None."""
+        if not self.return_logprob or self.logprob_start_len < 0:
+            return None
+        return min(self.logprob_start_len, len(self.prompt_ids))

@@ -1,0 +1,137 @@
+"""SamplingParams: the one definition of how a request samples and stops.
+
+Reused by the offline Engine, the HTTP / ZeroMQ front ends and the DSL. `validate()` gives
+a clear `InvalidRequestError` for every value a user can get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from spruce.runtime.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    # Constraints (spruce.constrained); at most one of them.
+    regex: str | None = None
+    json_schema: str | None = None
+    # Compiled into a regex by the front end / DSL; kept so requests stay self-describing.
+    choices: tuple[str, ...] | None = None
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+        """Builds from JSON-like input; an unknown field is an error that lists the known ones."""
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling parameter(s) {unknown}; known: {', '.join(cls.field_names())}"
+            )
+        return cls(**_normalized(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **_normalized(changes))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_constraint(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.choices is not None
+
+    def validate(self, prompt_len: int | None = None, context_len: int | None = None) -> None:
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
+        _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must not exceed max_new_tokens")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0 (0 means greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids (ints >= 0)")
+        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
+        _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
+        if prompt_len is not None and context_len is not None:
+            self.validate_length(prompt_len, context_len)
+
+    def validate_length(self, prompt_len: int, context_len: int) -> None:
+        _check(prompt_len > 0, "the prompt is empty")
+        _check(
+            prompt_len < context_len,
+            f"the prompt has {prompt_len} tokens; the model's context is {context_len} tokens",
+        )
+        _check(
+            prompt_len + self.max_new_tokens <= context_len,
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the "
+            f"context length ({context_len}); lower max_new_tokens to at most {context_len - prompt_len}",
+        )
+
+
+def _normalized(data: dict[str, Any]) -> dict[str, Any]:
+    """JSON-friendly input -> field types: lists to tuples, a schema dict to its JSON text."""
+    out = dict(data)
+    if isinstance(out.get("stop"), str):
+        out["stop"] = (out["stop"],)
+    for name in ("stop", "stop_token_ids", "choices"):
+        if isinstance(out.get(name), list):
+            out[name] = tuple(out[name])
+    if out.get("stop") is None and "stop" in out:
+        out["stop"] = ()
+    if out.get("stop_token_ids") is None and "stop_token_ids" in out:
+        out["stop_token_ids"] = ()
+    schema = out.get("json_schema")
+    if schema is not None and not isinstance(schema, str):
+        out["json_schema"] = _schema_text(schema)
+    return out
+
+
+def _schema_text(schema: Any) -> str:
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+        schema = schema.model_json_schema()
+    try:
+        return json.dumps(schema)
+    except TypeError as e:
+        raise InvalidRequestError(f"json_schema must be a dict, a JSON string or a pydantic model: {e}") from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)

@@ -1,0 +1,71 @@
+"""Prefill admission: the waiting queue, chunked prefill, admission under budgets."""
+
+from __future__ import annotations
+
+from spruce.runtime.config import SchedulerOptions
+from spruce.runtime.request import Req
+from spruce.runtime.scheduler.cache import CacheManager
+from spruce.runtime.scheduler.output import ScheduleOutput
+from spruce.runtime.scheduler.policy import get_policy
+
+
+class PrefillManager:
+    """Owns the waiting queue. Each step it first continues running requests that still
+    have several tokens to compute (chunked prompts, jump-forward text), then admits new
+    requests in policy order while the token budget, free rows, `max_running_requests`
+    and KV memory (keeping a reserve for the running requests' future tokens) allow."""
+
+    def __init__(self, options: SchedulerOptions, cache: CacheManager) -> None:
+        self.options = options
+        self.cache = cache
+        self.policy = get_policy(options.schedule_policy)
+        self.waiting: list[Req] = []
+        self._admitted = 0
+
+    def continue_running(self, out: ScheduleOutput, reqs: list[Req], budget: int) -> int:
+        for req in reqs:
+            if budget <= 0:
+                break
+            n = min(req.remaining, budget)
+            slots = self.cache.alloc(n)
+            if slots is None:
+                break
+            out.add(req, n, slots)
+            budget -= n
+        return budget
+
+    def admit(self, out: ScheduleOutput, running: list[Req], budget: int) -> list[Req]:
+        """Admits waiting requests into `out`; returns them (they join the running set)."""
+        if not self.waiting or budget <= 0:
+            return []
+        admitted: list[Req] = []
+        reserve = self._reserve(running)
+        for req in self.policy(self.waiting, self.cache.cache, self.options.lpm_max_queue):
+            if not self._has_room(running, admitted, budget):
+                break
+            self.cache.admit(req)
+            n = min(req.remaining, budget)
+            reserve += self._future_tokens(req)
+            slots = self.cache.alloc(n) if self.cache.available >= req.remaining + reserve else None
+            if slots is None:
+                self.cache.release(req)
+                break
+            self._admitted += 1
+            req.admit_order = self._admitted
+            out.add(req, n, slots)
+            admitted.append(req)
+            budget -= n
+        admitted_ids = {id(r) for r in admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+        return admitted
+
+    def _has_room(self, running: list[Req], admitted: list[Req], budget: int) -> bool:
+        count = len(running) + len(admitted)
+        return budget > 0 and count < self.options.max_running_requests and self.cache.table.num_free_rows > 0
+
+    def _reserve(self, running: list[Req]) -> int:
+        return sum(self._future_tokens(r) for r in running)
+
+    def _future_tokens(self, req: Req) -> int:
+        left = req.sampling.max_new_tokens - len(req.output_ids)
+        return int(self.options.decode_reserve_ratio * max(left, 0))

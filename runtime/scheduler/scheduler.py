@@ -1,0 +1,157 @@
+"""The scheduler: pure bookkeeping with two calls, `schedule()` and `update(...)`.
+
+Continuous batching: requests join and leave the running set between steps; one step
+mixes decode tokens and prefill chunks under a token budget (or runs prefill alone with
+`prefill_first`). Memory comes from the KV pool via the cache manager; when decoding runs
+out of slots even after eviction, the most recently admitted requests are retracted to the
+waiting queue with their progress (their tokens stay in the prefix cache).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from spruce.runtime.config import SchedulerOptions
+from spruce.runtime.request import FinishReason, Req
+from spruce.runtime.scheduler.cache import CacheManager
+from spruce.runtime.scheduler.decode import DecodeManager
+from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.prefill import PrefillManager
+from spruce.runtime.stop import StopChecker
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters (rates derived from them aggregate correctly over any window)."""
+
+    requests_finished: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, options: SchedulerOptions, cache: CacheManager, stops: StopChecker) -> None:
+        self.options = options
+        self.cache = cache
+        self.stops = stops
+        self.prefill = PrefillManager(options, cache)
+        self.decode = DecodeManager(cache)
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+        self._finished_outside_step: list[Req] = []
+        self._aborts: dict[str, str] = {}
+        self.on_release = None  # optional callback(req) when a request leaves (sampler state)
+
+    # -- queue ------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> list[Req]:
+        return self.prefill.waiting
+
+    def add(self, req: Req) -> None:
+        self.prefill.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        """Takes effect at the next schedule(); the request finishes with type abort."""
+        self._aborts[rid] = message
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._finished_outside_step or self._aborts)
+
+    def pop_finished_outside_step(self) -> list[Req]:
+        out, self._finished_outside_step = self._finished_outside_step, []
+        return out
+
+    # -- schedule -----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleOutput:
+        self._apply_aborts()
+        out = ScheduleOutput()
+        budget = self.options.chunked_prefill_size
+        decoding = [r for r in self.running if r.remaining == 1]
+        continuing = [r for r in self.running if r.remaining > 1]
+        if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
+            for req in self.decode.schedule(out, decoding, self.running):
+                self._retract(req)
+            continuing = [r for r in continuing if r in self.running]
+        budget = self.prefill.continue_running(out, continuing, budget)
+        self.running.extend(self.prefill.admit(out, self.running, budget))
+        self.stats.steps += bool(out)
+        return out
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.cache.release(req)
+        req.computed_len = 0
+        self.prefill.waiting.insert(0, req)
+        self.stats.retractions += 1
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        for req in [r for r in self.waiting if r.rid in self._aborts]:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason("abort", message=self._aborts[req.rid]))
+            self._finished_outside_step.append(req)
+        for req in [r for r in self.running if r.rid in self._aborts]:
+            self._finish(req, FinishReason("abort", message=self._aborts[req.rid]))
+            self._finished_outside_step.append(req)
+        self._aborts.clear()
+
+    # -- update -------------------------------------------------------------------------
+
+    def update(self, out: ScheduleOutput, result: StepResult) -> list[Req]:
+        """Applies a step's results; returns the requests with news (new tokens or finished)."""
+        changed = []
+        for i, req in enumerate(out.reqs):
+            req.computed_len += out.extend_lens[i]
+            self._record_prompt_logprobs(req, result.prompt_logprobs[i])
+            token = result.next_token_ids[i]
+            if token is not None:
+                self._append(req, token, result.token_logprobs[i])
+            elif req.remaining == 0:  # max_new_tokens == 0: the prompt is now cached
+                self._finish(req, FinishReason("length"))
+            else:
+                self.cache.cache_partial(req)
+            if token is not None or req.finished:
+                changed.append(req)
+        return changed
+
+    def _append(self, req: Req, token: int, logprobs) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if logprobs is not None:
+            req.logprobs.output_token_logprobs.append((logprobs.logprob, token))
+            req.logprobs.output_top_logprobs.append(logprobs.top)
+        if req.grammar is not None and not _grammar_accepts(req, token, self.stops.eos_token_ids):
+            self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
+            return
+        reason = self.stops.check(req, 1)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _record_prompt_logprobs(self, req: Req, entries) -> None:
+        if not entries:
+            return
+        for logprob, token, top in entries:
+            req.logprobs.input_token_logprobs.append((logprob, token))
+            req.logprobs.input_top_logprobs.append(top if logprob is not None else None)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.release(req)
+        self.stats.requests_finished += 1
+        if self.on_release is not None:
+            self.on_release(req)
+
+
+def _grammar_accepts(req: Req, token: int, eos_ids: frozenset[int]) -> bool:
+    if token in eos_ids and req.grammar.can_end():
+        return True  # ends the request; the automaton itself is not advanced with EOS
+    return req.grammar.accept_token(token)
