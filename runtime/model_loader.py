@@ -80,13 +80,29 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", de
 
 def read_checkpoint(path: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
     """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF file."""
-    if os.path.isdir(path):
+    if _checkpoint_kind(path) == "folder":
         return _read_hf_folder(path)
+    return _read_gguf(path, dtype)
+
+
+def _checkpoint_kind(path: str) -> str:
+    if os.path.isdir(path):
+        return "folder"
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return _read_gguf(path, dtype)
+        return "gguf"
     if os.path.isfile(path):
         raise ModelLoadError(f"{path} is not a model: give a GGUF file (*.gguf) or a Hugging Face folder")
     raise ModelLoadError(f"model path {path} does not exist (give a GGUF file or a Hugging Face folder)")
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """The tokenizer alone (no weights): for front ends that only tokenize."""
+    path = path or default_model_path()
+    if _checkpoint_kind(path) == "folder":
+        return Tokenizer.from_folder(path)
+    from spruce.runtime.gguf import read_gguf
+
+    return Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
 
 
 def _read_hf_folder(folder: str):

@@ -1,0 +1,133 @@
+"""The ZeroMQ protocol between DSL clients and a running `spruce serve`.
+
+Transport: the client opens a DEALER socket to the server's ROUTER socket
+(`tcp://127.0.0.1:<zmq-port>`, default 30001). Every message is ONE frame: a JSON object
+(orjson) with a "type" and the client-chosen request id "rid". No pickle anywhere.
+
+Client -> server, one message per call:
+  {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...},
+   "return_logprob", "logprob_start_len", "top_logprobs_num", "stream"}
+      text / input_ids may be a list (a batch); a batch is answered by one "final"
+      message whose "results" holds one result per input (streaming a batch is an error).
+  {"type": "abort", "rid"}                 aborts the request with that rid
+  {"type": "model_info", "rid"}            model name, context length, chat template
+  {"type": "flush_cache", "rid"}           empties the prefix cache (refused while busy)
+
+Server -> client, tagged with the request's rid:
+  {"type": "chunk", "rid", "text", "output_ids", "meta_info"}   (stream=true: new text)
+  {"type": "final", "rid", "text", "output_ids", "meta_info"}   (whole text; or "results")
+  {"type": "info", "rid", ...}                                   (model_info / flush_cache)
+  {"type": "error", "rid", "message", "status"}                  (status: an HTTP-like code)
+
+The message classes below are the one definition of these shapes; `encode` / `decode`
+are the only (de)serializers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import orjson
+
+from spruce.runtime.errors import InvalidRequestError
+
+MAX_MESSAGE_BYTES = 32 * 2**20
+
+
+@dataclass(slots=True)
+class GenerateMsg:
+    rid: str
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    type: str = "generate"
+
+
+@dataclass(slots=True)
+class AbortMsg:
+    rid: str
+    type: str = "abort"
+
+
+@dataclass(slots=True)
+class ModelInfoMsg:
+    rid: str
+    type: str = "model_info"
+
+
+@dataclass(slots=True)
+class FlushCacheMsg:
+    rid: str
+    type: str = "flush_cache"
+
+
+@dataclass(slots=True)
+class ChunkMsg:
+    rid: str
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    type: str = "chunk"
+
+
+@dataclass(slots=True)
+class FinalMsg:
+    rid: str
+    text: str | None = None
+    output_ids: list[int] | None = None
+    meta_info: dict[str, Any] | None = None
+    results: list[dict[str, Any]] | None = None  # for a batch
+    type: str = "final"
+
+
+@dataclass(slots=True)
+class InfoMsg:
+    rid: str
+    info: dict[str, Any] = field(default_factory=dict)
+    type: str = "info"
+
+
+@dataclass(slots=True)
+class ErrorMsg:
+    rid: str
+    message: str
+    status: int = 400
+    type: str = "error"
+
+
+MESSAGE_TYPES = {
+    cls.__dataclass_fields__["type"].default: cls
+    for cls in (GenerateMsg, AbortMsg, ModelInfoMsg, FlushCacheMsg, ChunkMsg, FinalMsg, InfoMsg, ErrorMsg)
+}
+
+
+def encode(msg) -> bytes:
+    return orjson.dumps(asdict(msg))
+
+
+def decode(frame: bytes):
+    """bytes -> message object; malformed input raises InvalidRequestError."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise InvalidRequestError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
+    try:
+        data = orjson.loads(frame)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequestError(f"message is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("type") not in MESSAGE_TYPES:
+        raise InvalidRequestError(f"unknown message type; known: {', '.join(MESSAGE_TYPES)}")
+    cls = MESSAGE_TYPES[data["type"]]
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise InvalidRequestError(f"unknown field(s) {sorted(unknown)} in a {data['type']} message")
+    if not isinstance(data.get("rid"), str):
+        raise InvalidRequestError("every message needs a string 'rid'")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise InvalidRequestError(f"bad {data['type']} message: {e}") from None
