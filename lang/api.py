@@ -1,0 +1,150 @@
+"""The DSL's expressions: gen, select, roles, images; SGLang's names and argument orders."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from spruce.lang.choices import ChoicesMethod, token_length_normalized
+from spruce.lang.errors import ProgramError, UnsupportedFeatureError
+from spruce.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params, to_node
+from spruce.lang.program import resolve_backend
+from spruce.runtime.errors import ConstraintError
+
+_CONSTRAINTS = ("regex", "json_schema", "choices")
+
+
+def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen:
+    """Generates text into variable `name`. Keywords: every SamplingParams field (with
+    SGLang's names max_tokens / min_tokens), return_logprob, logprob_start_len,
+    top_logprobs_num, and one constraint: regex, json_schema (dict, JSON string or pydantic
+    model class), choices (the output is one of them) or dtype (int, float, bool, str).
+    None means "the run's default"."""
+    dtype = params.pop("dtype", None)
+    sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
+    dtype_name = None
+    if dtype is not None:
+        given = [c for c in _CONSTRAINTS if c in sampling]
+        if given:
+            raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
+        dtype_name, sampling["regex"] = _dtype_regex(dtype)
+    if "choices" in sampling:
+        _check_choices(sampling["choices"], "gen")
+    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name)
+
+
+def _gen_signature() -> inspect.Signature:
+    P = inspect.Parameter
+    head = [P("name", P.POSITIONAL_OR_KEYWORD, default=None), P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None)]
+    rest = [P(k, P.KEYWORD_ONLY, default=None) for k in (*dsl_keywords(), "dtype") if k != "max_tokens"]
+    return inspect.Signature(head + rest, return_annotation=Gen)
+
+
+gen.__signature__ = _gen_signature()  # help(sl.gen) lists the keywords derived from SamplingParams
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen:
+    return gen(name, max_tokens, dtype=int, **params)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen:
+    return gen(name, max_tokens, dtype=str, **params)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesMethod = token_length_normalized,
+) -> Select:
+    """Picks one of `choices` (into variable `name`) by scoring each with the model's
+    prompt logprobs; temperature > 0 samples by softmax(score / temperature)."""
+    _check_choices(choices, "select")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ProgramError(f"select temperature must be >= 0; got {temperature!r}")
+    if not callable(choices_method):
+        raise ProgramError("choices_method must be sl.token_length_normalized, sl.greedy_token_selection, "
+                           "sl.unconditional_likelihood_normalized or another ChoicesMethod")  # fmt: skip
+    return Select(name, tuple(choices), float(temperature), choices_method)
+
+
+# -- roles ------------------------------------------------------------------------------------
+
+
+def system(expr: Any = None) -> Seq:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> Seq:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> Seq:
+    return _role("assistant", expr)
+
+
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")
+
+
+def _role(role: str, expr: Any) -> Seq:
+    inner = () if expr is None else (to_node(expr),)
+    return Seq((RoleBegin(role), *inner, RoleEnd(role)))
+
+
+# -- the rest ---------------------------------------------------------------------------------
+
+
+def image(*args: Any, **kwargs: Any):
+    raise UnsupportedFeatureError(
+        "sl.image: this model has no vision encoder; Spruce serves text-only models, so "
+        "programs cannot include images"
+    )
+
+
+def video(*args: Any, **kwargs: Any):
+    raise UnsupportedFeatureError(
+        "sl.video: this model has no vision encoder; Spruce serves text-only models, so "
+        "programs cannot include videos"
+    )
+
+
+def flush_cache(backend: Any = None) -> None:
+    """Empties the runtime's prefix cache (the runtime refuses while it is busy)."""
+    resolve_backend(backend).flush_cache()
+
+
+def _dtype_regex(dtype: Any) -> tuple[str, str]:
+    from spruce.constrained.patterns import DTYPE_REGEXES  # the runtime's one definition
+
+    name = dtype.__name__ if isinstance(dtype, type) else dtype
+    if name not in DTYPE_REGEXES:
+        raise ConstraintError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_REGEXES)}")
+    return name, DTYPE_REGEXES[name]
+
+
+def _check_choices(choices: Any, where: str) -> None:
+    if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
+        raise ProgramError(f"{where} needs choices: a non-empty list of strings; got {choices!r}")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise ProgramError(f"{where} choices must be non-empty strings; got {list(choices)!r}")

@@ -1,0 +1,297 @@
+"""The interpreter: runs one program state's IR nodes, in order, against a backend.
+
+Each state has an `Executor` with its own worker thread (as in SGLang): `s += node` queues
+the node and returns at once, so forked states run in parallel; reading a variable or the
+text waits until the queued nodes are done. The first error stops the state: later nodes
+are skipped and the error is kept (`state.error()`); reading a variable it did not produce
+raises it.
+
+How nodes become requests:
+  Gen     the program text so far + the run's defaults overridden by the gen's own fields;
+          the runtime's radix cache makes the repeated prefix free.
+  Select  see spruce.lang.select (one batched logprob request).
+  Fork    commits the parent text (a zero-output request) before the children start.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from spruce.lang.backend import Backend, new_rid
+from spruce.lang.chat import Conversation
+from spruce.lang.choices import sample_by_scores
+from spruce.lang.errors import ProgramError
+from spruce.lang.ir import (
+    Arg, Fork, Gen, Join, Node, Params, RoleBegin, RoleEnd, Select, Text, Var, VarScopeBegin,
+    VarScopeEnd, flatten,
+)  # fmt: skip
+from spruce.lang.select import score_choices
+from spruce.runtime.sampling_params import SamplingParams
+from spruce.runtime.server.protocol import FinalMsg, GenerateMsg
+
+_END = object()  # queued last: the worker exits
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    """The sampling fields and request options given to `run` / `run_batch`; a gen's own
+    (non-None) fields override them, as in SGLang."""
+
+    sampling: Params = ()
+    options: Params = ()
+
+    def request_for(self, node: Gen, text: str, stream: bool) -> GenerateMsg:
+        params = SamplingParams.from_dict({**dict(self.sampling), **node.sampling_params})
+        params.validate()
+        return GenerateMsg(
+            rid=new_rid(),
+            text=text,
+            sampling_params=_changed_fields(params),
+            stream=stream,
+            **{**dict(self.options), **node.request_options},
+        )
+
+
+class Executor:
+    def __init__(self, backend: Backend, defaults: RunDefaults, stream: bool = False) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.stream = stream
+        self.text_ = ""
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.chat = Conversation()
+        self.error_: BaseException | None = None
+        self.set_names: list[str] = []  # variables set by this state (for fork / join)
+        self.fork_point = 0  # length of the parent's text when this state was forked
+        self.fork_commits: list[dict] = []  # meta_info of each fork's prefix commit
+        self._partial: dict[str, str] = {}  # variable -> text so far, while streaming
+        self._scopes: dict[str, int] = {}
+        self._children: list[Executor] = []
+        self._rng = random.Random()
+        self._queue: queue.Queue = queue.Queue()
+        self._changed = threading.Condition()
+        self._ended = False
+        self._finished = False
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Text: lambda n: self._append(n.value),
+            Gen: self._gen,
+            Select: self._select,
+            RoleBegin: lambda n: self._set_text(self.chat.begin(self.text_, n.role, self.backend.chat_template)),
+            RoleEnd: lambda n: self._set_text(self.chat.end(self.text_, n.role, self.backend.chat_template)),
+            VarScopeBegin: lambda n: self._scopes.__setitem__(n.name, len(self.text_)),
+            VarScopeEnd: self._var_scope_end,
+            Fork: self._commit,
+            Join: lambda n: None,
+            Var: lambda n: self._append(str(self.variables[n.name])),
+            Arg: self._unbound_arg,
+        }
+        self._thread = threading.Thread(target=self._work, name="spruce-program", daemon=True)
+        self._thread.start()
+
+    # -- called by the program (any thread) ------------------------------------------------
+
+    def submit(self, node: Node) -> None:
+        if self._ended:
+            raise ProgramError("this program state has ended; nothing more can be appended to it")
+        for leaf in flatten(node):
+            self._queue.put(leaf)
+
+    def sync(self) -> None:
+        """Waits until every queued node has run."""
+        self._queue.join()
+
+    def end(self) -> None:
+        """No more nodes: waits for the queued ones, then stops the worker (and children's)."""
+        if not self._ended:
+            self._ended = True
+            self._queue.put(_END)
+        self._thread.join()
+        for child in self._children:
+            child.end()
+
+    def get_var(self, name: str) -> Any:
+        self.sync()
+        if name in self.variables:
+            return self.variables[name]
+        if self.error_ is not None:
+            raise self.error_
+        known = ", ".join(sorted(self.variables)) or "none"
+        raise KeyError(f"no variable {name!r} in this program state (variables: {known})")
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.sync()
+        self._set_var(name, value, None)
+
+    def get_meta_info(self, name: str) -> Any:
+        self.sync()
+        return self.meta_info.get(name)
+
+    def text(self) -> str:
+        self.sync()
+        return self.text_
+
+    def messages(self) -> list[dict[str, str]]:
+        self.sync()
+        return [dict(m) for m in self.chat.messages]
+
+    def error(self) -> BaseException | None:
+        self.sync()
+        return self.error_
+
+    def fork(self, size: int) -> list["Executor"]:
+        if not isinstance(size, int) or size < 1:
+            raise ProgramError(f"fork needs a size >= 1; got {size!r}")
+        self.submit(Fork(size))
+        self.sync()
+        children = [self._child() for _ in range(size)]
+        self._children.extend(children)
+        return children
+
+    def join(self, children: list["Executor"], mode: str) -> None:
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ProgramError(f"unknown join mode {mode!r}; known: gather_variable, concate_and_append")
+        for child in children:
+            child.end()
+        self.sync()
+        failed = next((c.error_ for c in children if c.error_ is not None), None)
+        if failed is not None and self.error_ is None:
+            self.error_ = failed
+        if mode == "gather_variable":
+            for name in dict.fromkeys(n for c in children for n in c.set_names):
+                values = [c.variables.get(name) for c in children]
+                self._set_var(name, values, [c.meta_info.get(name) for c in children])
+        else:
+            self.submit(Text("".join(c.text_[c.fork_point :] for c in children)))
+
+    def iter_text(self, var_name: str | None = None) -> Iterator[str]:
+        """New text as it is generated, until the program ends: the whole program text, or
+        only variable `var_name`'s."""
+        sent = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: len(self._watched(var_name)) > sent or self._finished)
+                text, finished = self._watched(var_name), self._finished
+            if len(text) > sent:
+                yield text[sent:]
+                sent = len(text)
+            elif finished:
+                return
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            node = self._queue.get()
+            try:
+                if node is _END:
+                    break
+                if self.error_ is None:
+                    self._handlers[type(node)](node)
+            except BaseException as e:  # noqa: BLE001 - the error belongs to the state
+                self.error_ = e
+            finally:
+                self._queue.task_done()
+                self._notify()
+        with self._changed:
+            self._finished = True
+            self._changed.notify_all()
+
+    def _gen(self, node: Gen) -> None:
+        msg = self.defaults.request_for(node, self.text_, self.stream)
+        if self.stream:
+            final = self._gen_streamed(msg, node.name)
+        else:
+            final = self.backend.generate(msg)
+            self._append(final.text)
+        if node.name is not None:
+            self._set_var(node.name, final.text, final.meta_info)
+
+    def _gen_streamed(self, msg: GenerateMsg, name: str | None) -> FinalMsg:
+        received = ""
+        for event in self.backend.generate_stream(msg):
+            if isinstance(event, FinalMsg):
+                if event.text != received:  # the final text is authoritative
+                    self._set_text(self.text_[: len(self.text_) - len(received)] + event.text)
+                return event
+            received += event.text
+            if name is not None:
+                self._partial[name] = received
+            self._append(event.text)
+        raise AssertionError("a stream ended without its final message")
+
+    def _select(self, node: Select) -> None:
+        decision = score_choices(self.backend, self.text_, list(node.choices), node.choices_method)
+        choice = decision.decision
+        if node.temperature > 0:
+            scores = decision.meta_info.get("scores")
+            if not getattr(node.choices_method, "scores_are_scalars", False) or scores is None:
+                raise ProgramError(f"{type(node.choices_method).__name__} supports temperature=0 only")
+            choice = sample_by_scores(list(node.choices), scores, node.temperature, self._rng)
+        if node.name is not None:
+            self._set_var(node.name, choice, decision.meta_info)
+        self._append(choice)
+
+    def _commit(self, node: Fork) -> None:
+        if self.text_:
+            self.fork_commits.append(self.backend.commit(self.text_))
+
+    def _var_scope_end(self, node: VarScopeEnd) -> None:
+        if node.name not in self._scopes:
+            raise ProgramError(f"var_scope {node.name!r} ended but never began")
+        self._set_var(node.name, self.text_[self._scopes.pop(node.name) :], None)
+
+    def _unbound_arg(self, node: Arg) -> None:
+        raise ProgramError(f"program argument {node.name!r} was not given")
+
+    # -- state changes -----------------------------------------------------------------------
+
+    def _append(self, value: str) -> None:
+        self.chat.add_text(value)
+        self._set_text(self.text_ + value)
+
+    def _set_text(self, text: str) -> None:
+        with self._changed:
+            self.text_ = text
+            self._changed.notify_all()
+
+    def _set_var(self, name: str, value: Any, meta: Any) -> None:
+        with self._changed:
+            self.variables[name] = value
+            self._partial.pop(name, None)
+            if meta is not None:
+                self.meta_info[name] = meta
+            self.set_names.append(name)
+            self._changed.notify_all()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def _watched(self, var_name: str | None) -> str:
+        if var_name is None:
+            return self.text_
+        value = self.variables.get(var_name, self._partial.get(var_name, ""))
+        return value if isinstance(value, str) else ""
+
+    def _child(self) -> "Executor":
+        child = Executor(self.backend, self.defaults, self.stream)
+        child.text_ = self.text_
+        child.variables = dict(self.variables)
+        child.meta_info = dict(self.meta_info)
+        child.chat = self.chat.copy()
+        child.error_ = self.error_
+        child.fork_point = len(self.text_)
+        return child
+
+
+def _changed_fields(params: SamplingParams) -> dict[str, Any]:
+    """The fields that differ from the defaults (max_new_tokens always): small messages."""
+    default = SamplingParams()
+    out = {k: v for k, v in params.to_dict().items() if v != getattr(default, k)}
+    out["max_new_tokens"] = params.max_new_tokens
+    return out

@@ -1,0 +1,155 @@
+"""Runtime: starts a local `spruce serve` process for DSL programs and stops it again.
+
+    runtime = sl.Runtime()                 # the bundled SmolLM2-135M-Instruct
+    sl.set_default_backend(runtime)
+    ...
+    runtime.shutdown()                     # also done at interpreter exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from typing import Any
+
+from spruce.lang.endpoint import RuntimeEndpoint
+from spruce.lang.errors import ProgramError, RuntimeUnavailableError
+from spruce.runtime.config import known_options
+
+STARTUP_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 15.0
+_LOG_TAIL_CHARS = 3000
+
+
+class Runtime:
+    """A `spruce serve` subprocess on free ports (or the ones given), ready when the
+    constructor returns; `.endpoint` is its RuntimeEndpoint.
+
+    options: engine options (num_threads=1, kv_memory_gb=1, disable_radix_cache=True...) and
+    server options (host, port, zmq_port...), as the `spruce serve` flags take them. The
+    process's output goes to `log_path` (a temporary file unless given)."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        log_path: str | None = None,
+        **options: Any,
+    ) -> None:
+        _check_options(options)
+        host = options.pop("host", "127.0.0.1")
+        self.port = options.pop("port", None) or free_port(host)
+        self.zmq_port = options.pop("zmq_port", None) or free_port(host)
+        self.address = f"tcp://{host}:{self.zmq_port}"
+        self.url = f"http://{host}:{self.port}"
+        if model_path is not None:
+            options["model_path"] = model_path
+        self.command = [
+            sys.executable, "-m", "spruce.runtime", "serve",
+            "--host", host, "--port", str(self.port), "--zmq-port", str(self.zmq_port), *_flags(options),
+        ]  # fmt: skip
+        self.log_path = log_path or tempfile.mkstemp(prefix="spruce-serve-", suffix=".log")[1]
+        self.endpoint: RuntimeEndpoint | None = None
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        atexit.register(self.shutdown)
+        try:
+            self.endpoint = self._wait_ready(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Closes the endpoint and stops the process (SIGTERM, then SIGKILL)."""
+        atexit.unregister(self.shutdown)
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - _LOG_TAIL_CHARS))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.address!r}, pid={self.process.pid})"
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout: float) -> RuntimeEndpoint:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                return RuntimeEndpoint(self.address, connect_timeout=1.0, liveness_check=self._check_alive)
+            except RuntimeUnavailableError:
+                if time.monotonic() > deadline:
+                    raise RuntimeUnavailableError(
+                        self.address,
+                        f"the runtime started by `{' '.join(self.command)}` was not ready within "
+                        f"{timeout:g} s; its log ({self.log_path}) ends with:\n{self.log_tail()}",
+                    ) from None
+
+    def _check_alive(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise RuntimeUnavailableError(
+                self.address,
+                f"the runtime process exited with code {code}; its log ({self.log_path}) ends with:\n"
+                f"{self.log_tail()}",
+            )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    known = set(known_options()) | _server_option_names()
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ProgramError(f"unknown runtime option(s) {unknown}; known: {', '.join(sorted(known))}")
+
+
+def _server_option_names() -> set[str]:
+    try:
+        from spruce.runtime.server.options import ServerOptions
+    except ImportError:  # an older runtime: the server checks its own flags
+        return {"host", "port", "zmq_port"}
+    return {f.name for f in fields(ServerOptions)}
+
+
+def _flags(options: dict[str, Any]) -> list[str]:
+    """Options -> `spruce serve` flags (model_path is --model, as in the CLI)."""
+    out = []
+    for key, value in options.items():
+        flag = "--model" if key == "model_path" else "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
