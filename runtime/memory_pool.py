@@ -39,18 +39,19 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 class SlotAllocator:
-    """Free list of slot indices 1..num_slots-1 (0 is the padding slot).
+    """Free slot indices 1..num_slots-1 (0 is the padding slot), kept as a stack in one
+    preallocated tensor, so alloc and free cost O(n) in the slots they move.
 
-    Allocation takes the lowest free indices first, so that a request's prompt usually
-    lands in one contiguous run. A double free or an over-allocation is an error."""
+    Fresh allocations come in ascending order, so a prompt usually lands in one
+    contiguous run. A double free or an over-allocation is an error."""
 
     def __init__(self, num_slots: int) -> None:
         assert num_slots >= 2, "the pool needs at least one usable slot"
         self.num_slots = num_slots
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
         self._is_free[0] = False
-        self._free = torch.arange(1, num_slots, dtype=torch.int64)
-        self._num_free = num_slots - 1
+        self._stack = torch.empty(num_slots - 1, dtype=torch.int64)
+        self.compact()
 
     @property
     def capacity(self) -> int:
@@ -58,14 +59,13 @@ class SlotAllocator:
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return self._top
 
     def alloc(self, n: int) -> torch.Tensor:
-        if n > self._num_free:
-            raise OutOfSlotsError(f"asked for {n} KV slots, {self._num_free} free")
-        out = self._free[:n].clone()
-        self._free = self._free[n:]
-        self._num_free -= n
+        if n > self._top:
+            raise OutOfSlotsError(f"asked for {n} KV slots, {self._top} free")
+        out = self._stack[self._top - n : self._top].flip(0)
+        self._top -= n
         self._is_free[out] = False
         return out
 
@@ -73,23 +73,26 @@ class SlotAllocator:
         if slots.numel() == 0:
             return
         slots = slots.to(torch.int64).flatten()
-        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
-            raise AssertionError("KV slot freed twice")
-        if bool((slots == 0).any()):
-            raise AssertionError("the padding slot 0 cannot be freed")
+        if bool(self._is_free[slots].any()) or bool((slots == 0).any()):
+            raise AssertionError("KV slot freed twice (or the padding slot freed)")
+        if slots.unique().numel() != slots.numel():
+            raise AssertionError("the same KV slot appears twice in one free")
         self._is_free[slots] = True
-        self._free = torch.cat([self._free, slots])
-        self._num_free += slots.numel()
+        self._stack[self._top : self._top + slots.numel()] = slots.flip(0)
+        self._top += slots.numel()
 
     def compact(self) -> None:
-        """Sorts the free list (called when idle) so later allocations are contiguous."""
-        self._free = torch.nonzero(self._is_free).flatten()
+        """Re-sorts the free slots (cheap when idle) so later allocations are contiguous."""
+        free = torch.nonzero(self._is_free).flatten()
+        self._top = free.numel()
+        self._stack[: self._top] = free.flip(0)
 
     def check_integrity(self, held: int) -> None:
         """`held` = slots owned by requests and caches; with the free ones they make the pool."""
-        assert self._num_free == int(self._is_free.sum()) == self._free.numel()
-        assert self._num_free + held == self.capacity, (
-            f"slot leak: free {self._num_free} + held {held} != capacity {self.capacity}"
+        free = self._stack[: self._top]
+        assert self._top == int(self._is_free.sum()) and bool(self._is_free[free].all())
+        assert self._top + held == self.capacity, (
+            f"slot leak: free {self._top} + held {held} != capacity {self.capacity}"
         )
 
 

@@ -220,7 +220,10 @@ def _gguf_byte_level_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        raise ModelLoadError(f"the GGUF file's tokenizer metadata is inconsistent: {e}") from None
     split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
         split.insert(0, pre_tokenizers.Digits(individual_digits=True))
