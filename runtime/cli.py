@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    from spruce.runtime.server.options import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
     from spruce.runtime.bench import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)

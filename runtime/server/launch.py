@@ -1,0 +1,291 @@
+"""`spruce serve`: the launcher and front-end process.
+
+Processes (multiprocessing, spawn context, daemon children):
+
+- this process, the front end: HTTP (FastAPI on uvicorn) and the ZeroMQ ROUTER socket for
+  DSL clients on one asyncio loop; tokenization, validation and detokenization happen here;
+- the scheduler process: EngineCore (model, KV pool, radix cache, grammars).
+
+They exchange the typed messages of messages.py over ipc:// sockets in a private folder.
+A watchdog here notices a dead scheduler at once (its process sentinel); the scheduler
+exits by itself when this process disappears. SIGINT / SIGTERM: stop accepting, give
+in-flight requests `--shutdown-timeout-s`, abort the rest, stop the scheduler, exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from spruce.runtime.errors import SpruceError
+from spruce.runtime.server.messages import Ready, StartupFailed, decode
+from spruce.runtime.server.metrics import Metrics
+from spruce.runtime.server.native import ModelContext
+from spruce.runtime.server.options import ServerOptions, server_options
+from spruce.runtime.server.request_manager import RequestManager
+from spruce.runtime.server.zmq_frontend import ZmqFrontend
+
+logger = logging.getLogger("spruce.server")
+ABORT_FLUSH_S = 3.0  # after aborting what is left at shutdown: time for the aborts to land
+CHILD_EXIT_S = 5.0
+
+
+class StartupError(SpruceError):
+    """The server could not start (port in use, model not loadable...)."""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from spruce.runtime.cli import engine_options
+
+    return serve(server_options(args), engine_options(args))
+
+
+def serve(options: ServerOptions, engine_options: dict) -> int:
+    """Runs the server until SIGINT / SIGTERM or a dead child; returns the exit code."""
+    ipc_dir = tempfile.mkdtemp(prefix="spruce-")  # 0700: no other user can reach the sockets
+    try:
+        return asyncio.run(Launcher(options, engine_options, ipc_dir).run())
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+class _Uvicorn(uvicorn.Server):
+    """The launcher owns SIGINT / SIGTERM (it drains requests and stops the scheduler)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
+class Launcher:
+    def __init__(self, options: ServerOptions, engine_options: dict, ipc_dir: str) -> None:
+        self.options = options
+        self.engine_options = engine_options
+        self.to_scheduler = f"ipc://{ipc_dir}/to_scheduler"
+        self.from_scheduler = f"ipc://{ipc_dir}/from_scheduler"
+        self.context = zmq.asyncio.Context()
+        self.scheduler: multiprocessing.Process | None = None
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        self.draining = False  # set on shutdown: new requests get 503
+        self.http: _Uvicorn | None = None
+        self.zmq: ZmqFrontend | None = None
+        self.manager: RequestManager | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    # -- start --------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_shutdown, sig)
+        http_socket = _bind_http(self.options.host, self.options.port)
+        sender, receiver = self._scheduler_sockets()
+        try:
+            self._start_scheduler()
+            ready = await self._wait_ready(receiver)
+            if ready is not None:
+                await self._serve(ready, sender, receiver, http_socket)
+        finally:
+            await self._stop_scheduler()
+            for task in self.tasks:
+                task.cancel()
+            if self.zmq is not None:
+                self.zmq.close()
+            http_socket.close()
+            sender.close(linger=0)
+            receiver.close(linger=0)
+            self.context.term()
+        return self.exit_code
+
+    def _scheduler_sockets(self):
+        sender = zmq.Context.instance().socket(zmq.PUSH)
+        sender.setsockopt(zmq.SNDHWM, 0)
+        sender.bind(self.to_scheduler)
+        receiver = self.context.socket(zmq.PULL)
+        receiver.bind(self.from_scheduler)
+        return sender, receiver
+
+    def _start_scheduler(self) -> None:
+        from spruce.runtime.server.scheduler_process import run_scheduler
+
+        level = self.engine_options.get("log_level") or logging.getLevelName(logging.getLogger().level)
+        spawn = multiprocessing.get_context("spawn")
+        self.scheduler = spawn.Process(
+            target=run_scheduler,
+            args=(self.engine_options, self.to_scheduler, self.from_scheduler, str(level)),
+            name="spruce-scheduler",
+            daemon=True,
+        )
+        self.scheduler.start()
+        logger.info("scheduler process %d started; loading the model", self.scheduler.pid)
+
+    async def _wait_ready(self, receiver) -> Ready | None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while not self.stopping.is_set():
+            if await receiver.poll(200):
+                msg = decode(await receiver.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, StartupFailed):
+                    raise StartupError(f"the model could not be loaded: {msg.message}")
+            elif not self.scheduler.is_alive():
+                raise StartupError(f"the scheduler process exited while starting (exit code {self.scheduler.exitcode})")
+            elif time.monotonic() > deadline:
+                raise StartupError(f"the model did not load within {self.options.startup_timeout_s:g} s")
+        return None
+
+    async def _serve(self, ready: Ready, sender, receiver, http_socket: socket.socket) -> None:
+        from spruce.runtime.model_loader import load_tokenizer
+        from spruce.runtime.server.http_app import build_app
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
+        name = self.options.served_model_name or ready.model_name
+        model = ModelContext(tokenizer, name, ready.model_path, ready.context_length, ready.vocab_size)
+        metrics = Metrics()
+        self.manager = RequestManager(sender, receiver, tokenizer, observer=metrics)
+        zmq_address = f"tcp://{_zmq_host(self.options.host)}:{self.options.zmq_port}"
+        try:
+            self.zmq = ZmqFrontend(self.context, zmq_address, self.manager, model, self.options.max_request_bytes)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot listen on {zmq_address} ({e}); pick another port with --zmq-port") from None
+        app = build_app(self, model, metrics, ready)
+        grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace, access_log=False)
+        self.http = _Uvicorn(config)
+        self.tasks = [
+            asyncio.ensure_future(self.manager.receive_forever()),
+            asyncio.ensure_future(self.zmq.serve_forever()),
+        ]
+        if self.options.throughput_log_s > 0:
+            stats = lambda: self.manager.control("stats", self.options.health_timeout_s)  # noqa: E731
+            in_flight = lambda: self.manager.in_flight  # noqa: E731
+            self.tasks.append(asyncio.ensure_future(metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)))  # fmt: skip
+        self._watch_scheduler()
+        self._announce(ready, name, zmq_address)
+        http_task = asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
+        if self.draining:  # a signal came while starting
+            self.http.should_exit = True
+        await self.stopping.wait()  # set once in-flight requests are done or aborted
+        self.http.should_exit = True
+        await http_task
+
+    def _announce(self, ready: Ready, name: str, zmq_address: str) -> None:
+        host, port = self.options.host, self.options.port
+        print(
+            f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots)\n"
+            f"  HTTP    http://{host}:{port}  (native: /generate; OpenAI: /v1; /health, /metrics)\n"
+            f"  ZeroMQ  {zmq_address}",
+            flush=True,
+        )
+        if self.options.api_key and _zmq_host(host) not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("the ZeroMQ socket has no authentication and listens on %s", host)
+
+    # -- watchdog ---------------------------------------------------------------------------
+
+    def _watch_scheduler(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.scheduler.sentinel, self._on_scheduler_exit)
+
+    def _on_scheduler_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.scheduler.sentinel)
+        if self.stopping.is_set() and self.draining:
+            return  # expected during shutdown
+        self.scheduler.join(0.1)
+        reason = f"the scheduler process exited unexpectedly (exit code {self.scheduler.exitcode})"
+        logger.error("%s; the server shuts down", reason)
+        self.manager.scheduler_died(reason)
+        self.exit_code = 1
+        self.request_shutdown(None, grace_s=0.0)
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def request_shutdown(self, sig: int | None, grace_s: float | None = None) -> None:
+        if self.draining:
+            if sig == signal.SIGINT:  # a second Ctrl-C: no more waiting
+                logger.warning("second interrupt: exiting now")
+                self._kill_scheduler()
+                os._exit(130)
+            return
+        self.draining = True
+        if sig is not None:
+            logger.info("received %s: draining and shutting down", signal.Signals(sig).name)
+        grace = self.options.shutdown_timeout_s if grace_s is None else grace_s
+        if self.zmq is not None:
+            self.zmq.accepting = False
+        if self.http is not None:
+            self.http.should_exit = True  # stop accepting connections; open ones continue
+        asyncio.ensure_future(self._drain(grace))
+
+    async def _drain(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while self._in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.manager is not None and self._in_flight():
+            n = self.manager.abort_all("the server is shutting down")
+            logger.warning("aborted %d request(s) still running at shutdown", n)
+            deadline = time.monotonic() + ABORT_FLUSH_S
+            while self._in_flight() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        self.stopping.set()
+
+    def _in_flight(self) -> int:
+        return self.manager.in_flight if self.manager is not None else 0
+
+    async def _stop_scheduler(self) -> None:
+        proc = self.scheduler
+        if proc is None or not proc.is_alive():
+            return
+        if self.manager is None:  # still loading: nothing to drain
+            self._kill_scheduler()
+            return
+        with contextlib.suppress(Exception):
+            if self.manager is not None and not self.manager.dead:
+                await self.manager.control("shutdown", 2.0)
+        await asyncio.to_thread(proc.join, CHILD_EXIT_S)
+        if proc.is_alive():
+            logger.warning("the scheduler did not stop in %g s; terminating it", CHILD_EXIT_S)
+            self._kill_scheduler()
+
+    def _kill_scheduler(self) -> None:
+        proc = self.scheduler
+        if proc is not None and proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port} ({e.strerror}); pick another port with --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _zmq_host(host: str) -> str:
+    return "*" if host in ("0.0.0.0", "::") else host

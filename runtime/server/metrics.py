@@ -1,0 +1,120 @@
+"""Prometheus metrics (a registry of the server's own, not the global one), the
+one-line-per-request log and the periodic throughput log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+logger = logging.getLogger("spruce.server")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """Counters are fed by the request manager as requests finish; gauges are refreshed
+    from the scheduler's stats on every scrape (`refresh`)."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("spruce_requests", "finished requests", ["finish_reason"], registry=registry)
+        self.prompt_tokens = Counter("spruce_prompt_tokens", "prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter("spruce_generation_tokens", "generated tokens", registry=registry)
+        self.cached_tokens = Counter("spruce_cached_tokens", "prompt tokens served from the prefix cache", registry=registry)  # fmt: skip
+        self.ttft = Histogram("spruce_time_to_first_token_seconds", "arrival -> first token", buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.itl = Histogram("spruce_inter_token_latency_seconds", "mean time between output tokens, per request", buckets=ITL_BUCKETS, registry=registry)  # fmt: skip
+        self.e2e = Histogram("spruce_e2e_request_latency_seconds", "arrival -> finish", buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.running = Gauge("spruce_running_requests", "requests in the running batch", registry=registry)
+        self.waiting = Gauge("spruce_waiting_requests", "requests waiting for admission", registry=registry)
+        self.kv_used = Gauge("spruce_kv_slots_used", "KV pool slots in use (cached included)", registry=registry)
+        self.kv_total = Gauge("spruce_kv_slots_total", "KV pool size in token slots", registry=registry)
+        self.kv_usage = Gauge("spruce_kv_usage_ratio", "KV slots used / total", registry=registry)
+        self.kv_locked = Gauge("spruce_kv_locked_tokens", "cached tokens held by running requests", registry=registry)
+        self.window = Window()
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def on_finished(self, state, event, update) -> None:
+        meta = event.result["meta_info"]
+        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        prompt, completion, cached = meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
+        latency = time.perf_counter() - state.call.started
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(cached)
+        self.e2e.observe(latency)
+        if update.decode_s is not None:
+            self.ttft.observe(max(latency - update.decode_s, 0.0))
+            if completion > 1:
+                self.itl.observe(update.decode_s / (completion - 1))
+        self.window.add()
+        logger.info(
+            "finished %s: prompt %d, completion %d, cached %d tokens, %.3f s, %s",
+            state.client_rid, prompt, completion, cached, latency, reason,
+        )
+
+    def on_failed(self, state, message: str, status: int) -> None:
+        self.requests.labels("error").inc()
+        logger.info("failed %s (%d): %s", state.client_rid, status, message)
+
+    def refresh(self, stats: dict) -> None:
+        self.running.set(stats["running_requests"])
+        self.waiting.set(stats["waiting_requests"])
+        self.kv_used.set(stats["kv_slots_used"])
+        self.kv_total.set(stats["kv_slots_total"])
+        self.kv_usage.set(stats["kv_slots_used"] / max(stats["kv_slots_total"], 1))
+        self.kv_locked.set(stats["cache_locked_tokens"])
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- throughput log -------------------------------------------------------------------------
+
+    async def log_throughput(self, period_s: float, fetch_stats, in_flight) -> None:
+        """Every period while busy: finished requests/s, prompt and generated tokens/s (from
+        the scheduler's counters), queue sizes and KV pool usage."""
+        last = None
+        while True:
+            await asyncio.sleep(period_s)
+            if not in_flight() and not self.window.requests:
+                last = None
+                continue
+            try:
+                stats = await fetch_stats()
+            except Exception:  # the scheduler is busy or gone: the watchdog deals with the latter
+                continue
+            finished = self.window.take()
+            if last is not None:
+                _log_rates(last, stats, finished)
+            last = stats
+
+
+def _log_rates(before: dict, now: dict, finished: int) -> None:
+    seconds = max(now["time"] - before["time"], 1e-9)
+    prompt = now["prompt_tokens_total"] - before["prompt_tokens_total"]
+    generated = now["generated_tokens_total"] - before["generated_tokens_total"]
+    logger.info(
+        "throughput: %.2f req/s, prompt %.1f tokens/s, generation %.1f tokens/s; running %d, waiting %d, "
+        "KV pool %.1f%% used",
+        finished / seconds, prompt / seconds, generated / seconds, now["running_requests"],
+        now["waiting_requests"], 100 * now["kv_slots_used"] / max(now["kv_slots_total"], 1),
+    )
+
+
+class Window:
+    """Requests finished since the last `take()`."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def add(self) -> None:
+        self.requests += 1
+
+    def take(self) -> int:
+        out, self.requests = self.requests, 0
+        return out

@@ -1,0 +1,4 @@
+"""OpenAI-compatible routes."""
+from fastapi import APIRouter
+
+router = APIRouter()

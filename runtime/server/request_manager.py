@@ -1,0 +1,309 @@
+"""The front end's side of the scheduler: submits tokenized requests, receives step outputs,
+detokenizes them (inline in the front end's event loop: see `Detokenizer` below) and hands
+each caller its events. Also the control round trips (ping, stats, flush_cache, shutdown).
+
+    call = manager.submit([prepared, ...], stream=True)
+    try:
+        async for event in call:       # Event: chunks, then one finished event per request
+            ...
+    finally:
+        call.close()                   # aborts whatever has not finished (client gone)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from spruce.runtime.detokenizer import OutputText
+from spruce.runtime.request import FinishReason, Req
+from spruce.runtime.sampling_params import SamplingParams
+from spruce.runtime.server.messages import (
+    AbortRequests,
+    ControlReply,
+    ControlRequest,
+    NewRequests,
+    ReqUpdate,
+    RequestFailed,
+    RequestSpec,
+    StepOutput,
+    decode,
+    encode,
+)
+from spruce.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger("spruce.server")
+LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler did not answer (dead, shutting down or too busy)."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready for the scheduler."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass(slots=True)
+class Event:
+    """One piece of news for a caller. Streaming: `text` / `output_ids` are what is new;
+    otherwise (and in `result`, once finished) the whole output."""
+
+    index: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    result: dict[str, Any] | None = None  # {"text", "output_ids", "meta_info"} when finished
+    error: str | None = None  # the request failed: the message
+    status: int = 200  # with error: an HTTP status
+
+
+class RequestState:
+    """One request in flight: a shadow `Req` that mirrors the scheduler's output ids, and
+    its incremental text (the detokenizer)."""
+
+    __slots__ = ("rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done")
+
+    def __init__(self, rid: str, client_rid: str, index: int, call: "Call", p: Prepared, stream: bool) -> None:
+        self.rid, self.client_rid, self.index, self.call = rid, client_rid, index, call
+        self.shadow = Req(rid=rid, prompt_ids=p.input_ids, sampling=p.sampling)
+        self.text = OutputText(call.tokenizer, self.shadow)
+        self.stream = stream
+        self.cached = 0
+        self.done = False
+
+    def apply(self, u: ReqUpdate) -> Event:
+        out = self.shadow.output_ids
+        del out[u.keep :]
+        out.extend(u.new_ids)
+        self.cached = u.cached_tokens
+        if u.finish is not None:
+            self.shadow.finish_reason = FinishReason(**u.finish)
+            self.done = True
+        delta = self.text.update(self.shadow)
+        new_ids = self.text.new_output_ids(self.shadow)
+        if not self.stream:
+            return self._final(Event(self.index, self.text.text, list(out)), u)
+        event = Event(self.index, delta, new_ids, self._partial_meta(u))
+        return self._final(event, u) if self.done else event
+
+    def _partial_meta(self, u: ReqUpdate) -> dict[str, Any]:
+        meta = {
+            "id": self.client_rid,
+            "prompt_tokens": len(self.shadow.prompt_ids),
+            "completion_tokens": len(self.shadow.output_ids),
+            "cached_tokens": self.cached,
+            "finish_reason": u.finish,
+        }
+        if u.logprobs:
+            meta.update(u.logprobs)
+        return meta
+
+    def _final(self, event: Event, u: ReqUpdate) -> Event:
+        meta = dict(u.meta_info)
+        meta["id"] = self.client_rid
+        if self.stream:  # a chunk's logprobs are those of its own tokens
+            event.meta_info = {k: v for k, v in meta.items() if k not in LOGPROB_KEYS} | (u.logprobs or {})
+        else:
+            event.meta_info = meta
+        event.finished = True
+        event.result = {"text": self.text.text, "output_ids": list(self.shadow.output_ids), "meta_info": meta}
+        return event
+
+
+class Call:
+    """The requests of one API call (a batch, or `n` choices): an async iterator of events."""
+
+    def __init__(self, manager: "RequestManager", tokenizer: Tokenizer, size: int) -> None:
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.states: list[RequestState] = []
+        self.pending = size
+        self.started = time.perf_counter()
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Event]:
+        while self.pending:
+            event = await self.queue.get()
+            if event.finished or event.error is not None:
+                self.pending -= 1
+            yield event
+
+    async def results(self) -> list[Event]:
+        """The finished (or failed) event of every request, in order."""
+        out: list[Event | None] = [None] * len(self.states)
+        async for event in self:
+            if event.finished or event.error is not None:
+                out[event.index] = event
+        return out
+
+    def close(self, message: str = "the client disconnected") -> None:
+        """Aborts the requests that have not finished; idempotent."""
+        rids = [s.rid for s in self.states if not s.done]
+        if rids:
+            self.manager.abort(rids, message)
+
+
+@dataclass(slots=True)
+class Load:
+    """What the scheduler said about its queues in its latest step output."""
+
+    running: int = 0
+    waiting: int = 0
+
+
+class RequestManager:
+    def __init__(self, sender: zmq.Socket, receiver: zmq.asyncio.Socket, tokenizer: Tokenizer, observer=None) -> None:
+        self.sender = sender  # PUSH, a plain (blocking-API) socket with no high-water mark: never waits
+        self.receiver = receiver  # PULL
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.replies: dict[int, asyncio.Future] = {}
+        self.control_ids = itertools.count()
+        self.load = Load()
+        self.observer = observer  # metrics: on_finished(state, event, update), on_failed(state, ...)
+        self.dead: str | None = None  # why the scheduler is unusable, once it is
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.states)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def submit(
+        self, items: list[Prepared], stream: bool = False, rids: list[str] | None = None,
+        client_rids: list[str] | None = None,
+    ) -> Call:  # fmt: skip
+        """Registers and sends the requests; their events arrive on the returned Call."""
+        call = Call(self, self.tokenizer, len(items))
+        rids = rids or [uuid.uuid4().hex for _ in items]
+        client_rids = client_rids or rids
+        specs = []
+        for i, (p, rid) in enumerate(zip(items, rids)):
+            assert rid not in self.states, f"request id {rid} is already in flight"
+            state = RequestState(rid, client_rids[i], i, call, p, stream)
+            call.states.append(state)
+            self.states[rid] = state
+            specs.append(_spec(rid, p, stream))
+        if self.dead:
+            for state in call.states:
+                self._fail(state, self.dead, 503)
+        else:
+            self._send(NewRequests(specs))
+        return call
+
+    def abort(self, rids: list[str], message: str = "aborted by the client") -> None:
+        live = [rid for rid in rids if rid in self.states]
+        if live and not self.dead:
+            self._send(AbortRequests(live, message))
+
+    def abort_all(self, message: str) -> int:
+        rids = list(self.states)
+        self.abort(rids, message)
+        return len(rids)
+
+    def is_in_flight(self, rid: str) -> bool:
+        return rid in self.states
+
+    # -- control round trips ---------------------------------------------------------------
+
+    async def control(self, command: str, timeout: float) -> dict:
+        """Raises SchedulerUnavailable on timeout or a dead scheduler, ValueError on refusal."""
+        if self.dead:
+            raise SchedulerUnavailable(self.dead)
+        msg_id = next(self.control_ids)
+        future = asyncio.get_running_loop().create_future()
+        self.replies[msg_id] = future
+        self._send(ControlRequest(msg_id, command))
+        try:
+            reply: ControlReply = await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise SchedulerUnavailable(f"the scheduler did not answer {command!r} within {timeout:g} s") from None
+        finally:
+            self.replies.pop(msg_id, None)
+        if not reply.ok:
+            raise ValueError(reply.error)
+        return reply.data
+
+    # -- receiving --------------------------------------------------------------------------
+
+    async def receive_forever(self) -> None:
+        while True:
+            msg = decode(await self.receiver.recv())
+            if isinstance(msg, StepOutput):
+                self._on_step(msg)
+            elif isinstance(msg, RequestFailed):
+                state = self.states.get(msg.rid)
+                if state is not None:
+                    self._fail(state, msg.message, msg.status)
+            elif isinstance(msg, ControlReply):
+                future = self.replies.get(msg.id)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+
+    def _on_step(self, msg: StepOutput) -> None:
+        self.load.running, self.load.waiting = msg.num_running, msg.num_waiting
+        for update in msg.updates:
+            state = self.states.get(update.rid)
+            if state is None:
+                continue
+            event = state.apply(update)
+            if state.done:
+                del self.states[update.rid]
+                if self.observer is not None:
+                    self.observer.on_finished(state, event, update)
+            state.call.queue.put_nowait(event)
+
+    def _fail(self, state: RequestState, message: str, status: int) -> None:
+        state.done = True
+        self.states.pop(state.rid, None)
+        if self.observer is not None:
+            self.observer.on_failed(state, message, status)
+        state.call.queue.put_nowait(Event(state.index, error=message, status=status))
+
+    def scheduler_died(self, reason: str) -> None:
+        """Fails everything in flight; later calls fail at once."""
+        self.dead = reason
+        for state in list(self.states.values()):
+            self._fail(state, reason, 503)
+        for future in self.replies.values():
+            if not future.done():
+                future.set_exception(SchedulerUnavailable(reason))
+
+    def _send(self, msg) -> None:
+        self.sender.send(encode(msg))
+
+    def close(self) -> None:
+        self.sender.close(linger=500)
+        self.receiver.close(linger=0)
+
+
+def _spec(rid: str, p: Prepared, stream: bool) -> RequestSpec:
+    return RequestSpec(
+        rid=rid,
+        input_ids=p.input_ids,
+        sampling_params=p.sampling.to_dict(),
+        return_logprob=p.return_logprob,
+        logprob_start_len=p.logprob_start_len,
+        top_logprobs_num=p.top_logprobs_num,
+        stream=stream,
+    )

@@ -1,0 +1,281 @@
+"""The scheduler process: EngineCore (model, KV pool, radix cache, grammars) behind two
+ZeroMQ sockets. The same core as the offline Engine; only the I/O differs.
+
+The loop: drain incoming messages without blocking, step while there is work, block on
+the socket when idle. A request the core refuses is answered with `RequestFailed`; the
+process never dies for a bad request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import zmq
+
+from spruce.runtime.detokenizer import meta_info
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.request import Req
+from spruce.runtime.sampling_params import SamplingParams
+from spruce.runtime.server.messages import (
+    AbortRequests,
+    ControlReply,
+    ControlRequest,
+    NewRequests,
+    Ready,
+    ReqUpdate,
+    RequestFailed,
+    RequestSpec,
+    StartupFailed,
+    StepOutput,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("spruce.scheduler")
+MAX_CONSECUTIVE_STEP_ERRORS = 3
+PARENT_CHECK_S = 0.5
+
+
+def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> None:
+    """Entry point of the spawned process: load the model, say Ready, serve until told to stop."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_parent(os.getppid())
+    context = zmq.Context()
+    receiver = context.socket(zmq.PULL)
+    receiver.connect(inbox)
+    sender = context.socket(zmq.PUSH)
+    sender.connect(outbox)
+    core = _load_core(options, sender)
+    if core is None:
+        sender.close(linger=2000)
+        raise SystemExit(1)
+    sender.send(encode(_ready(core)))
+    try:
+        SchedulerLoop(core, receiver, sender).run()
+    finally:
+        sender.close(linger=1000)
+        receiver.close(linger=0)
+        context.term()
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exits this process when the parent is gone (even if it was SIGKILLed): no orphans."""
+
+    def check() -> None:
+        while True:
+            time.sleep(PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                logger.error("the server's front-end process is gone; the scheduler exits")
+                os._exit(1)
+
+    threading.Thread(target=check, name="spruce-parent-watch", daemon=True).start()
+
+
+def _load_core(options: dict, sender: zmq.Socket):
+    from spruce.runtime.config import EngineConfig
+    from spruce.runtime.engine_core import EngineCore
+
+    try:
+        return EngineCore(EngineConfig.from_options(**options))
+    except Exception as e:  # every load failure goes back to the launcher as a message
+        logger.error("the scheduler could not start: %s", e)
+        sender.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        return None
+
+
+def _ready(core) -> Ready:
+    return Ready(
+        model_name=core.loaded.name,
+        model_path=core.loaded.path,
+        context_length=core.context_len,
+        vocab_size=core.vocab_size,
+        kv_slots=core.runner.pool.capacity,
+        config=core.config.to_dict(),
+    )
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What was already sent of a streaming request's output."""
+
+    req: Req
+    sent: list[int] = field(default_factory=list)
+    jump_forward_tokens: int = 0
+    logprobs_sent: int = 0
+    input_logprobs_sent: bool = False
+
+
+class SchedulerLoop:
+    def __init__(self, core, receiver: zmq.Socket, sender: zmq.Socket) -> None:
+        self.core = core
+        self.receiver = receiver
+        self.sender = sender
+        self.tracked: dict[str, Tracked] = {}
+        self.stopping = False
+        self.step_errors = 0
+        self.handlers = {
+            NewRequests: self._on_new,
+            AbortRequests: self._on_abort,
+            ControlRequest: self._on_control,
+        }
+
+    def run(self) -> None:
+        while not self.stopping:
+            self._drain(block=not self.core.has_work())
+            if self.core.has_work() and not self.stopping:
+                self._step()
+        logger.info("scheduler stopped")
+
+    # -- incoming -----------------------------------------------------------------------
+
+    def _drain(self, block: bool) -> None:
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                frame = self.receiver.recv(flags)
+            except zmq.Again:
+                return
+            msg = decode(frame)
+            self.handlers[type(msg)](msg)
+            flags = zmq.NOBLOCK
+
+    def _on_new(self, msg: NewRequests) -> None:
+        for spec in msg.requests:
+            try:
+                req = self._make(spec)
+                self.core.add_request(req)
+            except InvalidRequestError as e:
+                self._send(RequestFailed(spec.rid, str(e), 400))
+                continue
+            self.tracked[spec.rid] = Tracked(req)
+
+    def _make(self, spec: RequestSpec) -> Req:
+        return self.core.make_request(
+            spec.input_ids,
+            SamplingParams.from_dict(spec.sampling_params),
+            rid=spec.rid,
+            return_logprob=spec.return_logprob,
+            logprob_start_len=spec.logprob_start_len,
+            top_logprobs_num=spec.top_logprobs_num,
+            stream=spec.stream,
+        )
+
+    def _on_abort(self, msg: AbortRequests) -> None:
+        for rid in msg.rids:
+            if rid in self.tracked:
+                self.core.abort(rid, msg.message)
+
+    def _on_control(self, msg: ControlRequest) -> None:
+        try:
+            data = self._control(msg.command)
+        except InvalidRequestError as e:
+            self._send(ControlReply(msg.id, ok=False, error=str(e)))
+            return
+        self._send(ControlReply(msg.id, ok=True, data=data))
+
+    def _control(self, command: str) -> dict:
+        if command == "ping":
+            return {}
+        if command == "stats":
+            return self.core.stats()
+        if command == "flush_cache":
+            self.core.flush_cache()
+            return {"flushed": True}
+        if command == "shutdown":
+            self.stopping = True
+            return {}
+        raise InvalidRequestError(f"unknown control command {command!r}")
+
+    # -- stepping -----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            changed = self.core.step()
+        except Exception:  # a bug in the core: fail what is in flight, keep serving
+            self._on_step_error(traceback.format_exc())
+            return
+        self.step_errors = 0
+        updates = [u for u in map(self._update, changed) if u is not None]
+        if updates:
+            scheduler = self.core.scheduler
+            self._send(StepOutput(updates, len(scheduler.running), len(scheduler.waiting)))
+
+    def _update(self, req: Req) -> ReqUpdate | None:
+        tracked = self.tracked.get(req.rid)
+        if tracked is None:
+            return None
+        if req.finished:
+            del self.tracked[req.rid]
+        elif not req.stream:
+            return None
+        keep = _kept(tracked, req)
+        new_ids = req.output_ids[keep:]
+        tracked.sent[keep:] = new_ids
+        update = ReqUpdate(req.rid, keep, new_ids, max(req.cached_len, 0))
+        if req.stream and req.logprobs is not None:
+            update.logprobs = _new_logprobs(tracked, req)
+        if req.finished:
+            _add_finish(update, req)
+        return update
+
+    def _on_step_error(self, trace: str) -> None:
+        self.step_errors += 1
+        logger.error("a scheduler step failed; failing %d request(s):\n%s", len(self.tracked), trace)
+        for rid in list(self.tracked):
+            self._send(RequestFailed(rid, "internal error in the scheduler (see the server log)", 500))
+            self.core.abort(rid, "internal error")
+        self.tracked.clear()
+        if self.step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
+            raise RuntimeError("the scheduler failed repeatedly; exiting")
+
+    def _send(self, msg) -> None:
+        self.sender.send(encode(msg))
+
+
+def _kept(tracked: Tracked, req: Req) -> int:
+    """How many already-sent output ids are unchanged (all of them unless jump-forward
+    re-tokenized the tail)."""
+    sent, ids = tracked.sent, req.output_ids
+    n = len(sent)
+    unchanged = req.jump_forward_tokens == tracked.jump_forward_tokens
+    tracked.jump_forward_tokens = req.jump_forward_tokens
+    if unchanged and len(ids) >= n and (n == 0 or ids[n - 1] == sent[-1]):
+        return n
+    keep = 0
+    for a, b in zip(sent, ids):
+        if a != b:
+            break
+        keep += 1
+    return keep
+
+
+def _new_logprobs(tracked: Tracked, req: Req) -> dict[str, list]:
+    lp = req.logprobs
+    start = tracked.logprobs_sent
+    tracked.logprobs_sent = len(lp.output_token_logprobs)
+    out = {"output_token_logprobs": [list(x) for x in lp.output_token_logprobs[start:]]}
+    if req.top_logprobs_num:
+        out["output_top_logprobs"] = [_pairs(t) for t in lp.output_top_logprobs[start:]]
+    if not tracked.input_logprobs_sent and (lp.input_token_logprobs or req.output_ids or req.finished):
+        tracked.input_logprobs_sent = True
+        out["input_token_logprobs"] = [list(x) for x in lp.input_token_logprobs]
+        if req.top_logprobs_num:
+            out["input_top_logprobs"] = [_pairs(t) for t in lp.input_top_logprobs]
+    return out
+
+
+def _pairs(top):
+    return None if top is None else [list(x) for x in top]
+
+
+def _add_finish(update: ReqUpdate, req: Req) -> None:
+    update.finish = req.finish_reason.to_dict()
+    update.meta_info = meta_info(req)
+    if req.first_token_at is not None:
+        update.first_token_s = req.first_token_at - req.created_at
+        update.decode_s = req.finished_at - req.first_token_at
