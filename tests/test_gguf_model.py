@@ -88,8 +88,12 @@ def test_bundled_greedy_equals_transformers(bundled):
     ids = [engine.tokenizer.encode(t) for t in texts]
     ours = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
     for prompt_ids, out in zip(ids, ours):
+        ids = torch.tensor([prompt_ids])
+        # an explicit mask: otherwise generate masks every <|im_end|> (the file's pad id)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+            )
         assert out["output_ids"] == ref[0, len(prompt_ids) :].tolist()
     assert "Paris" in ours[0]["text"]
 
