@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     same = sum(a == b for a, b in zip(fast_answers, slow_answers))
     print(f"few-shot QA: {args.num_programs} programs, ~{prompt_tokens} prompt tokens each, "
           f"{args.num_shots} shots, answers of <= {args.max_tokens} tokens")  # fmt: skip
-    print(f"  spruce   run_batch + prefix hint + radix cache   {fast:8.2f} s  {args.num_programs / fast:7.2f} programs/s")
-    print(f"  baseline one at a time, --disable-radix-cache     {slow:8.2f} s  {args.num_programs / slow:7.2f} programs/s")
+    n = args.num_programs
+    print(f"  spruce   run_batch + prefix hint + radix cache   {fast:8.2f} s  {n / fast:7.2f} programs/s")
+    print(f"  baseline one at a time, --disable-radix-cache     {slow:8.2f} s  {n / slow:7.2f} programs/s")
     print(f"  speedup  {slow / fast:.1f}x   (identical answers: {same}/{args.num_programs})")
 
 

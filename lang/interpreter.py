@@ -72,6 +72,7 @@ class Executor:
         self._partial: dict[str, str] = {}  # variable -> text so far, while streaming
         self._scopes: dict[str, int] = {}
         self._children: list[Executor] = []
+        self.program_thread: int | None = None  # the thread running the program, when streaming
         self._rng = random.Random()
         self._queue: queue.Queue = queue.Queue()
         self._changed = threading.Condition()
@@ -105,6 +106,16 @@ class Executor:
         """Waits until every queued node has run."""
         self._queue.join()
 
+    def settle(self, name: str | None = None) -> None:
+        """Waits before a read. In the program's own thread: for the queued nodes. Outside
+        a program that streams (run(stream=True) returned at once): for the program's end,
+        or only until variable `name` is set."""
+        if self.program_thread is None or threading.get_ident() == self.program_thread:
+            self.sync()
+            return
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished or (name is not None and name in self.variables))
+
     def end(self) -> None:
         """No more nodes: waits for the queued ones, then stops the worker (and children's)."""
         if not self._ended:
@@ -115,7 +126,7 @@ class Executor:
             child.end()
 
     def get_var(self, name: str) -> Any:
-        self.sync()
+        self.settle(name)
         if name in self.variables:
             return self.variables[name]
         if self.error_ is not None:
@@ -128,19 +139,19 @@ class Executor:
         self._set_var(name, value, None)
 
     def get_meta_info(self, name: str) -> Any:
-        self.sync()
+        self.settle(name)
         return self.meta_info.get(name)
 
     def text(self) -> str:
-        self.sync()
+        self.settle()
         return self.text_
 
     def messages(self) -> list[dict[str, str]]:
-        self.sync()
+        self.settle()
         return [dict(m) for m in self.chat.messages]
 
     def error(self) -> BaseException | None:
-        self.sync()
+        self.settle()
         return self.error_
 
     def fork(self, size: int) -> list["Executor"]:

@@ -58,7 +58,9 @@ class Runtime:
         self.log_path = log_path or tempfile.mkstemp(prefix="spruce-serve-", suffix=".log")[1]
         self.endpoint: RuntimeEndpoint | None = None
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         atexit.register(self.shutdown)
         try:
             self.endpoint = self._wait_ready(startup_timeout)

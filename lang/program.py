@@ -86,7 +86,8 @@ class Program:
         An error inside the DSL (a refused request...) is kept in `state.error()`; an
         exception raised by the program's own Python propagates (when not streaming)."""
         program_kwargs, defaults = self._split(kwargs)
-        return run_program(self.func, resolve_backend(backend), args, {**self.bound, **program_kwargs}, defaults, stream)
+        kwargs = {**self.bound, **program_kwargs}
+        return run_program(self.func, resolve_backend(backend), args, kwargs, defaults, stream)
 
     def run_batch(
         self,
@@ -157,7 +158,9 @@ def run_program(
 ) -> ProgramState:
     state = ProgramState(Executor(backend, defaults, stream))
     if stream:
-        threading.Thread(target=_body, args=(func, state, args, kwargs, False), daemon=True).start()
+        thread = threading.Thread(target=_body, args=(func, state, args, kwargs, False), daemon=True)
+        thread.start()
+        state._executor.program_thread = thread.ident
     else:
         _body(func, state, args, kwargs, reraise)
     return state

@@ -64,7 +64,7 @@ class ProgramState:
         self.set_var(name, value)
 
     def __contains__(self, name: str) -> bool:
-        self.sync()
+        self._executor.settle()
         return name in self._executor.variables
 
     def get_var(self, name: str) -> Any:

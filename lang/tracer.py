@@ -81,7 +81,8 @@ def _with_placeholders(func: Callable, args: tuple, kwargs: dict[str, Any]) -> d
     params = list(inspect.signature(func).parameters.values())[1 + len(args) :]
     out = dict(kwargs)
     for p in params:
-        if p.name not in out and p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        named = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if named and p.name not in out and p.default is inspect.Parameter.empty:
             out[p.name] = Arg(p.name)
     return out
 

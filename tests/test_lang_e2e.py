@@ -105,7 +105,8 @@ def _input_ids_logprobs(endpoint, ids: list[int]) -> list[list]:
 
 
 def _constraints_enforced(endpoint) -> bool:
-    msg = GenerateMsg(sl.backend.new_rid(), text="Digits:", sampling_params={"max_new_tokens": 4, "regex": "[0-9]+", **GREEDY})
+    params = {"max_new_tokens": 4, "regex": "[0-9]+", **GREEDY}
+    msg = GenerateMsg(sl.backend.new_rid(), text="Digits:", sampling_params=params)
     return re.fullmatch("[0-9]+", endpoint.generate(msg).text or "x") is not None
 
 

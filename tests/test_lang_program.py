@@ -243,7 +243,8 @@ def test_run_batch_hints_the_common_prefix_and_keeps_failures_apart(backend):
 def test_run_batch_progress_bar_and_defaults(backend, capsys):
     states = qa.run_batch([{"question": "a"}, {"question": "b"}], backend=backend, progress_bar=True, temperature=0)
     assert all(s.ok for s in states)
-    assert all(r.sampling_params.get("temperature") == 0 for r in backend.requests if r.sampling_params["max_new_tokens"])
+    gens = [r for r in backend.requests if r.sampling_params["max_new_tokens"]]
+    assert len(gens) == 2 and all(r.sampling_params.get("temperature") == 0 for r in gens)
 
 
 # -- streaming ---------------------------------------------------------------------------------
@@ -256,6 +257,13 @@ def test_streaming_gives_the_same_text_as_not_streaming(backend):
     assert len(chunks) > 1 and "".join(chunks) == state.text() == expected.text()
     assert "".join(qa.run(question="Stream?", backend=backend, stream=True).text_iter("answer")) == expected["answer"]
     assert all(r.stream for r in backend.requests[1:])
+
+
+def test_reading_a_streaming_state_waits_for_what_it_reads():
+    backend = FakeBackend(delay=0.2)
+    state = qa.run(question="Slow?", backend=backend, stream=True)
+    assert state["answer"]  # waits for the variable, not only for what is queued so far
+    assert state.text() == "Q: Slow?\nA:" + state["answer"]
 
 
 def test_async_streaming(backend):
