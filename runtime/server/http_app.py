@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -49,9 +50,12 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def error_object(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    error = {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
-    return orjson.dumps({"error": error})
+    return orjson.dumps({"error": error_object(status, message, param, code)})
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
@@ -72,6 +76,7 @@ class ServerState:
         self.model = model
         self.metrics = metrics
         self.ready = ready
+        self.started = time.time()
 
     @property
     def draining(self) -> bool:
@@ -239,6 +244,28 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+async def stream_response(request: Request, call: Call, chunks: AsyncIterator[bytes]) -> Response:
+    """An SSE response; waits for the first chunk so that a request refused at once gets a
+    proper error status instead of an error event."""
+    try:
+        first = await until_done_or_disconnect(request, call, anext(chunks))
+    except BaseException:
+        call.close()
+        await chunks.aclose()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            call.close()
+            await chunks.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
 def first_error(events: list[Event]) -> Event | None:
     return next((e for e in events if e.error is not None), None)
 
@@ -325,7 +352,7 @@ def native_routes():
         rids = _request_ids(rids, len(items), single, server)
         call = server.manager.submit(items, msg.stream, rids)
         if msg.stream:
-            return StreamingResponse(_generate_stream(call), media_type="text/event-stream", headers=SSE_HEADERS)
+            return await stream_response(request, call, _generate_stream(call))
         try:
             events = await until_done_or_disconnect(request, call, call.results())
         finally:
@@ -378,18 +405,19 @@ def _request_ids(rids: Any, n: int, single: bool, server: ServerState) -> list[s
 
 
 async def _generate_stream(call: Call) -> AsyncIterator[bytes]:
-    try:
-        async for event in call:
-            if event.error is not None:
-                yield sse({"index": event.index, "error": orjson.loads(error_body(event.status, event.error))["error"]})
-                continue
-            yield sse({
-                "index": event.index,
-                "text": event.text,
-                "output_ids": event.output_ids,
-                "finished": event.finished,
-                "meta_info": event.meta_info,
-            })  # fmt: skip
-        yield SSE_DONE
-    finally:
-        call.close()
+    first = True
+    async for event in call:
+        if event.error is not None:
+            if first:  # nothing sent yet: the response gets the error's status
+                raise ApiError(event.status, event.error)
+            yield sse({"index": event.index, "error": error_object(event.status, event.error)})
+            continue
+        first = False
+        yield sse({
+            "index": event.index,
+            "text": event.text,
+            "output_ids": event.output_ids,
+            "finished": event.finished,
+            "meta_info": event.meta_info,
+        })  # fmt: skip
+    yield SSE_DONE

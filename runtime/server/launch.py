@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -35,7 +36,7 @@ from spruce.runtime.server.messages import Ready, StartupFailed, decode
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.options import ServerOptions, server_options
-from spruce.runtime.server.request_manager import RequestManager
+from spruce.runtime.server.request_manager import RequestManager, SchedulerUnavailable
 from spruce.runtime.server.zmq_frontend import ZmqFrontend
 
 logger = logging.getLogger("spruce.server")
@@ -55,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve(options: ServerOptions, engine_options: dict) -> int:
     """Runs the server until SIGINT / SIGTERM or a dead child; returns the exit code."""
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     ipc_dir = tempfile.mkdtemp(prefix="spruce-")  # 0700: no other user can reach the sockets
     try:
         return asyncio.run(Launcher(options, engine_options, ipc_dir).run())
@@ -103,8 +105,10 @@ class Launcher:
             if ready is not None:
                 await self._serve(ready, sender, receiver, http_socket)
         finally:
+            for task in self.tasks[1:]:  # all but the receiver, which the shutdown reply needs
+                task.cancel()
             await self._stop_scheduler()
-            for task in self.tasks:
+            for task in self.tasks[:1]:
                 task.cancel()
             if self.zmq is not None:
                 self.zmq.close()
@@ -255,9 +259,10 @@ class Launcher:
         if self.manager is None:  # still loading: nothing to drain
             self._kill_scheduler()
             return
-        with contextlib.suppress(Exception):
-            if self.manager is not None and not self.manager.dead:
+        if not self.manager.dead:
+            with contextlib.suppress(SchedulerUnavailable):
                 await self.manager.control("shutdown", 2.0)
+            self.manager.dead = "the server is shutting down"
         await asyncio.to_thread(proc.join, CHILD_EXIT_S)
         if proc.is_alive():
             logger.warning("the scheduler did not stop in %g s; terminating it", CHILD_EXIT_S)

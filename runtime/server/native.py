@@ -4,6 +4,7 @@ and tokenization in the front end (bad input never reaches the scheduler)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from spruce.runtime.errors import InvalidRequestError
@@ -23,6 +24,11 @@ class ModelContext:
     path: str
     context_length: int
     vocab_size: int
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        """The raw bytes of every token (computed on first use: for logprobs)."""
+        return self.tokenizer.token_bytes()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -89,6 +95,10 @@ def sampling_list(params: Any, n: int) -> list[SamplingParams]:
 def sampling_from(params: Any) -> SamplingParams:
     if params is not None and not isinstance(params, dict):
         raise InvalidRequestError("sampling_params must be a JSON object")
+    for name in ("stop", "stop_token_ids", "choices"):  # validate() assumes they are lists
+        value = (params or {}).get(name)
+        if value is not None and not isinstance(value, (list, str if name == "stop" else list)):
+            raise InvalidRequestError(f"{name} must be a list" + (" or a string" if name == "stop" else ""))
     try:
         return SamplingParams.from_dict(params)
     except TypeError as e:

@@ -13,6 +13,7 @@ each caller its events. Also the control round trips (ping, stats, flush_cache, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -204,17 +205,20 @@ class RequestManager:
             call.states.append(state)
             self.states[rid] = state
             specs.append(_spec(rid, p, stream))
-        if self.dead:
-            for state in call.states:
-                self._fail(state, self.dead, 503)
-        else:
+        try:
+            if self.dead:
+                raise SchedulerUnavailable(self.dead)
             self._send(NewRequests(specs))
+        except SchedulerUnavailable as e:
+            for state in call.states:
+                self._fail(state, str(e), 503)
         return call
 
     def abort(self, rids: list[str], message: str = "aborted by the client") -> None:
         live = [rid for rid in rids if rid in self.states]
         if live and not self.dead:
-            self._send(AbortRequests(live, message))
+            with contextlib.suppress(SchedulerUnavailable):  # gone: the watchdog fails them
+                self._send(AbortRequests(live, message))
 
     def abort_all(self, message: str) -> int:
         rids = list(self.states)
@@ -232,8 +236,8 @@ class RequestManager:
             raise SchedulerUnavailable(self.dead)
         msg_id = next(self.control_ids)
         future = asyncio.get_running_loop().create_future()
-        self.replies[msg_id] = future
         self._send(ControlRequest(msg_id, command))
+        self.replies[msg_id] = future
         try:
             reply: ControlReply = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -290,7 +294,11 @@ class RequestManager:
                 future.set_exception(SchedulerUnavailable(reason))
 
     def _send(self, msg) -> None:
-        self.sender.send(encode(msg))
+        """Never waits: with no scheduler connected (gone, or stopping) the message fails."""
+        try:
+            self.sender.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise SchedulerUnavailable("the scheduler is not connected") from None
 
     def close(self) -> None:
         self.sender.close(linger=500)

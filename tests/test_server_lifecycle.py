@@ -1,0 +1,71 @@
+"""Process lifecycle of `spruce serve`: SIGTERM drains and leaves no child alive; a killed
+scheduler makes the server exit (never hang). Each test starts its own server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import child_pids, pid_alive, start_server, stop_server
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_sigterm_drains_and_leaves_no_child(tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir, tmp_path / "server.log", "--shutdown-timeout-s", "2")
+    children = child_pids(server.proc.pid)
+    assert children, "the scheduler runs in a child process"
+    outcome = {}
+
+    def long_request():  # still running when SIGTERM comes: aborted after the grace period
+        body = {"text": "long", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}, "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
+            outcome["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(20) == 0, server.log()
+    assert time.monotonic() - started < 15
+    thread.join(10)
+    assert wait_gone(children, 5) == [], "a child process outlived the server"
+    assert outcome["events"][-1] == "data: [DONE]"  # the stream was closed properly
+    assert "received SIGTERM" in server.log()
+
+
+def test_killed_scheduler_makes_the_server_exit(tiny_llama_dir, tmp_path):
+    server = start_server(tiny_llama_dir, tmp_path / "server.log")
+    children = child_pids(server.proc.pid)
+    [scheduler] = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    try:
+        os.kill(scheduler, signal.SIGKILL)
+        code = server.proc.wait(20)
+    finally:
+        stop_server(server)
+    assert code != 0
+    assert "scheduler process exited unexpectedly" in server.log()
+    assert wait_gone(children, 5) == []
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL"])
+def test_scheduler_exits_when_the_front_end_is_killed(tiny_llama_dir, tmp_path, signal_name):
+    server = start_server(tiny_llama_dir, tmp_path / "server.log")
+    children = child_pids(server.proc.pid)
+    server.proc.send_signal(getattr(signal, signal_name))
+    server.proc.wait(10)
+    assert wait_gone(children, 10) == [], "an orphaned child kept running"
