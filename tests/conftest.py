@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+import spruce.runtime  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
 import torch
 
 # Triton kernels run in its interpreter when there is no GPU; the variable must be set

@@ -1,9 +1,11 @@
 """Reference attention backend in plain torch (CPU and any device).
 
-Decode requests (one new token) are attended together: their context slots are gathered
-into a padded [B, L] index matrix once per forward pass (shared by every layer) and run
-through one scaled_dot_product_attention call with a padding mask. Extend requests are
-attended one by one; a request with no cached prefix uses its fresh K/V directly.
+Decode requests (one new token) are attended together. On a CPU with float32 K/V they go
+through a small C kernel that reads the pool in place (runtime/kernels/cpu_attention.py);
+otherwise their context slots are gathered into a padded [B, L] index matrix once per
+forward pass (shared by every layer) and run through one scaled_dot_product_attention call
+with a padding mask. Extend requests are attended one by one; a request with no cached
+prefix uses its fresh K/V directly.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from spruce.runtime.attention.base import AttentionBackend, ForwardContext
 @dataclass(slots=True)
 class _DecodeGroup:
     rows: torch.Tensor  # [Bd] rows of q that are decode tokens
-    slots: torch.Tensor  # [Bd, L] context slots, padded with slot 0
-    mask: torch.Tensor | None  # [Bd, 1, 1, L] True = attend; None when no padding
+    table_rows: torch.Tensor  # [Bd] their rows in the request-to-token table
+    seq_lens: torch.Tensor  # [Bd] context lengths including the new token
+    slots: torch.Tensor | None = None  # [Bd, L] context slots padded with slot 0 (torch path)
+    mask: torch.Tensor | None = None  # [Bd, 1, 1, L] True = attend; None when no padding
 
 
 @dataclass(slots=True)
@@ -40,6 +44,15 @@ class _TorchState:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, pool, req_to_token, num_heads: int, head_dim: int) -> None:
+        super().__init__(pool, req_to_token, num_heads, head_dim)
+        self.cpu_kernel = None
+        if pool.device.type == "cpu" and pool.shape.dtype == torch.float32:
+            from spruce.runtime.kernels.cpu_attention import CpuDecodeAttention
+
+            kernel = CpuDecodeAttention(torch.get_num_threads())
+            self.cpu_kernel = kernel if kernel.available else None
+
     def prepare(self, ctx: ForwardContext) -> None:
         starts = ctx.extend_start_loc_cpu
         decode_ids = [b for b, n in enumerate(ctx.extend_lens_cpu) if n == 1]
@@ -52,17 +65,21 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_group(self, ctx: ForwardContext, ids: list[int], starts: list[int]) -> _DecodeGroup:
         device = ctx.positions.device
         seq_lens = [ctx.prefix_lens_cpu[b] + 1 for b in ids]
-        max_len = max(seq_lens)
-        rows_in_table = ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
-        slots = self.req_to_token.table[rows_in_table, :max_len].to(torch.int64)
-        mask = None
-        if min(seq_lens) != max_len:
-            lens = torch.tensor(seq_lens, device=device)
-            keep = torch.arange(max_len, device=device)[None, :] < lens[:, None]
-            slots = slots.masked_fill(~keep, 0)
-            mask = keep[:, None, None, :]
+        table_rows = ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
         rows = torch.tensor([starts[b] for b in ids], device=device)
-        return _DecodeGroup(rows, slots, mask)
+        group = _DecodeGroup(rows, table_rows, torch.tensor(seq_lens, device=device))
+        if self.cpu_kernel is None:
+            self._pad_slots(group, seq_lens)
+        return group
+
+    def _pad_slots(self, group: _DecodeGroup, seq_lens: list[int]) -> None:
+        max_len = max(seq_lens)
+        slots = self.req_to_token.table[group.table_rows, :max_len].to(torch.int64)
+        if min(seq_lens) != max_len:
+            keep = torch.arange(max_len, device=slots.device)[None, :] < group.seq_lens[:, None]
+            slots = slots.masked_fill(~keep, 0)
+            group.mask = keep[:, None, None, :]
+        group.slots = slots
 
     def _extend(self, ctx: ForwardContext, b: int, start: int) -> _Extend:
         prefix, length = ctx.prefix_lens_cpu[b], ctx.extend_lens_cpu[b]
@@ -89,6 +106,10 @@ class TorchAttentionBackend(AttentionBackend):
         return o
 
     def _attend_decode(self, q: torch.Tensor, layer: int, group: _DecodeGroup) -> torch.Tensor:
+        if self.cpu_kernel is not None:
+            k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+            table = self.req_to_token.table
+            return self.cpu_kernel(q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale)
         batch, length = group.slots.shape
         flat = group.slots.flatten()
         k = self.pool.k[layer][flat].view(batch, length, -1, self.head_dim).transpose(1, 2)
