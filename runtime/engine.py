@@ -15,16 +15,19 @@ from spruce.runtime.config import EngineConfig
 from spruce.runtime.detokenizer import OutputText, meta_info
 from spruce.runtime.engine_core import EngineCore
 from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.model_loader import LoadedModel
 from spruce.runtime.request import Req
 from spruce.runtime.sampling_params import SamplingParams
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+    def __init__(self, model_path: str | None = None, loaded: LoadedModel | None = None, **options: Any) -> None:
+        """`options` are EngineConfig's (see `spruce serve --help`); `loaded`, an already
+        loaded model (e.g. another engine's `engine.core.loaded`), shares its weights."""
         self.config = EngineConfig.from_options(model_path=model_path, **options)
         if self.config.log_level:
             logging.getLogger("spruce").setLevel(self.config.log_level.upper())
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, loaded)
         self.tokenizer = self.core.tokenizer
 
     # -- public API ---------------------------------------------------------------------------

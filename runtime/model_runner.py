@@ -52,7 +52,7 @@ class ModelRunner:
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         self.pool = KVPool(shape, num_slots, self.device)
         self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)
-        self.model.backend = create_backend(
+        self.backend = create_backend(
             attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim
         )
 
@@ -60,7 +60,7 @@ class ModelRunner:
     def forward(self, items: list[ForwardItem]) -> ForwardOutput:
         ctx, input_ids = self._build(items)
         logits_rows, offsets = self._logits_rows(items)
-        logits = self.model(input_ids, ctx, logits_rows)
+        logits = self.model(input_ids, ctx, self.backend, logits_rows)
         return ForwardOutput(logits.float(), offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:

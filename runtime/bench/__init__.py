@@ -8,6 +8,8 @@ import importlib
 # subcommand -> module with add_arguments(parser) and run(args)
 BENCHMARKS = {
     "offline": "spruce.runtime.bench.offline",
+    "serving": "spruce.runtime.bench.serving",
+    "prefix": "spruce.runtime.bench.prefix",
 }
 
 

@@ -118,7 +118,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [N], ctx, logits_rows) -> logits [len(logits_rows), vocab]."""
+    """forward(input_ids [N], ctx, backend, logits_rows) -> logits [len(logits_rows), vocab].
+
+    The model holds weights only; the attention backend (and its KV pool) is passed per
+    call, so engines can share one model."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -128,14 +131,18 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.backend: AttentionBackend | None = None
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        assert self.backend is not None, "attach an attention backend before running the model"
-        self.backend.prepare(ctx)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        backend: AttentionBackend,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        backend.prepare(ctx)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, ctx.positions, self.rotary, self.backend, ctx)
+            x = layer(x, ctx.positions, self.rotary, backend, ctx)
         if logits_rows is not None:
             x = x[logits_rows]
         x = self.norm(x)

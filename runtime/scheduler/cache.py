@@ -52,6 +52,9 @@ class CacheManager:
         self.table.write(req.row, 0, match.slots)
         req.last_node = match.last_node
         req.computed_len = req.cache_owned_len = match.slots.numel()
+
+    def count_admission(self, req: Req) -> None:
+        """Records the prompt's cache hit at the request's first (kept) admission."""
         if req.cached_len < 0:
             req.cached_len = min(req.computed_len, len(req.prompt_ids))
             self.prompt_tokens += len(req.prompt_ids)

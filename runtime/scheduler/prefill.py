@@ -9,6 +9,9 @@ from spruce.runtime.scheduler.output import ScheduleOutput
 from spruce.runtime.scheduler.policy import get_policy
 
 
+IN_BATCH_SHARE_MIN = 32  # shared uncached tokens that make a request wait one step
+
+
 class PrefillManager:
     """Owns the waiting queue. Each step it first continues running requests that still
     have several tokens to compute (chunked prompts, jump-forward text), then admits new
@@ -44,6 +47,9 @@ class PrefillManager:
             if not self._has_room(running, admitted, budget):
                 break
             self.cache.admit(req)
+            if self._shares_with_batch(req, admitted):
+                self.cache.release(req)  # next step its prefix is cached: wait for it
+                continue
             n = min(req.remaining, budget)
             reserve += self._future_tokens(req)
             slots = self.cache.alloc(n) if self.cache.available >= req.remaining + reserve else None
@@ -52,12 +58,24 @@ class PrefillManager:
                 break
             self._admitted += 1
             req.admit_order = self._admitted
+            self.cache.count_admission(req)
             out.add(req, n, slots)
             admitted.append(req)
             budget -= n
         admitted_ids = {id(r) for r in admitted}
         self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
         return admitted
+
+    def _shares_with_batch(self, req: Req, admitted: list[Req]) -> bool:
+        """True when a request admitted this step is about to compute a long stretch of
+        this one's uncached tokens (in-batch prefix sharing: compute it once)."""
+        if not self.cache.shares_prefixes:
+            return False
+        start = req.computed_len
+        mine = req.token_ids(start, start + IN_BATCH_SHARE_MIN)
+        if len(mine) < IN_BATCH_SHARE_MIN:
+            return False
+        return any(other.token_ids(start, start + IN_BATCH_SHARE_MIN) == mine for other in admitted[-64:])
 
     def _has_room(self, running: list[Req], admitted: list[Req], budget: int) -> bool:
         count = len(running) + len(admitted)

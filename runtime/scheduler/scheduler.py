@@ -109,12 +109,13 @@ class Scheduler:
             req.computed_len += out.extend_lens[i]
             self._record_prompt_logprobs(req, result.prompt_logprobs[i])
             token = result.next_token_ids[i]
+            if out.extend_lens[i] > 1:
+                # a prompt chunk or jump-forward text: share it now, not when the request ends
+                self.cache.cache_partial(req)
             if token is not None:
                 self._append(req, token, result.token_logprobs[i])
             elif req.remaining == 0:  # max_new_tokens == 0: the prompt is now cached
                 self._finish(req, FinishReason("length"))
-            else:
-                self.cache.cache_partial(req)
             if token is not None or req.finished:
                 changed.append(req)
         return changed
