@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.radix import NoPrefixCache, RadixCache
+from spruce.runtime.attention import resolve_backend
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.memory_pool import KVShape, pool_slots_for_budget
@@ -54,10 +55,11 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded,
             num_slots=self._num_slots(device),
-            max_requests=config.scheduler.max_running_requests + 1,
+            max_requests=config.scheduler.max_running_requests + 2,  # + CUDA graph padding row
             max_context_len=self.context_len,
-            attention_backend=_backend_name(config, device),
+            attention_backend=resolve_backend(config.model.attention_backend, device),
             device=device,
+            cuda_graph=not config.model.disable_cuda_graph,
         )
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
@@ -199,10 +201,3 @@ class EngineCore:
             "steps_total": s.steps,
             "time": time.time(),
         }
-
-
-def _backend_name(config: EngineConfig, device: str) -> str:
-    name = config.model.attention_backend
-    if name != "auto":
-        return name
-    return "torch"  # the GPU issue adds triton / flashinfer selection

@@ -43,6 +43,7 @@ class ModelRunner:
         max_context_len: int,
         attention_backend: str = "torch",
         device: str = "cpu",
+        cuda_graph: bool = False,
     ) -> None:
         config = loaded.config
         self.model = loaded.model
@@ -55,12 +56,21 @@ class ModelRunner:
         self.backend = create_backend(
             attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim
         )
+        self.graphs = None
+        if cuda_graph and self.device.type == "cuda" and attention_backend == "triton":
+            from spruce.runtime.cuda_graph import CudaGraphRunner
+
+            padding_row = self.req_to_token.alloc_row()  # a spare row for padded graph batches
+            self.graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, max_requests - 1, padding_row)
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> ForwardOutput:
         ctx, input_ids = self._build(items)
         logits_rows, offsets = self._logits_rows(items)
-        logits = self.model(input_ids, ctx, self.backend, logits_rows)
+        if self.graphs is not None and ctx.is_decode and logits_rows is None and self.graphs.can_run(len(items)):
+            logits = self.graphs.run(input_ids, ctx.positions, ctx.out_slots, ctx.req_pool_indices)
+        else:
+            logits = self.model(input_ids, ctx, self.backend, logits_rows)
         return ForwardOutput(logits.float(), offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
