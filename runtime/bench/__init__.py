@@ -10,6 +10,7 @@ BENCHMARKS = {
     "offline": "spruce.runtime.bench.offline",
     "serving": "spruce.runtime.bench.serving",
     "prefix": "spruce.runtime.bench.prefix",
+    "gpu": "spruce.runtime.bench.gpu",
 }
 
 
