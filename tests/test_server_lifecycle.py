@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from test_server import child_pids, pid_alive, start_server, stop_server
+from test_server import child_pids, free_port, pid_alive, start_server, stop_server
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
@@ -69,3 +72,47 @@ def test_scheduler_exits_when_the_front_end_is_killed(tiny_llama_dir, tmp_path, 
     server.proc.send_signal(getattr(signal, signal_name))
     server.proc.wait(10)
     assert wait_gone(children, 10) == [], "an orphaned child kept running"
+
+
+def test_health_is_503_while_loading_then_200(tiny_llama_dir, tmp_path):
+    port, zmq_port = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "spruce.runtime", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
+        "--zmq-port", str(zmq_port), "--num-threads", "1", "--kv-memory-gb", "0.02",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            seen.append((r.status_code, r.json().get("error", {}).get("message", "")))
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0].decode()
+    assert seen and seen[-1][0] == 200, output
+    assert all(code == 503 and "loading" in message for code, message in seen[:-1])
+    assert len(seen) > 1, "the server should answer 503 while the model loads"
+    assert "Spruce server ready" in output and f"http://127.0.0.1:{port}" in output
+
+
+@pytest.mark.parametrize("problem", ["missing model", "port in use"])
+def test_startup_errors_are_clear(tmp_path, problem, tiny_llama_dir):
+    port = free_port()
+    model = str(tmp_path / "no-such-model") if problem == "missing model" else str(tiny_llama_dir)
+    with socket.socket() as busy:
+        if problem == "port in use":
+            busy.bind(("127.0.0.1", port))
+            busy.listen()
+        cmd = [sys.executable, "-m", "spruce.runtime", "serve", "--model", model, "--port", str(port), "--zmq-port", str(free_port())]  # fmt: skip
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    expected = "does not exist" if problem == "missing model" else "pick another port with --port"
+    assert expected in result.stderr, result.stderr

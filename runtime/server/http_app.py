@@ -86,7 +86,7 @@ class ServerState:
         return self.manager.in_flight
 
 
-def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> Any:
+def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:
     from spruce.runtime.server.openai_api import router as openai_router
 
     app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
@@ -94,31 +94,34 @@ def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> 
     app.include_router(native_routes())
     app.include_router(openai_router)
     _add_error_handlers(app)
-    return GuardMiddleware(app, launcher.options.api_key, launcher.options.max_request_bytes, launcher)
+    return app
 
 
 # -- middleware ----------------------------------------------------------------------------
 
 
 class GuardMiddleware:
-    """API key (every route but /health), body size limit (413), 503 while draining.
-    The body is read here (bounded) and replayed to the app."""
+    """The outer ASGI layer: 503 while the model loads (`app` is None) and while the server
+    drains; the API key on every route but /health (401); the body size limit (413). The
+    body is read here (bounded) and replayed to the app."""
 
-    def __init__(self, app, api_key: str | None, max_bytes: int, launcher) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_bytes = max_bytes
+    def __init__(self, options, launcher) -> None:
+        self.app = None  # set once the model is loaded
+        self.expected = f"Bearer {options.api_key}".encode() if options.api_key else None
+        self.max_bytes = options.max_request_bytes
         self.launcher = launcher
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            return
         headers = dict(scope["headers"])
-        if self.launcher.draining and scope["path"] != "/health":
+        if self.launcher.draining:
             return await _send_error(send, 503, "the server is shutting down")
         if self.expected is not None and scope["path"] != "/health":
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")  # fmt: skip
+        if self.app is None:
+            return await _send_error(send, 503, "the model is still loading; retry when /health answers 200")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, _too_large(self.max_bytes))

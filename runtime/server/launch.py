@@ -87,6 +87,7 @@ class Launcher:
         self.exit_code = 0
         self.draining = False  # set on shutdown: new requests get 503
         self.http: _Uvicorn | None = None
+        self.guard = None  # the HTTP app's outer layer; serves 503 until the model is loaded
         self.zmq: ZmqFrontend | None = None
         self.manager: RequestManager | None = None
         self.tasks: list[asyncio.Task] = []
@@ -98,25 +99,39 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_shutdown, sig)
         http_socket = _bind_http(self.options.host, self.options.port)
+        self.zmq = _bind_zmq(self.context, self.options)
         sender, receiver = self._scheduler_sockets()
+        http_task = self._start_http(http_socket)  # answers 503 until the model is loaded
         try:
             self._start_scheduler()
             ready = await self._wait_ready(receiver)
             if ready is not None:
-                await self._serve(ready, sender, receiver, http_socket)
+                await self._serve(ready, sender, receiver)
         finally:
+            self.http.should_exit = True
+            await http_task
             for task in self.tasks[1:]:  # all but the receiver, which the shutdown reply needs
                 task.cancel()
             await self._stop_scheduler()
             for task in self.tasks[:1]:
                 task.cancel()
-            if self.zmq is not None:
-                self.zmq.close()
+            self.zmq.close()
             http_socket.close()
             sender.close(linger=0)
             receiver.close(linger=0)
             self.context.term()
         return self.exit_code
+
+    def _start_http(self, http_socket: socket.socket) -> asyncio.Task:
+        from spruce.runtime.server.http_app import GuardMiddleware
+
+        self.guard = GuardMiddleware(self.options, self)
+        grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
+        config = uvicorn.Config(
+            self.guard, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace, access_log=False
+        )
+        self.http = _Uvicorn(config)
+        return asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
 
     def _scheduler_sockets(self):
         sender = zmq.Context.instance().socket(zmq.PUSH)
@@ -155,7 +170,7 @@ class Launcher:
                 raise StartupError(f"the model did not load within {self.options.startup_timeout_s:g} s")
         return None
 
-    async def _serve(self, ready: Ready, sender, receiver, http_socket: socket.socket) -> None:
+    async def _serve(self, ready: Ready, sender, receiver) -> None:
         from spruce.runtime.model_loader import load_tokenizer
         from spruce.runtime.server.http_app import build_app
 
@@ -164,15 +179,7 @@ class Launcher:
         model = ModelContext(tokenizer, name, ready.model_path, ready.context_length, ready.vocab_size)
         metrics = Metrics()
         self.manager = RequestManager(sender, receiver, tokenizer, observer=metrics)
-        zmq_address = f"tcp://{_zmq_host(self.options.host)}:{self.options.zmq_port}"
-        try:
-            self.zmq = ZmqFrontend(self.context, zmq_address, self.manager, model, self.options.max_request_bytes)
-        except zmq.ZMQError as e:
-            raise StartupError(f"cannot listen on {zmq_address} ({e}); pick another port with --zmq-port") from None
-        app = build_app(self, model, metrics, ready)
-        grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace, access_log=False)
-        self.http = _Uvicorn(config)
+        self.zmq.attach(self.manager, model)
         self.tasks = [
             asyncio.ensure_future(self.manager.receive_forever()),
             asyncio.ensure_future(self.zmq.serve_forever()),
@@ -182,20 +189,16 @@ class Launcher:
             in_flight = lambda: self.manager.in_flight  # noqa: E731
             self.tasks.append(asyncio.ensure_future(metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)))  # fmt: skip
         self._watch_scheduler()
-        self._announce(ready, name, zmq_address)
-        http_task = asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
-        if self.draining:  # a signal came while starting
-            self.http.should_exit = True
+        self.guard.app = build_app(self, model, metrics, ready)
+        self._announce(ready, name)
         await self.stopping.wait()  # set once in-flight requests are done or aborted
-        self.http.should_exit = True
-        await http_task
 
-    def _announce(self, ready: Ready, name: str, zmq_address: str) -> None:
+    def _announce(self, ready: Ready, name: str) -> None:
         host, port = self.options.host, self.options.port
         print(
             f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots)\n"
             f"  HTTP    http://{host}:{port}  (native: /generate; OpenAI: /v1; /health, /metrics)\n"
-            f"  ZeroMQ  {zmq_address}",
+            f"  ZeroMQ  {self.zmq.address}",
             flush=True,
         )
         if self.options.api_key and _zmq_host(host) not in ("127.0.0.1", "localhost", "::1"):
@@ -231,10 +234,8 @@ class Launcher:
         if sig is not None:
             logger.info("received %s: draining and shutting down", signal.Signals(sig).name)
         grace = self.options.shutdown_timeout_s if grace_s is None else grace_s
-        if self.zmq is not None:
-            self.zmq.accepting = False
-        if self.http is not None:
-            self.http.should_exit = True  # stop accepting connections; open ones continue
+        self.zmq.accepting = False
+        self.http.should_exit = True  # stop accepting connections; open ones continue
         asyncio.ensure_future(self._drain(grace))
 
     async def _drain(self, grace_s: float) -> None:
@@ -290,6 +291,14 @@ def _bind_http(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(False)
     return sock
+
+
+def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFrontend:
+    address = f"tcp://{_zmq_host(options.host)}:{options.zmq_port}"
+    try:
+        return ZmqFrontend(context, address, options.max_request_bytes)
+    except zmq.ZMQError as e:
+        raise StartupError(f"cannot listen on {address} ({e}); pick another port with --zmq-port") from None
 
 
 def _zmq_host(host: str) -> str:

@@ -152,6 +152,10 @@ class SchedulerLoop:
             except InvalidRequestError as e:
                 self._send(RequestFailed(spec.rid, str(e), 400))
                 continue
+            except Exception:  # a bug, not the request's fault: answer it, keep serving
+                logger.exception("could not add request %s", spec.rid)
+                self._send(RequestFailed(spec.rid, "internal error while adding the request (see the server log)", 500))  # fmt: skip
+                continue
             self.tracked[spec.rid] = Tracked(req)
 
     def _make(self, spec: RequestSpec) -> Req:
@@ -175,6 +179,10 @@ class SchedulerLoop:
             data = self._control(msg.command)
         except InvalidRequestError as e:
             self._send(ControlReply(msg.id, ok=False, error=str(e)))
+            return
+        except Exception as e:
+            logger.exception("control command %r failed", msg.command)
+            self._send(ControlReply(msg.id, ok=False, error=f"internal error: {e!r}"))
             return
         self._send(ControlReply(msg.id, ok=True, data=data))
 

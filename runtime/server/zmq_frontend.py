@@ -34,18 +34,18 @@ FLUSH_TIMEOUT_S = 30.0
 
 
 class ZmqFrontend:
-    def __init__(
-        self, context: zmq.asyncio.Context, address: str, manager: RequestManager, model: ModelContext,
-        max_request_bytes: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, context: zmq.asyncio.Context, address: str, max_request_bytes: int) -> None:
+        """Binds at once (a port in use fails the start early); serves after `attach`, so
+        messages sent while the model loads wait in the socket."""
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_request_bytes)  # beyond: the peer is dropped
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
-        self.manager = manager
-        self.model = model
+        self.address = address
         self.max_request_bytes = max_request_bytes
+        self.manager: RequestManager | None = None
+        self.model: ModelContext | None = None
         self.calls: dict[tuple[bytes, str], Call] = {}
         self.tasks: set[asyncio.Task] = set()
         self.accepting = True
@@ -55,6 +55,9 @@ class ZmqFrontend:
             ModelInfoMsg: self._on_model_info,
             FlushCacheMsg: self._on_flush_cache,
         }
+
+    def attach(self, manager: RequestManager, model: ModelContext) -> None:
+        self.manager, self.model = manager, model
 
     @property
     def in_flight(self) -> int:
