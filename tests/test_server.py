@@ -623,3 +623,47 @@ def test_required_tool_schema_shape():
     branches = schema["items"]["anyOf"]
     assert [b["properties"]["name"]["const"] for b in branches] == ["f", "g"]
     assert branches[1]["properties"]["arguments"] == {"type": "object"}
+
+
+# -- internal messages and the front end's detokenizer (no server) --------------------------------
+
+
+def test_internal_messages_round_trip():
+    from spruce.runtime.server.messages import NewRequests, ReqUpdate, RequestSpec, StepOutput, decode, encode
+
+    msg = NewRequests([RequestSpec("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ("a",)}, stream=True)])
+    back = decode(encode(msg))
+    assert isinstance(back.requests[0], RequestSpec) and back.requests[0].sampling_params["stop"] == ["a"]
+    step = StepOutput([ReqUpdate("r1", 0, [5], 2, finish={"type": "length", "matched": None})], 1, 0)
+    assert decode(encode(step)) == step
+
+
+def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
+    """A scheduler update that keeps fewer ids than were sent (jump-forward re-tokenized the
+    tail) replaces them: the text is re-derived, and no text is sent twice."""
+    from spruce.runtime.sampling_params import SamplingParams
+    from spruce.runtime.server.messages import ReqUpdate
+    from spruce.runtime.server.request_manager import Call, Prepared, RequestState
+
+    ids = tiny_tokenizer.encode('{"name": "Alice", "age": 30}')
+    call = Call(manager=None, tokenizer=tiny_tokenizer, size=1)
+    state = RequestState("r", "r", 0, call, Prepared([1, 2], SamplingParams()), stream=True)
+    first = state.apply(ReqUpdate("r", 0, ids[:3], 0))
+    retokenized = tiny_tokenizer.encode(tiny_tokenizer.decode(ids[:3]) + '"name"')
+    meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": len(retokenized), "cached_tokens": 0, "finish_reason": {"type": "stop", "matched": None}}  # fmt: skip
+    last = state.apply(ReqUpdate("r", 1, retokenized[1:], 0, finish=meta["finish_reason"], meta_info=meta))
+    assert first.text + last.text == tiny_tokenizer.decode(retokenized)
+    assert last.finished and last.result["output_ids"] == retokenized
+
+
+def test_scheduler_side_kept_prefix():
+    from spruce.runtime.request import Req
+    from spruce.runtime.sampling_params import SamplingParams
+    from spruce.runtime.server.scheduler_process import Tracked, _kept
+
+    req = Req("r", [1], SamplingParams())
+    tracked = Tracked(req, sent=[5, 6, 7])
+    req.output_ids = [5, 6, 7, 8]
+    assert _kept(tracked, req) == 3  # appended
+    req.output_ids, req.jump_forward_tokens = [5, 9, 10, 11], 2
+    assert _kept(tracked, req) == 1  # the tail was re-tokenized

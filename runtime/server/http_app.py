@@ -2,8 +2,8 @@
 /abort_request, /health, /metrics) and the OpenAI-compatible routes (openai_api.py).
 
 Every error is an OpenAI-style error object `{"error": {"message", "type", "param", "code"}}`
-with its status code. A ASGI middleware in front of everything checks the API key and
-the body size, and refuses new requests while the server drains.
+with its status code. An ASGI middleware in front of everything checks the API key and
+the body size, and answers 503 while the model loads and while the server drains.
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ def native_routes():
         if not isinstance(rid, str):
             raise ApiError(400, "give the request id to abort as {\"rid\": \"...\"}", param="rid")
         manager = server_of(request).manager
-        rids = [r for r in (rid, *(f"{rid}-{i}" for i in range(_MAX_BATCH))) if manager.is_in_flight(r)]
+        rids = manager.in_flight_matching(rid)
         manager.abort(rids)
         return json_response({"aborted": len(rids)})
 
@@ -368,9 +368,6 @@ def native_routes():
         return json_response(results[0] if single else results)
 
     return router
-
-
-_MAX_BATCH = 1024
 
 
 async def _stats(server: ServerState) -> dict:

@@ -9,6 +9,7 @@ Client -> server, one message per call:
    "return_logprob", "logprob_start_len", "top_logprobs_num", "stream"}
       text / input_ids may be a list (a batch); a batch is answered by one "final"
       message whose "results" holds one result per input (streaming a batch is an error).
+      For a batch, sampling_params may also be a list (one dict per input).
   {"type": "abort", "rid"}                 aborts the request with that rid
   {"type": "model_info", "rid"}            model name, context length, chat template
   {"type": "flush_cache", "rid"}           empties the prefix cache (refused while busy)
@@ -18,6 +19,19 @@ Server -> client, tagged with the request's rid:
   {"type": "final", "rid", "text", "output_ids", "meta_info"}   (whole text; or "results")
   {"type": "info", "rid", ...}                                   (model_info / flush_cache)
   {"type": "error", "rid", "message", "status"}                  (status: an HTTP-like code)
+
+Details:
+  - A streamed request gets chunks, then one final message (whole text, all output ids,
+    full meta_info). A chunk's "text" / "output_ids" are what is new; its meta_info has the
+    counters so far (prompt_tokens, completion_tokens, cached_tokens, finish_reason) and
+    the logprobs of that chunk's tokens only (input logprobs ride on the first chunk).
+  - An aborted request is answered by its final message, with what it generated so far and
+    meta_info.finish_reason.type == "abort".
+  - rids belong to the client (its DEALER identity): two clients may use the same rid, one
+    client may not reuse a rid that is still in flight.
+  - error status: 400 bad request (the message says what to change), 413 message too large,
+    503 shutting down or the scheduler is gone, 500 an internal error. The server keeps
+    serving after any of them.
 
 The message classes below are the one definition of these shapes; `encode` / `decode`
 are the only (de)serializers.
@@ -40,7 +54,7 @@ class GenerateMsg:
     rid: str
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = field(default_factory=dict)
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

@@ -228,6 +228,11 @@ class RequestManager:
     def is_in_flight(self, rid: str) -> bool:
         return rid in self.states
 
+    def in_flight_matching(self, rid: str) -> list[str]:
+        """The request `rid` or, for a batch submitted under that rid, its `rid-<i>` items."""
+        prefix = rid + "-"
+        return [r for r in self.states if r == rid or (r.startswith(prefix) and r[len(prefix) :].isdigit())]
+
     # -- control round trips ---------------------------------------------------------------
 
     async def control(self, command: str, timeout: float) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -44,6 +45,7 @@ PARENT_CHECK_S = 0.5
 def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> None:
     """Entry point of the spawned process: load the model, say Ready, serve until told to stop."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end drains
     watch_parent(os.getppid())
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
