@@ -296,24 +296,25 @@ def test_json_schema_response_format(client, model_name):
 
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
         "required": ["name", "age"],
         "additionalProperties": False,
     }
     r = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=60,
+        model=model_name, messages=[{"role": "user", "content": "A person as JSON"}], max_tokens=150,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
     )  # fmt: skip
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 @pytest.mark.xfail(strict=False, reason=CONSTRAINTS_PENDING)
-def test_required_tool_call(client, model_name):
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_tool_call(client, model_name, tool_choice):
     import jsonschema
 
     params = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
         "required": ["city", "days"],
         "additionalProperties": False,
     }
@@ -323,13 +324,19 @@ def test_required_tool_call(client, model_name):
     ]
     r = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0,
+        tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=150, temperature=0,
     )  # fmt: skip
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    call = choice.message.tool_calls[0]
-    assert call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), params)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    if tool_choice != "required":
+        assert call.function.name == "get_weather"
+    if call.function.name == "get_weather":
+        jsonschema.validate(arguments, params)
+    else:
+        assert call.function.name == "get_time" and isinstance(arguments, dict)
 
 
 def test_tool_choice_validation(http, model_name):
@@ -667,3 +674,19 @@ def test_scheduler_side_kept_prefix():
     assert _kept(tracked, req) == 3  # appended
     req.output_ids, req.jump_forward_tokens = [5, 9, 10, 11], 2
     assert _kept(tracked, req) == 1  # the tail was re-tokenized
+
+
+def test_constrained_tool_output_becomes_tool_calls():
+    from spruce.runtime.server.openai_api import ChatRequest, ToolPlan
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    named = ToolPlan.of(ChatRequest(**base, tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert named.schema["properties"]["name"] == {"const": "f"}
+    content, calls = named.calls_from('{"name": "f", "arguments": {"a": 1}}')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    required = ToolPlan.of(ChatRequest(**base, tool_choice="required"))
+    content, calls = required.calls_from('[{"name": "f", "arguments": {}}, {"name": "f", "arguments": {"b": 2}}]')
+    assert content is None and [c["function"]["arguments"] for c in calls] == ["{}", '{"b": 2}']
+    assert required.calls_from('[{"name": "f", "argu') == ('[{"name": "f", "argu', [])  # cut by max_tokens
+    assert ToolPlan.of(ChatRequest(**base, tool_choice="none")).schema is None
