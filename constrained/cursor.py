@@ -1,0 +1,195 @@
+"""Per-request matching state over a shared CompiledGrammar."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import torch
+
+from spruce.constrained.jump_forward import JumpForward, retokenize_tail
+
+if TYPE_CHECKING:
+    from spruce.constrained.grammar import CompiledGrammar
+
+FINISHED = -1  # index state after EOS was accepted
+RETOKENIZE_WINDOW = 3  # output tokens re-tokenized together with a forced text
+_NO_CHARS: tuple[int | None, bytes] = (None, b"")
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class GrammarCursor:
+    """Where one request stands in its grammar. Cheap: a few list entries per accepted token.
+
+    Keeps one entry per accepted token (so `rollback` can undo any number of them): the
+    token-index state, and the character-automaton state with the bytes of a UTF-8
+    character still incomplete (the char state is None once the two automata disagree,
+    which only disables jump-forward). Not thread-safe: one request, one thread."""
+
+    __slots__ = ("grammar", "_states", "_chars", "_tokens")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        automaton = grammar.char_automaton
+        self._states = [grammar.initial_state]
+        self._chars = [_NO_CHARS if automaton is None else (automaton.initial, b"")]
+        self._tokens: list[int] = []
+
+    # -- matching ---------------------------------------------------------------------------
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances over `token_id`; False (and no change) when it is not allowed. EOS is
+        allowed only in accepting states and finishes the cursor (nothing follows it)."""
+        state = self._states[-1]
+        if state == FINISHED:
+            return False
+        if token_id in self.grammar.vocab.eos_token_ids:
+            if not self.grammar.is_final(state):
+                return False
+            self._push(FINISHED, self._chars[-1], token_id)
+            return True
+        next_state = self.grammar.next_state(state, token_id)
+        if next_state is None:
+            return False
+        self._push(next_state, self._advance_chars(token_id), token_id)
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes this cursor's allowed tokens into `bitmask[row]` (int32, packed; see
+        bitmask.py). A finished cursor allows only EOS."""
+        state = self._states[-1]
+        mask = self.grammar.vocab.eos_mask if state == FINISHED else self.grammar.mask(state)
+        words = mask.shape[0]
+        if bitmask.shape[-1] < words:
+            raise ValueError(
+                f"bitmask rows have {bitmask.shape[-1]} words; this grammar needs {words}"
+            )
+        bitmask[row, :words].copy_(mask)
+        if bitmask.shape[-1] > words:
+            bitmask[row, words:] = 0
+
+    def can_end(self) -> bool:
+        """The output so far matches the whole constraint: EOS is allowed (or was taken)."""
+        state = self._states[-1]
+        return state == FINISHED or self.grammar.is_final(state)
+
+    def is_terminated(self) -> bool:
+        """No token but EOS can follow (or EOS was taken): the request must stop now. If
+        also not `can_end()`, the vocabulary cannot complete the constraint (a dead end)."""
+        state = self._states[-1]
+        return state == FINISHED or not self.grammar.has_continuation(state)
+
+    def rollback(self, n: int) -> None:
+        """Undoes the last `n` accepted tokens (EOS included)."""
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot roll back {n} tokens; {len(self._tokens)} accepted")
+        if n:
+            del self._states[-n:], self._chars[-n:], self._tokens[-n:]
+
+    def copy(self) -> GrammarCursor:
+        clone = GrammarCursor.__new__(GrammarCursor)
+        clone.grammar = self.grammar
+        clone._states = list(self._states)
+        clone._chars = list(self._chars)
+        clone._tokens = list(self._tokens)
+        return clone
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def state(self) -> int:
+        """The token-index state (FINISHED after EOS); for debugging and tests."""
+        return self._states[-1]
+
+    # -- jump-forward -----------------------------------------------------------------------
+
+    def jump_forward_text(self) -> str:
+        """The forced text from the current state ('' when none or unknown)."""
+        char_state = self._chars[-1][0]
+        if self._states[-1] == FINISHED or char_state is None:
+            return ""
+        return self.grammar.char_automaton.forced_text(char_state)
+
+    def jump_forward(
+        self, output_ids: Sequence[int], tokenizer: _Encoder, min_forced_chars: int = 2
+    ) -> JumpForward | None:
+        """If the current state starts a forced text of at least `min_forced_chars`
+        characters, appends it: the last few output tokens plus the forced text are
+        re-tokenized canonically, the tokens that change are rolled back, and the cursor
+        ends advanced over the new tokens. None (cursor unchanged) when there is nothing to
+        force or the index refuses the re-tokenized tokens; plain decoding then continues.
+
+        `output_ids` must end with the tokens this cursor accepted."""
+        forced = self.jump_forward_text()
+        if len(forced) < max(min_forced_chars, 1):
+            return None
+        pending = self._chars[-1][1]
+        forced_bytes = forced.encode()
+        if not forced_bytes.startswith(pending):
+            return None
+        tokens = self._tokens
+        tail_len = min(len(tokens), len(output_ids), RETOKENIZE_WINDOW + 4)
+        if list(output_ids[len(output_ids) - tail_len :]) != tokens[len(tokens) - tail_len :]:
+            raise ValueError("output_ids do not end with the tokens this cursor accepted")
+        plan = retokenize_tail(
+            tokens[len(tokens) - tail_len :],
+            forced_bytes[len(pending) :],
+            self.grammar.vocab.token_bytes,
+            tokenizer,
+            RETOKENIZE_WINDOW,
+        )
+        if plan is None or not self._accepts(plan[0], plan[1]):
+            return None
+        rollback, new_ids = plan
+        self.rollback(rollback)
+        for token_id in new_ids:
+            accepted = self.accept_token(token_id)
+            assert accepted, "checked by _accepts"
+        return JumpForward(rollback=rollback, new_ids=new_ids, text=forced)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _accepts(self, rollback: int, token_ids: list[int]) -> bool:
+        state = self._states[len(self._states) - 1 - rollback]
+        for token_id in token_ids:
+            state = self.grammar.next_state(state, token_id)
+            if state is None:
+                return False
+        return True
+
+    def _push(self, state: int, chars: tuple[int | None, bytes], token_id: int) -> None:
+        self._states.append(state)
+        self._chars.append(chars)
+        self._tokens.append(token_id)
+
+    def _advance_chars(self, token_id: int) -> tuple[int | None, bytes]:
+        char_state, pending = self._chars[-1]
+        if char_state is None:
+            return _NO_CHARS
+        text, pending = _split_utf8(pending + self.grammar.vocab.token_bytes[token_id])
+        if text is None:
+            return _NO_CHARS
+        char_state = self.grammar.char_automaton.walk(char_state, text)
+        return _NO_CHARS if char_state is None else (char_state, pending)
+
+
+def _split_utf8(data: bytes) -> tuple[str | None, bytes]:
+    """(complete characters, bytes of a trailing incomplete character); text None if the
+    bytes are not UTF-8."""
+    cut = len(data)
+    for i in range(len(data) - 1, max(len(data) - 4, -1), -1):
+        lead = data[i]
+        if lead & 0xC0 == 0x80:
+            continue
+        width = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+        if i + width > len(data):
+            cut = i
+        break
+    try:
+        return data[:cut].decode("utf-8"), data[cut:]
+    except UnicodeDecodeError:
+        return None, b""

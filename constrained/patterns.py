@@ -1,0 +1,168 @@
+"""Regex building blocks: dtype regexes, JSON-safe string formats, literal escaping.
+
+Every regex here is accepted by all three engines that see it: outlines-core (Rust `regex`
+syntax), interegular (the character automaton for jump-forward) and Python `re` (tests).
+"""
+
+from __future__ import annotations
+
+# One JSON string character: anything but '"', '\\' and control characters, or an escape.
+# (The same as outlines-core's STRING_INNER.)
+JSON_STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
+JSON_STRING = f'"{JSON_STRING_CHAR}*"'
+
+JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+_JSON_SCALAR = f"(?:{JSON_STRING}|{JSON_NUMBER}|true|false|null)"
+ANY_JSON_DEPTH = 2  # containers inside containers; outlines-core's own "any" (depth 3) takes
+# more than 30 s to index with a 49k vocabulary, depth 2 about 1 s
+
+
+def json_value_regex(depth: int = ANY_JSON_DEPTH) -> str:
+    """Any (compact) JSON value with containers nested at most `depth` deep."""
+    if depth == 0:
+        return _JSON_SCALAR
+    inner = json_value_regex(depth - 1)
+    return f"(?:{_JSON_SCALAR}|{json_object_regex(inner)}|{json_array_regex(inner)})"
+
+
+def json_object_regex(value: str) -> str:
+    return rf"\{{(?:{JSON_STRING}:{value}(?:,{JSON_STRING}:{value})*)?\}}"
+
+
+def json_array_regex(value: str) -> str:
+    return rf"\[(?:{value}(?:,{value})*)?\]"
+
+
+DTYPE_REGEXES = {
+    "int": r"-?(0|[1-9][0-9]*)",
+    "float": JSON_NUMBER,
+    "bool": r"(True|False)",  # Python literals, like SGLang's gen(dtype=bool)
+    "str": JSON_STRING,
+}
+
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999
+_MONTH_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+    r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_LEAP_DAY = f"{_LEAP_YEAR}-02-29"
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_DAY})"
+_TIME = (
+    r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?"
+    r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+)
+_LABEL = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?"
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+_URI_CHAR = r"[A-Za-z0-9._~%!$&'()*+,;=:@/-]"
+
+# JSON-safe regexes (no '"', '\\' or control characters) for the string formats, valid
+# under jsonschema's FormatChecker. Replaces outlines-core's: its email and uri regexes can
+# emit raw '"' / control characters (invalid JSON), its date allows Feb 31, its time emits
+# a literal backslash.
+FORMAT_REGEXES = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "email": (  # dot-atom form, bounded: a random walk must end, the index must stay small
+        f"{_ATEXT}{{1,32}}(?:\\.{_ATEXT}{{1,32}})?@(?:{_HOST_LABEL}\\.){{1,3}}[A-Za-z]{{2,24}}"
+    ),
+    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    "uri": rf"(?:https?|ftp)://{_LABEL}(?:\.{_LABEL})*(?::[0-9]{{1,5}})?(?:/{_URI_CHAR}*)?",
+}
+
+_META = set("\\.^$|?*+()[]{}")
+
+
+def escape_literal(text: str) -> str:
+    """Escapes only regex metacharacters: Rust `regex` rejects escapes such as `\\<`."""
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+def choices_regex(choices: list[str]) -> str:
+    return "(" + "|".join(escape_literal(c) for c in choices) + ")"
+
+
+def strip_anchors(regex: str) -> str:
+    """Drops a leading '^' and a trailing unescaped '$': constraints always match the whole
+    output, and outlines-core refuses anchors."""
+    if regex.startswith("^"):
+        regex = regex[1:]
+    if regex.endswith("$"):
+        backslashes = len(regex) - 1 - len(regex[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:
+            regex = regex[:-1]
+    return regex
+
+
+# -- end marker -------------------------------------------------------------------------------
+# outlines-core 0.2.x refuses any token whose bytes end exactly one byte past a position where
+# the regex matches (regex-automata reports matches one byte late): with `1(\.5)?` the token
+# "." after "1" is refused, with `(x|cafe)+` the token "xc". So the index is built for
+# `(?:R)<END_MARK>` instead: R's matches are never matches of the indexed regex, nothing is
+# refused, and "R accepts here" reads as "the virtual END_MARK token is allowed here".
+# END_MARK (U+10FFFF, a noncharacter) is removed from every class R has, so it can only end R.
+# `\d` also becomes [0-9] there: Rust's Unicode digits include some Python's `re` and
+# interegular do not know.
+
+END_MARK = "\U0010ffff"
+_END_MARK_RUST = r"\x{10FFFF}"
+_NEGATED_ESCAPES = {"D": "0-9", "W": "\\w", "S": "\\s"}
+
+
+def index_regex(regex: str) -> str:
+    """The regex outlines-core indexes for constraint `regex` (Rust syntax)."""
+    return f"(?:{_exclude_end_mark(regex)}){_END_MARK_RUST}"
+
+
+def _exclude_end_mark(regex: str) -> str:
+    out, i = [], 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\":
+            letter = regex[i + 1 : i + 2]
+            if letter in _NEGATED_ESCAPES:
+                out.append(f"[^{_NEGATED_ESCAPES[letter]}{_END_MARK_RUST}]")
+            else:
+                out.append("[0-9]" if letter == "d" else regex[i : i + 2])
+            i += 2
+        elif char == "[":
+            end = _class_end(regex, i)
+            out.append(f"[{_ascii_digits(regex[i:end])}&&[^{_END_MARK_RUST}]]")
+            i = end
+        else:
+            out.append(f"[^\\n{_END_MARK_RUST}]" if char == "." else char)
+            i += 1
+    return "".join(out)
+
+
+def _class_end(regex: str, start: int) -> int:
+    """Index just past the ']' closing the class that opens at `start` (Python semantics)."""
+    i = start + 1
+    i += regex.startswith("^", i)
+    i += regex.startswith("]", i)
+    while i < len(regex):
+        if regex[i] == "\\":
+            i += 2
+        elif regex.startswith("[:", i) and ":]" in regex[i:]:
+            i = regex.index(":]", i) + 2
+        elif regex[i] == "]":
+            return i + 1
+        else:
+            i += 1
+    return len(regex)
+
+
+def _ascii_digits(char_class: str) -> str:
+    out, i = [], 0
+    while i < len(char_class):
+        if char_class[i] == "\\":
+            escape = char_class[i : i + 2]
+            out.append("0-9" if escape == r"\d" else escape)
+            i += 2
+        else:
+            out.append(char_class[i])
+            i += 1
+    return "".join(out)

@@ -1,0 +1,60 @@
+"""The tokenizer's vocabulary as the constrained decoder sees it, built once per compiler."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import outlines_core
+
+from spruce.constrained.bitmask import num_words, pack_token_ids
+from spruce.constrained.patterns import END_MARK
+
+_END_MARK_BYTES = END_MARK.encode()
+
+
+class _TokenizerLike(Protocol):
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+
+    def token_bytes(self) -> list[bytes]: ...
+
+
+class TokenVocabulary:
+    """Raw bytes of every id below `vocab_size` (the model's logits width, which may exceed
+    the tokenizer's: extra ids have no bytes and are never allowed), the EOS ids, and the
+    outlines-core `Vocabulary`: EOS and other special tokens excluded, plus the virtual
+    `end_mark_id` (= vocab_size, never a model id) for the end marker (see patterns.py).
+
+    Tokens that could spell the end marker are left out too: those containing it and those
+    ending in a proper prefix of its bytes (F4, F4 8F, F4 8F BF). The cost: characters of
+    plane 16 (private use) cannot be split across such tokens. Immutable."""
+
+    def __init__(self, tokenizer: _TokenizerLike, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.num_words = num_words(self.vocab_size)
+        self.eos_token_ids = frozenset(i for i in tokenizer.eos_token_ids if i < self.vocab_size)
+        if not self.eos_token_ids:
+            raise ValueError(
+                "the tokenizer has no EOS token below vocab_size; constraints need one to end"
+            )
+        excluded = tokenizer.special_token_ids | self.eos_token_ids
+        raw = tokenizer.token_bytes()
+        self.token_bytes = [
+            b"" if i >= len(raw) or i in excluded else raw[i] for i in range(self.vocab_size)
+        ]
+        ids_by_bytes: dict[bytes, list[int]] = {}
+        for token_id, data in enumerate(self.token_bytes):
+            if data and not _may_spell_end_mark(data):
+                ids_by_bytes.setdefault(data, []).append(token_id)
+        self.end_mark_id = self.vocab_size
+        ids_by_bytes[_END_MARK_BYTES] = [self.end_mark_id]
+        self.outlines_eos = min(self.eos_token_ids)
+        self.vocabulary = outlines_core.Vocabulary(self.outlines_eos, ids_by_bytes)
+        self.eos_mask = pack_token_ids(sorted(self.eos_token_ids), self.vocab_size)
+
+
+def _may_spell_end_mark(data: bytes) -> bool:
+    if _END_MARK_BYTES in data:
+        return True
+    return any(data.endswith(_END_MARK_BYTES[:k]) for k in range(1, len(_END_MARK_BYTES)))
