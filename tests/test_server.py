@@ -241,7 +241,9 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client, model_name):
 
 
 def test_completion_stream_with_n(client, model_name):
-    stream = client.completions.create(model=model_name, prompt="Once upon a time", n=2, stream=True, max_tokens=5, seed=1)  # fmt: skip
+    stream = client.completions.create(
+        model=model_name, prompt="Once upon a time", n=2, stream=True, max_tokens=5, seed=1
+    )
     texts = {0: "", 1: ""}
     finished = set()
     for chunk in stream:
@@ -359,7 +361,8 @@ def test_generate_single_batch_and_input_ids(http):
     assert one.status_code == 200
     body = one.json()
     assert len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"]["type"] == "length"
-    batch = http.post("/generate", json={"text": ["Hello", "World"], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})  # fmt: skip
+    params = {"max_new_tokens": 3, "temperature": 0}
+    batch = http.post("/generate", json={"text": ["Hello", "World"], "sampling_params": params})
     assert [len(b["output_ids"]) for b in batch.json()] == [3, 3]
     assert batch.json()[0]["output_ids"][:3] == body["output_ids"][:3]
     ids = http.post("/generate", json={"input_ids": [10, 20, 30], "sampling_params": {"max_new_tokens": 2}})
@@ -434,12 +437,14 @@ def test_zmq_generate_stream_batch(dealer):
     [final] = zmq_call(dealer, {"type": "generate", "rid": "g1", "text": "Hi there", "sampling_params": params})
     assert final["type"] == "final" and final["rid"] == "g1" and len(final["output_ids"]) == 5
     assert final["meta_info"]["id"] == "g1"
-    replies = zmq_call(dealer, {"type": "generate", "rid": "g2", "text": "Hi there", "sampling_params": params, "stream": True})  # fmt: skip
+    stream = {"type": "generate", "rid": "g2", "text": "Hi there", "sampling_params": params, "stream": True}
+    replies = zmq_call(dealer, stream)
     chunks, last = replies[:-1], replies[-1]
     assert {c["type"] for c in chunks} == {"chunk"} and last["type"] == "final"
     assert "".join(c["text"] for c in chunks) == last["text"] == final["text"]
     assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
-    [batch] = zmq_call(dealer, {"type": "generate", "rid": "g3", "input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params})  # fmt: skip
+    batch_msg = {"type": "generate", "rid": "g3", "input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params}
+    [batch] = zmq_call(dealer, batch_msg)
     assert [len(r["output_ids"]) for r in batch["results"]] == [5, 5]
 
 
@@ -467,7 +472,8 @@ def test_zmq_model_info_flush_and_errors(dealer, model_name):
 
 def test_zmq_abort(server, dealer, http):
     params = {"max_new_tokens": 900, "ignore_eos": True}
-    dealer.send(orjson.dumps({"type": "generate", "rid": "long", "text": "go", "sampling_params": params, "stream": True}))  # fmt: skip
+    msg = {"type": "generate", "rid": "long", "text": "go", "sampling_params": params, "stream": True}
+    dealer.send(orjson.dumps(msg))
     first = orjson.loads(dealer.recv())
     assert first["type"] == "chunk"
     dealer.send(orjson.dumps({"type": "abort", "rid": "long"}))
@@ -517,7 +523,8 @@ def test_100_concurrent_requests(server):
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as c:
             async def one(i):
-                r = await c.post("/generate", json={"text": f"request {i}", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})  # fmt: skip
+                params = {"max_new_tokens": 8, "ignore_eos": True}
+                r = await c.post("/generate", json={"text": f"request {i}", "sampling_params": params})
                 return r.status_code, len(r.json()["output_ids"])
 
             return await asyncio.gather(*(one(i) for i in range(100)))
@@ -574,7 +581,9 @@ def test_bad_input(server, http, model_name, path, body, status, text):
 
 
 @pytest.mark.xfail(strict=False, reason=CONSTRAINTS_PENDING)
-@pytest.mark.parametrize("field,value", [("regex", "(unclosed"), ("json_schema", {"type": "object", "patternProperties": {}})])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value", [("regex", "(unclosed"), ("json_schema", {"type": "object", "patternProperties": {}})]
+)
 def test_bad_constraint_is_a_400(server, http, field, value):
     r = http.post("/generate", json={"text": "x", "sampling_params": {field: value, "max_new_tokens": 4}})
     assert r.status_code == 400, r.text
@@ -657,7 +666,10 @@ def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
     state = RequestState("r", "r", 0, call, Prepared([1, 2], SamplingParams()), stream=True)
     first = state.apply(ReqUpdate("r", 0, ids[:3], 0))
     retokenized = tiny_tokenizer.encode(tiny_tokenizer.decode(ids[:3]) + '"name"')
-    meta = {"id": "r", "prompt_tokens": 2, "completion_tokens": len(retokenized), "cached_tokens": 0, "finish_reason": {"type": "stop", "matched": None}}  # fmt: skip
+    meta = {
+        "id": "r", "prompt_tokens": 2, "completion_tokens": len(retokenized), "cached_tokens": 0,
+        "finish_reason": {"type": "stop", "matched": None},
+    }  # fmt: skip
     last = state.apply(ReqUpdate("r", 1, retokenized[1:], 0, finish=meta["finish_reason"], meta_info=meta))
     assert first.text + last.text == tiny_tokenizer.decode(retokenized)
     assert last.finished and last.result["output_ids"] == retokenized

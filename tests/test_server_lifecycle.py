@@ -111,7 +111,10 @@ def test_startup_errors_are_clear(tmp_path, problem, tiny_llama_dir):
         if problem == "port in use":
             busy.bind(("127.0.0.1", port))
             busy.listen()
-        cmd = [sys.executable, "-m", "spruce.runtime", "serve", "--model", model, "--port", str(port), "--zmq-port", str(free_port())]  # fmt: skip
+        cmd = [
+            sys.executable, "-m", "spruce.runtime", "serve", "--model", model, "--port", str(port),
+            "--zmq-port", str(free_port()),
+        ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     expected = "does not exist" if problem == "missing model" else "pick another port with --port"

@@ -35,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=["generate", "completions"], default="generate")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")  # fmt: skip
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)"
+    )
     parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     parser.add_argument("--input-len-min", type=int, default=64)
     parser.add_argument("--input-len-max", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
-    parser.add_argument("--compare-offline", action="store_true", help="also run the requests through the offline Engine")  # fmt: skip
+    parser.add_argument(
+        "--compare-offline", action="store_true", help="also run the requests through the offline Engine"
+    )
     parser.add_argument("--output-json", default=None)
 
 
@@ -178,10 +182,14 @@ def print_report(r: dict) -> None:
     print(f"input tokens/s        {s['input_tokens_per_s']:.1f}")
     print(f"output tokens/s       {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)")
     for name, key in (("TTFT", "ttft_s"), ("inter-token latency", "itl_s"), ("end-to-end latency", "e2e_s")):
-        p = s[key]
-        print(f"{name:<22}mean {p['mean'] * 1e3:.1f} ms, p50 {p['p50'] * 1e3:.1f}, p90 {p['p90'] * 1e3:.1f}, p99 {p['p99'] * 1e3:.1f}")  # fmt: skip
+        ms = {k: v * 1e3 for k, v in s[key].items()}
+        print(f"{name:<22}mean {ms['mean']:.1f} ms, p50 {ms['p50']:.1f}, p90 {ms['p90']:.1f}, p99 {ms['p99']:.1f}")
     if "offline" in r:
-        print(f"offline Engine        {r['offline']['output_tokens_per_s']:.1f} output tokens/s (same requests, at most {r['offline']['max_running_requests']} running)")  # fmt: skip
+        offline = r["offline"]
+        print(
+            f"offline Engine        {offline['output_tokens_per_s']:.1f} output tokens/s "
+            f"(same requests, at most {offline['max_running_requests']} running)"
+        )
         print(f"serving / offline     {r['serving_over_offline']:.3f}")
 
 
@@ -219,11 +227,14 @@ async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dic
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=30) as http:
         info = (await http.get("/model_info")).raise_for_status().json()
         tokenizer = load_tokenizer(info["model_path"])
-        prompts = synthetic_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max, args.prompt_seed)
+        lengths = (args.input_len_min, args.input_len_max)
+        prompts = synthetic_prompts(tokenizer, args.num_prompts, *lengths, args.prompt_seed)
         client = Client(args, info["model"])
         await run_load(client, prompts[:2], math.inf, None, args.prompt_seed)  # warm-up
         await http.post("/flush_cache")
-        results, seconds = await run_load(client, prompts, args.request_rate, args.max_concurrency, args.prompt_seed)
+        results, seconds = await run_load(
+            client, prompts, args.request_rate, args.max_concurrency, args.prompt_seed
+        )
         await client.close()
     return summarize(results, seconds, prompts), prompts, info
 
@@ -234,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"config": config, "model": info["model"], "serving": serving}
     if args.compare_offline:
         result["offline"] = run_offline(args, info["model_path"], prompts)
-        result["serving_over_offline"] = serving["output_tokens_per_s"] / result["offline"]["output_tokens_per_s"]
+        offline_rate = result["offline"]["output_tokens_per_s"]
+        result["serving_over_offline"] = serving["output_tokens_per_s"] / offline_rate
     print_report(result)
     write_json(args.output_json, result)
     return 0 if serving["failed"] == 0 else 1

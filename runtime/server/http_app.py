@@ -119,7 +119,8 @@ class GuardMiddleware:
             return await _send_error(send, 503, "the server is shutting down")
         if self.expected is not None and scope["path"] != "/health":
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")  # fmt: skip
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                return await _send_error(send, 401, message, code="invalid_api_key")
         if self.app is None:
             return await _send_error(send, 503, "the model is still loading; retry when /health answers 200")
         declared = headers.get(b"content-length")

@@ -165,7 +165,8 @@ class Launcher:
                 if isinstance(msg, StartupFailed):
                     raise StartupError(f"the model could not be loaded: {msg.message}")
             elif not self.scheduler.is_alive():
-                raise StartupError(f"the scheduler process exited while starting (exit code {self.scheduler.exitcode})")
+                code = self.scheduler.exitcode
+                raise StartupError(f"the scheduler process exited while starting (exit code {code})")
             elif time.monotonic() > deadline:
                 raise StartupError(f"the model did not load within {self.options.startup_timeout_s:g} s")
         return None
@@ -187,7 +188,8 @@ class Launcher:
         if self.options.throughput_log_s > 0:
             stats = lambda: self.manager.control("stats", self.options.health_timeout_s)  # noqa: E731
             in_flight = lambda: self.manager.in_flight  # noqa: E731
-            self.tasks.append(asyncio.ensure_future(metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)))  # fmt: skip
+            logging_task = metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)
+            self.tasks.append(asyncio.ensure_future(logging_task))
         self._watch_scheduler()
         self.guard.app = build_app(self, model, metrics, ready)
         self._announce(ready, name)

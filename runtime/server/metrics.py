@@ -21,19 +21,38 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("spruce_requests", "finished requests", ["finish_reason"], registry=registry)
-        self.prompt_tokens = Counter("spruce_prompt_tokens", "prompt tokens of finished requests", registry=registry)
-        self.generation_tokens = Counter("spruce_generation_tokens", "generated tokens", registry=registry)
-        self.cached_tokens = Counter("spruce_cached_tokens", "prompt tokens served from the prefix cache", registry=registry)  # fmt: skip
-        self.ttft = Histogram("spruce_time_to_first_token_seconds", "arrival -> first token", buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        self.itl = Histogram("spruce_inter_token_latency_seconds", "mean time between output tokens, per request", buckets=ITL_BUCKETS, registry=registry)  # fmt: skip
-        self.e2e = Histogram("spruce_e2e_request_latency_seconds", "arrival -> finish", buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        self.running = Gauge("spruce_running_requests", "requests in the running batch", registry=registry)
-        self.waiting = Gauge("spruce_waiting_requests", "requests waiting for admission", registry=registry)
-        self.kv_used = Gauge("spruce_kv_slots_used", "KV pool slots in use (cached included)", registry=registry)
+        self.requests = Counter(
+            "spruce_requests", "finished requests", ["finish_reason"], registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "spruce_prompt_tokens", "prompt tokens of finished requests", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "spruce_generation_tokens", "generated tokens", registry=registry
+        )
+        self.cached_tokens = Counter(
+            "spruce_cached_tokens", "prompt tokens served from the prefix cache", registry=registry
+        )
+        self.ttft = Histogram(
+            "spruce_time_to_first_token_seconds", "arrival -> first token",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "spruce_inter_token_latency_seconds", "mean time between output tokens, per request",
+            buckets=ITL_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "spruce_e2e_request_latency_seconds", "arrival -> finish",
+            buckets=LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.running = Gauge("spruce_running_requests", "requests running", registry=registry)
+        self.waiting = Gauge("spruce_waiting_requests", "requests waiting", registry=registry)
+        self.kv_used = Gauge("spruce_kv_slots_used", "KV slots in use, cached ones included", registry=registry)
         self.kv_total = Gauge("spruce_kv_slots_total", "KV pool size in token slots", registry=registry)
         self.kv_usage = Gauge("spruce_kv_usage_ratio", "KV slots used / total", registry=registry)
-        self.kv_locked = Gauge("spruce_kv_locked_tokens", "cached tokens held by running requests", registry=registry)
+        self.kv_locked = Gauge(
+            "spruce_kv_locked_tokens", "cached tokens held by running requests", registry=registry
+        )
         self.window = Window()
 
     # -- feeding ------------------------------------------------------------------------------

@@ -290,7 +290,8 @@ def _add_constraint(fields: dict, fmt: ResponseFormat | None, tool_schema: dict 
         if fmt.type == "json_object":
             fields["json_schema"] = tool_calls.ANY_OBJECT
         elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise ApiError(400, 'response_format json_schema needs {"json_schema": {"schema": {...}}}', param="response_format")  # fmt: skip
+            message = 'response_format json_schema needs {"json_schema": {"schema": {...}}}'
+            raise ApiError(400, message, param="response_format")
         else:
             fields["json_schema"] = fmt.json_schema.schema_
     if tool_schema is not None:
@@ -373,7 +374,8 @@ class ToolPlan:
         if isinstance(choice, NamedToolChoice):
             match = [f for f in functions if f["name"] == choice.function.name]
             if not match:
-                raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice")  # fmt: skip
+                message = f"tool_choice names {choice.function.name!r}, which is not in tools"
+                raise ApiError(400, message, param="tool_choice")
             return cls(tools, "named", tool_calls.call_schema(match[0]), True)
         if choice == "required":
             return cls(tools, "required", tool_calls.required_schema(functions, req.parallel_tool_calls), False)
@@ -426,7 +428,8 @@ def _text_of(content: str | list[ContentPart] | None) -> str:
     parts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise ApiError(400, f"content parts of type {part.type!r} are not supported (text only)", param="messages")  # fmt: skip
+            message = f"content parts of type {part.type!r} are not supported (text only)"
+            raise ApiError(400, message, param="messages")
         parts.append(part.text)
     return "".join(parts)
 
@@ -481,7 +484,10 @@ class _View:
         self.done: dict[int, Event] = {}  # finished events by choice index (for stream usage)
 
     def envelope(self, choices: list[dict], object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.req.model, "choices": choices}  # fmt: skip
+        return {
+            "id": self.id, "object": object_name, "created": self.created, "model": self.req.model,
+            "choices": choices,
+        }  # fmt: skip
 
     def usage(self) -> dict[str, Any]:
         """Prompt tokens count once per prompt (not per choice); cached: its first choice's."""
@@ -677,7 +683,10 @@ class TokenText:
             top_logprobs.append({self._entry(t, lp)["token"]: lp for lp, t in top} if top else None)
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+        return {
+            "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }  # fmt: skip
 
 
 def _token_string(raw: bytes) -> str:

@@ -156,7 +156,8 @@ class SchedulerLoop:
                 continue
             except Exception:  # a bug, not the request's fault: answer it, keep serving
                 logger.exception("could not add request %s", spec.rid)
-                self._send(RequestFailed(spec.rid, "internal error while adding the request (see the server log)", 500))  # fmt: skip
+                message = "internal error while adding the request (see the server log)"
+                self._send(RequestFailed(spec.rid, message, 500))
                 continue
             self.tracked[spec.rid] = Tracked(req)
 

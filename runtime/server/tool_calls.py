@@ -151,5 +151,6 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
         "You may call one or more functions to assist with the user query. The functions are:\n"
         f"<tools>\n{specs}\n</tools>\n"
         "For each call, return a JSON object with the function name and arguments within "
-        '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        "<tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
