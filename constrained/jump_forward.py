@@ -22,7 +22,9 @@ MAX_FORCED_CHARS = 4096  # a forced chain is finite (states are live); this only
 @dataclass(frozen=True, slots=True)
 class JumpForward:
     """What the caller does: drop the last `rollback` output ids, append `new_ids`, compute
-    them in one extend pass. `text` is the forced text that was appended."""
+    them in one extend pass. The rolled-back tokens' bytes are a prefix of the new tokens'
+    bytes, so text already streamed stays valid. `text` is the forced text (its first
+    character may have been started by the last token)."""
 
     rollback: int
     new_ids: list[int]
