@@ -69,6 +69,8 @@ class Engine:
         return self.core.stats()
 
     def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.close()
         self.core = None
 
     def __enter__(self) -> "Engine":
@@ -93,6 +95,9 @@ class Engine:
                     texts[req.rid].update(req)
                     if req.finished:
                         pending.discard(req.rid)
+        failed = next((r.error for r in reqs if r.error is not None), None)
+        if failed is not None:  # e.g. a constraint that failed to compile
+            raise failed
         return [_result(r, texts[r.rid].text) for r in reqs]
 
     def _stream(self, reqs: list[Req]) -> Iterator[dict]:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
 
+from spruce.constrained import GrammarCompiler, make_spec
 from spruce.radix import NoPrefixCache, RadixCache
 from spruce.runtime.attention import resolve_backend
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.grammar_mask import GrammarMask
 from spruce.runtime.memory_pool import KVShape, pool_slots_for_budget
 from spruce.runtime.model_loader import LoadedModel, load_model
 from spruce.runtime.model_runner import ForwardItem, ModelRunner
@@ -66,8 +69,14 @@ class EngineCore:
         prefix_cache = NoPrefixCache(pool.allocator) if config.cache.disable_radix_cache else RadixCache(pool.allocator)
         self.cache = CacheManager(pool.allocator, self.runner.req_to_token, prefix_cache)
         eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.cache, StopChecker(self.tokenizer, eos))
+        stops = StopChecker(self.tokenizer, eos)
+        self.scheduler = Scheduler(config.scheduler, self.cache, stops, config.constraint)
         self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
+        self.grammar_mask = GrammarMask(self.vocab_size, config.scheduler.max_running_requests, self.runner.device)
+        c = config.constraint
+        self.compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, c.grammar_whitespace_pattern, c.grammar_cache_size, c.grammar_timeout_s
+        )
         self.scheduler.on_release = lambda req: self.sampler.release(req.rid)
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
         logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
@@ -99,8 +108,10 @@ class EngineCore:
         top_logprobs_num: int = 0,
         stream: bool = False,
     ) -> Req:
-        """A validated request; raises InvalidRequestError with an actionable message."""
+        """A validated request; raises InvalidRequestError (ConstraintError for a bad regex,
+        schema or choices) with an actionable message."""
         sampling.validate(len(prompt_ids), self.context_len)
+        constraint = make_spec(regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
@@ -115,9 +126,13 @@ class EngineCore:
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
             stream=stream,
+            constraint=constraint,
         )
 
     def add_request(self, req: Req) -> None:
+        """Queues the request; a constrained one first waits for its grammar to compile."""
+        if req.constraint is not None:
+            req.grammar_future = self.compiler.submit(req.constraint)
         self.scheduler.add(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
@@ -134,6 +149,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         changed = self.scheduler.pop_finished_outside_step()
         if not out:
+            self._wait_for_grammars()
             return changed
         changed += self.scheduler.update(out, self._run(out))
         if self.step_log is not None:
@@ -150,7 +166,7 @@ class EngineCore:
         next_ids: list[int | None] = [None] * len(out.reqs)
         token_lps: list = [None] * len(out.reqs)
         if sampling_reqs:
-            ids, lps = self.sampler.sample(forward.logits[last_rows], sampling_reqs)
+            ids, lps = self.sampler.sample(forward.logits[last_rows], sampling_reqs, self.grammar_mask)
             slots = [i for i, s in enumerate(samples) if s]
             for j, i in enumerate(slots):
                 next_ids[i], token_lps[i] = ids[j], lps[j]
@@ -162,6 +178,12 @@ class EngineCore:
         ]
         return StepResult(next_ids, token_lps, prompt_lps)
 
+    def _wait_for_grammars(self) -> None:
+        """Nothing to compute but grammars compiling: wait for one instead of spinning."""
+        futures = [r.grammar_future for r in self.scheduler.grammars.pending]
+        if futures:
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+
     def _forward_item(self, req: Req, n: int, slots: torch.Tensor) -> ForwardItem:
         start = req.computed_len
         lp_start = req.prompt_logprob_start
@@ -170,6 +192,9 @@ class EngineCore:
         return ForwardItem(req.row, start, req.token_ids(start, start + n), slots, all_logits)
 
     # -- observability ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.compiler.close()
 
     def flush_cache(self) -> None:
         if self.scheduler.running or self.scheduler.waiting:

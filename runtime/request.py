@@ -56,10 +56,13 @@ class Req:
     last_node: Any = None  # locked prefix-cache node while admitted
     admit_order: int = 0
     # constrained decoding
-    grammar: Any = None  # a spruce.constrained cursor
-    jump_forward_tokens: int = 0
+    constraint: Any = None  # a spruce.constrained ConstraintSpec, validated
+    grammar_future: Any = None  # the compile in flight (the request waits in the grammar queue)
+    grammar: Any = None  # a spruce.constrained cursor, once compiled
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
     # results
     finish_reason: FinishReason | None = None
+    error: Exception | None = None  # why the runtime refused it after admission (e.g. compile)
     logprobs: LogprobResult | None = None
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

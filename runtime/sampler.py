@@ -27,11 +27,11 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[Req], apply_mask=None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [len(reqs), vocab] float32 (modified in place) -> next ids and logprobs.
-        `apply_mask(logits)`, when given, masks disallowed tokens (constrained rows)."""
+        `apply_mask(logits, reqs)`, when given, masks constrained rows' disallowed tokens."""
         raw_logprobs = self._raw_logprobs(logits, reqs)
         self.process_logits(logits, reqs)
         if apply_mask is not None:
-            apply_mask(logits)
+            apply_mask(logits, reqs)
         ids = self._choose(logits, reqs)
         return ids, self._token_logprobs(raw_logprobs, ids, reqs)
 

@@ -14,7 +14,7 @@ import torch
 
 from spruce.constrained import GrammarCompiler, allocate_bitmask, apply_bitmask
 
-SCHEMA_DIR = Path("/work/shared/schemas")
+SCHEMA_DIR = Path(__file__).parent / "data" / "schemas"  # a copy of the shared schemas
 SHARED_SCHEMAS = sorted(SCHEMA_DIR.glob("*.json"))
 
 

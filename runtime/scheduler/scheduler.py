@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from spruce.runtime.config import SchedulerOptions
+from spruce.runtime.config import ConstraintOptions, SchedulerOptions
 from spruce.runtime.request import FinishReason, Req
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
+from spruce.runtime.scheduler.grammar import GrammarQueue
 from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
 from spruce.runtime.scheduler.prefill import PrefillManager
 from spruce.runtime.stop import StopChecker
@@ -32,12 +33,20 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, options: SchedulerOptions, cache: CacheManager, stops: StopChecker) -> None:
+    def __init__(
+        self,
+        options: SchedulerOptions,
+        cache: CacheManager,
+        stops: StopChecker,
+        constraint: ConstraintOptions | None = None,
+    ) -> None:
         self.options = options
+        self.constraint = constraint or ConstraintOptions()
         self.cache = cache
         self.stops = stops
         self.prefill = PrefillManager(options, cache)
         self.decode = DecodeManager(cache)
+        self.grammars = GrammarQueue()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self._finished_outside_step: list[Req] = []
@@ -51,14 +60,17 @@ class Scheduler:
         return self.prefill.waiting
 
     def add(self, req: Req) -> None:
-        self.prefill.waiting.append(req)
+        if req.grammar_future is not None:
+            self.grammars.add(req)
+        else:
+            self.prefill.waiting.append(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         """Takes effect at the next schedule(); the request finishes with type abort."""
         self._aborts[rid] = message
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._finished_outside_step or self._aborts)
+        return bool(self.running or self.waiting or self.grammars or self._finished_outside_step or self._aborts)
 
     def pop_finished_outside_step(self) -> list[Req]:
         out, self._finished_outside_step = self._finished_outside_step, []
@@ -68,6 +80,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduleOutput:
         self._apply_aborts()
+        self._admit_compiled()
         out = ScheduleOutput()
         budget = self.options.chunked_prefill_size
         decoding = [r for r in self.running if r.remaining == 1]
@@ -88,9 +101,23 @@ class Scheduler:
         self.prefill.waiting.insert(0, req)
         self.stats.retractions += 1
 
+    def _admit_compiled(self) -> None:
+        if not self.grammars:
+            return
+        ready, failed = self.grammars.poll()
+        self.waiting.extend(ready)
+        for req in failed:
+            self._finish(req, FinishReason("abort", message=str(req.error)))
+            self._finished_outside_step.append(req)
+
     def _apply_aborts(self) -> None:
         if not self._aborts:
             return
+        for rid in self._aborts:
+            req = self.grammars.remove(rid)
+            if req is not None:
+                self._finish(req, FinishReason("abort", message=self._aborts[rid]))
+                self._finished_outside_step.append(req)
         for req in [r for r in self.waiting if r.rid in self._aborts]:
             self.waiting.remove(req)
             self._finish(req, FinishReason("abort", message=self._aborts[req.rid]))
@@ -132,8 +159,26 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
             return
         reason = self.stops.check(req, 1)
+        if reason is None and req.grammar is not None and not self.constraint.disable_jump_forward:
+            reason = self._jump_forward(req)
         if reason is not None:
             self._finish(req, reason)
+
+    def _jump_forward(self, req: Req) -> FinishReason | None:
+        """Appends the text the grammar forces now, re-tokenized canonically; the new tokens
+        are computed in one extend pass next step instead of one decode step each."""
+        jump = req.grammar.jump_forward(req.output_ids, self.stops.tokenizer, self.constraint.jump_forward_min_chars)
+        if jump is None:
+            return None
+        kept = req.output_ids[: len(req.output_ids) - jump.rollback]
+        room = req.sampling.max_new_tokens - len(kept)
+        new_ids = jump.new_ids[:room]
+        if len(new_ids) < len(jump.new_ids):
+            req.grammar.rollback(len(jump.new_ids) - len(new_ids))
+        req.output_ids = kept + new_ids
+        self.cache.rollback(req, min(req.computed_len, len(req.prompt_ids) + len(kept)))
+        req.jump_forward_tokens += len(new_ids)
+        return self.stops.check(req, len(new_ids)) if new_ids else None
 
     def _record_prompt_logprobs(self, req: Req, entries) -> None:
         if not entries:
