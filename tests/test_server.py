@@ -27,7 +27,6 @@ import zmq
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_REQUEST_BYTES = 256 * 1024
-CONSTRAINTS_PENDING = "needs the constrained decoder in EngineCore (regex / json_schema enforcement)"
 
 
 # -- server process helpers (also used by test_server_lifecycle.py) -----------------------------
@@ -292,7 +291,6 @@ def test_completion_logprobs_and_echo(client, model_name):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
-@pytest.mark.xfail(strict=False, reason=CONSTRAINTS_PENDING)
 def test_json_schema_response_format(client, model_name):
     import jsonschema
 
@@ -309,7 +307,6 @@ def test_json_schema_response_format(client, model_name):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
-@pytest.mark.xfail(strict=False, reason=CONSTRAINTS_PENDING)
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_tool_call(client, model_name, tool_choice):
     import jsonschema
@@ -339,6 +336,31 @@ def test_required_tool_call(client, model_name, tool_choice):
         jsonschema.validate(arguments, params)
     else:
         assert call.function.name == "get_time" and isinstance(arguments, dict)
+
+
+def test_streamed_required_tool_call(client, model_name):
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False,
+    }}}]  # fmt: skip
+    chunks = list(client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "ping"}], tools=tools, tool_choice="required",
+        parallel_tool_calls=False, stream=True, max_tokens=100, temperature=0,
+    ))  # fmt: skip
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["ping"]
+    assert 0 <= json.loads(calls[0].function.arguments)["n"] <= 9
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_generate_regex(http):
+    import re
+
+    params = {"regex": "[0-9]{3}-[a-z]{2}", "max_new_tokens": 20, "temperature": 0.8, "seed": 3}
+    r = http.post("/generate", json={"text": ["Code:", "Id:"], "sampling_params": params})
+    assert r.status_code == 200, r.text
+    for result in r.json():
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", result["text"]), result["text"]
 
 
 def test_tool_choice_validation(http, model_name):
@@ -580,7 +602,6 @@ def test_bad_input(server, http, model_name, path, body, status, text):
     assert_healthy(server)
 
 
-@pytest.mark.xfail(strict=False, reason=CONSTRAINTS_PENDING)
 @pytest.mark.parametrize(
     "field,value", [("regex", "(unclosed"), ("json_schema", {"type": "object", "patternProperties": {}})]
 )
@@ -702,3 +723,16 @@ def test_constrained_tool_output_becomes_tool_calls():
     assert content is None and [c["function"]["arguments"] for c in calls] == ["{}", '{"b": 2}']
     assert required.calls_from('[{"name": "f", "argu') == ('[{"name": "f", "argu', [])  # cut by max_tokens
     assert ToolPlan.of(ChatRequest(**base, tool_choice="none")).schema is None
+
+
+def test_an_abort_the_client_did_not_ask_for_is_an_error(tiny_tokenizer):
+    """E.g. a constraint that fails to compile after admission: the caller gets an error."""
+    from spruce.runtime.sampling_params import SamplingParams
+    from spruce.runtime.server.messages import ReqUpdate
+    from spruce.runtime.server.request_manager import Call, Prepared, RequestState
+
+    call = Call(manager=None, tokenizer=tiny_tokenizer, size=1)
+    state = RequestState("r", "r", 0, call, Prepared([1, 2], SamplingParams()), stream=False)
+    finish = {"type": "abort", "matched": None, "message": "cannot compile constraint: bad regex"}
+    event = state.apply(ReqUpdate("r", 0, [], 0, finish=finish, meta_info={}))
+    assert event.error == finish["message"] and event.status == 400 and state.done

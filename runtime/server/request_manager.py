@@ -79,7 +79,7 @@ class RequestState:
     """One request in flight: a shadow `Req` that mirrors the scheduler's output ids, and
     its incremental text (the detokenizer)."""
 
-    __slots__ = ("rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done")
+    __slots__ = ("rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done", "aborted")
 
     def __init__(self, rid: str, client_rid: str, index: int, call: "Call", p: Prepared, stream: bool) -> None:
         self.rid, self.client_rid, self.index, self.call = rid, client_rid, index, call
@@ -88,6 +88,7 @@ class RequestState:
         self.stream = stream
         self.cached = 0
         self.done = False
+        self.aborted = False  # the front end asked for the abort (client gone, shutdown)
 
     def apply(self, u: ReqUpdate) -> Event:
         out = self.shadow.output_ids
@@ -97,12 +98,19 @@ class RequestState:
         if u.finish is not None:
             self.shadow.finish_reason = FinishReason(**u.finish)
             self.done = True
+            if u.finish["type"] == "abort" and not self.aborted:
+                return self._refused(u.finish.get("message") or "the request was aborted")
         delta = self.text.update(self.shadow)
         new_ids = self.text.new_output_ids(self.shadow)
         if not self.stream:
             return self._final(Event(self.index, self.text.text, list(out)), u)
         event = Event(self.index, delta, new_ids, self._partial_meta(u))
         return self._final(event, u) if self.done else event
+
+    def _refused(self, message: str) -> Event:
+        """The scheduler aborted the request by itself (e.g. its constraint did not compile):
+        an error for the caller, a 400 when nothing was generated."""
+        return Event(self.index, error=message, status=400 if not self.shadow.output_ids else 500)
 
     def _partial_meta(self, u: ReqUpdate) -> dict[str, Any]:
         meta = {
@@ -216,6 +224,8 @@ class RequestManager:
 
     def abort(self, rids: list[str], message: str = "aborted by the client") -> None:
         live = [rid for rid in rids if rid in self.states]
+        for rid in live:
+            self.states[rid].aborted = True
         if live and not self.dead:
             with contextlib.suppress(SchedulerUnavailable):  # gone: the watchdog fails them
                 self._send(AbortRequests(live, message))
@@ -278,7 +288,9 @@ class RequestManager:
             event = state.apply(update)
             if state.done:
                 del self.states[update.rid]
-                if self.observer is not None:
+                if self.observer is not None and event.error is not None:
+                    self.observer.on_failed(state, event.error, event.status)
+                elif self.observer is not None:
                     self.observer.on_finished(state, event, update)
             state.call.queue.put_nowait(event)
 
