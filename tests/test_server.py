@@ -736,3 +736,20 @@ def test_an_abort_the_client_did_not_ask_for_is_an_error(tiny_tokenizer):
     finish = {"type": "abort", "matched": None, "message": "cannot compile constraint: bad regex"}
     event = state.apply(ReqUpdate("r", 0, [], 0, finish=finish, meta_info={}))
     assert event.error == finish["message"] and event.status == 400 and state.done
+
+
+def test_streamed_text_survives_jump_forward(http):
+    """Jump-forward re-tokenizes the tail of constrained output: the streamed pieces still
+    add up to the final text."""
+    schema = {
+        "type": "object", "additionalProperties": False, "required": ["a_rather_long_property_name", "flag"],
+        "properties": {"a_rather_long_property_name": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "flag": {"type": "boolean"}},
+    }  # fmt: skip
+    body = {"text": "JSON:", "sampling_params": {"json_schema": schema, "max_new_tokens": 60, "temperature": 0}}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        chunks = sse_events(r)[:-1]
+    assert json.loads(whole["text"])["flag"] in (True, False)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[-1]["meta_info"]["jump_forward_tokens"] == whole["meta_info"]["jump_forward_tokens"] > 0
