@@ -33,6 +33,8 @@ from spruce.constrained.limits import (
 )
 from spruce.constrained.patterns import (
     ANY_JSON_DEPTH,
+    JSON_INTEGER,
+    JSON_NUMBER,
     FORMAT_REGEXES,
     json_object_regex,
     json_value_regex,
@@ -236,7 +238,7 @@ class _SchemaConverter:
     def _integer(self, schema: dict, path: str) -> dict:
         low, high = _bounds(schema, path)
         if low is None and high is None:
-            return {"type": "integer"}
+            return self._hole(JSON_INTEGER)
         low_int = high_int = None
         if low is not None:
             low_int = math.floor(low[0]) + 1 if low[1] else math.ceil(low[0])
@@ -249,7 +251,7 @@ class _SchemaConverter:
     def _number(self, schema: dict, path: str) -> dict:
         low, high = _bounds(schema, path)
         if low is None and high is None:
-            return {"type": "number"}
+            return self._hole(JSON_NUMBER)
         for bound in (low, high):
             if bound is not None and not float(bound[0]).is_integer():
                 raise ConstraintError(

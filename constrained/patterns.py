@@ -11,7 +11,12 @@ from __future__ import annotations
 JSON_STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
 JSON_STRING = f'"{JSON_STRING_CHAR}*"'
 
-JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+# Numbers have at most 16 significant integer digits and 16 fraction digits (beyond what a
+# float64 holds anyway): unbounded digit runs let a greedy model write "1000000..." until
+# max_new_tokens, which the bundled model did on the shared schemas.
+MAX_DIGITS = 16
+JSON_INTEGER = rf"-?(0|[1-9][0-9]{{0,{MAX_DIGITS - 1}}})"
+JSON_NUMBER = rf"{JSON_INTEGER}(\.[0-9]{{1,{MAX_DIGITS}}})?([eE][+-]?[0-9]{{1,3}})?"
 _JSON_SCALAR = f"(?:{JSON_STRING}|{JSON_NUMBER}|true|false|null)"
 ANY_JSON_DEPTH = 2  # containers inside containers; outlines-core's own "any" (depth 3) takes
 # more than 30 s to index with a 49k vocabulary, depth 2 about 1 s
@@ -34,7 +39,7 @@ def json_array_regex(value: str) -> str:
 
 
 DTYPE_REGEXES = {
-    "int": r"-?(0|[1-9][0-9]*)",
+    "int": JSON_INTEGER,
     "float": JSON_NUMBER,
     "bool": r"(True|False)",  # Python literals, like SGLang's gen(dtype=bool)
     "str": JSON_STRING,

@@ -150,3 +150,25 @@ def test_compile_failure_reaches_a_streaming_client(tiny_llama_dir):
     slow = {**SAMPLED, "json_schema": {"type": "object", "properties": {"z": {"type": "string", "maxLength": 200}}}}
     chunks = list(engine.generate("x", slow, stream=True))
     assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.slow
+def test_bundled_model_schemas_with_and_without_jump_forward():
+    from conftest import bundled_gguf_path
+    from spruce.runtime import Engine
+
+    if bundled_gguf_path() is None:
+        pytest.skip("the bundled model is not installed")
+    on = Engine(num_threads=1, kv_memory_gb=0.5)
+    off = Engine(loaded=on.core.loaded, num_threads=1, kv_memory_gb=0.5, disable_jump_forward=True)
+    names = sorted(n for n in ALL_SCHEMAS if n not in OWN_SCHEMAS)
+    prompts = [on.apply_chat_template([{"role": "user", "content": f"An example {n.replace('_', ' ')} as JSON."}]) for n in names]
+    params = [{"json_schema": ALL_SCHEMAS[n], "temperature": 0, "max_new_tokens": 400} for n in names]
+    with_jump, without = on.generate(prompts, params), off.generate(prompts, params)
+    for name, a, b in zip(names, with_jump, without):
+        check_valid(a, ALL_SCHEMAS[name])
+        check_valid(b, ALL_SCHEMAS[name])
+    same = sum(a["text"] == b["text"] for a, b in zip(with_jump, without))
+    jumped = sum(a["meta_info"]["jump_forward_tokens"] for a in with_jump)
+    print(f"\nidentical texts with and without jump-forward: {same}/{len(names)}; jump-forwarded tokens: {jumped}")
+    assert jumped > 0

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serving": "spruce.runtime.bench.serving",
     "prefix": "spruce.runtime.bench.prefix",
     "gpu": "spruce.runtime.bench.gpu",
+    "json": "spruce.runtime.bench.json_bench",
 }
 
 
