@@ -4,6 +4,7 @@ scheduler makes the server exit (never hang). Each test starts its own server.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,9 +70,15 @@ def test_killed_scheduler_makes_the_server_exit(tiny_llama_dir, tmp_path):
 def test_scheduler_exits_when_the_front_end_is_killed(tiny_llama_dir, tmp_path, signal_name):
     server = start_server(tiny_llama_dir, tmp_path / "server.log")
     children = child_pids(server.proc.pid)
+    ipc_dir = re.search(r"scheduler sockets in ([^)\s]+)", server.log()).group(1)
+    assert os.path.isdir(ipc_dir)
     server.proc.send_signal(getattr(signal, signal_name))
     server.proc.wait(10)
     assert wait_gone(children, 10) == [], "an orphaned child kept running"
+    deadline = time.monotonic() + 5
+    while os.path.exists(ipc_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(ipc_dir), "the socket folder was left behind"
 
 
 def test_health_is_503_while_loading_then_200(tiny_llama_dir, tmp_path):

@@ -153,7 +153,10 @@ class Launcher:
             daemon=True,
         )
         self.scheduler.start()
-        logger.info("scheduler process %d started; loading the model", self.scheduler.pid)
+        folder = os.path.dirname(self.to_scheduler.removeprefix("ipc://"))
+        logger.info(
+            "scheduler process %d started (scheduler sockets in %s); loading the model", self.scheduler.pid, folder
+        )
 
     async def _wait_ready(self, receiver) -> Ready | None:
         deadline = time.monotonic() + self.options.startup_timeout_s

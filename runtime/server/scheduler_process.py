@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -46,7 +47,7 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> Non
     """Entry point of the spawned process: load the model, say Ready, serve until told to stop."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end drains
-    watch_parent(os.getppid())
+    watch_parent(os.getppid(), os.path.dirname(inbox.removeprefix("ipc://")))
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
     receiver.connect(inbox)
@@ -65,14 +66,16 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> Non
         context.term()
 
 
-def watch_parent(parent_pid: int) -> None:
-    """Exits this process when the parent is gone (even if it was SIGKILLed): no orphans."""
+def watch_parent(parent_pid: int, ipc_dir: str) -> None:
+    """Exits this process when the parent is gone (even if it was SIGKILLed): no orphans,
+    and no socket folder left behind."""
 
     def check() -> None:
         while True:
             time.sleep(PARENT_CHECK_S)
             if os.getppid() != parent_pid:
                 logger.error("the server's front-end process is gone; the scheduler exits")
+                shutil.rmtree(ipc_dir, ignore_errors=True)
                 os._exit(1)
 
     threading.Thread(target=check, name="spruce-parent-watch", daemon=True).start()
