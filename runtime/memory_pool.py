@@ -152,7 +152,8 @@ class ReqToTokenTable:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
-        return self.table[row, start:end].to(torch.int64)
+        """Slots of positions [start, end) of a row, as int64 on the CPU (bookkeeping)."""
+        return self.table[row, start:end].to("cpu", torch.int64)
 
 
 def pool_slots_for_budget(shape: KVShape, budget_bytes: int, min_slots: int) -> int:

@@ -86,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         if prefix == 0:
             return _Extend(start, length, 0, None, None)
         row = int(ctx.req_pool_indices[b])
-        slots = self.req_to_token.read(row, prefix + length)
+        slots = self.req_to_token.table[row, : prefix + length].to(torch.int64)
         device = ctx.positions.device
         q_pos = torch.arange(length, device=device)[:, None] + prefix
         mask = torch.arange(prefix + length, device=device)[None, :] <= q_pos
