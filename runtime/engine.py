@@ -14,7 +14,7 @@ from typing import Any, Iterator
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.detokenizer import OutputText, meta_info
 from spruce.runtime.engine_core import EngineCore
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.inputs import batch_inputs, sampling_list
 from spruce.runtime.model_loader import LoadedModel
 from spruce.runtime.request import Req
 from spruce.runtime.sampling_params import SamplingParams
@@ -45,8 +45,8 @@ class Engine:
         """Returns one result dict (a list for list input), or an iterator of chunks when
         `stream=True`. Every request is validated before any runs: one bad request raises
         InvalidRequestError and nothing is computed."""
-        prompts, single = _as_batch(prompt, input_ids)
-        params = _params_for(sampling_params, len(prompts))
+        prompts, single = batch_inputs(prompt, input_ids)
+        params = sampling_list(sampling_params, len(prompts))
         reqs = [
             self.core.make_request(
                 self._ids(p), sp, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
@@ -131,35 +131,3 @@ class Engine:
 
 def _result(req: Req, text: str) -> dict:
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
-
-
-def _as_batch(prompt, input_ids) -> tuple[list, bool]:
-    if (prompt is None) == (input_ids is None):
-        raise InvalidRequestError("give exactly one of prompt or input_ids")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return [prompt], True
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            return list(prompt), False
-        raise InvalidRequestError("prompt must be a string or a list of strings")
-    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-        return [list(x) for x in input_ids], False
-    if isinstance(input_ids, list):
-        return [input_ids], True
-    raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
-
-
-def _params_for(sampling_params, n: int) -> list[SamplingParams]:
-    if isinstance(sampling_params, list):
-        if len(sampling_params) != n:
-            raise InvalidRequestError(f"{len(sampling_params)} sampling_params for {n} prompts")
-        return [_one_params(p) for p in sampling_params]
-    return [_one_params(sampling_params)] * n
-
-
-def _one_params(p) -> SamplingParams:
-    if isinstance(p, SamplingParams):
-        return p
-    if p is None or isinstance(p, dict):
-        return SamplingParams.from_dict(p)
-    raise InvalidRequestError("sampling_params must be a dict or a SamplingParams")

@@ -21,6 +21,7 @@ from spruce.runtime.attention import resolve_backend
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.grammar_mask import GrammarMask
+from spruce.runtime.inputs import check_request
 from spruce.runtime.memory_pool import KVShape, pool_slots_for_budget
 from spruce.runtime.model_loader import LoadedModel, load_model
 from spruce.runtime.model_runner import ForwardItem, ModelRunner
@@ -110,14 +111,10 @@ class EngineCore:
     ) -> Req:
         """A validated request; raises InvalidRequestError (ConstraintError for a bad regex,
         schema or choices) with an actionable message."""
-        sampling.validate(len(prompt_ids), self.context_len)
+        check_request(
+            prompt_ids, sampling, self.vocab_size, self.context_len, return_logprob, logprob_start_len, top_logprobs_num
+        )
         constraint = make_spec(regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices)
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequestError(f"input_ids must be token ids in [0, {self.vocab_size})")
-        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
-            raise InvalidRequestError("top_logprobs_num must be an integer >= 0")
-        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-            raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
         return Req(
             rid=rid or uuid.uuid4().hex,
             prompt_ids=list(prompt_ids),

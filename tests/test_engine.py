@@ -247,7 +247,10 @@ BAD_PARAMS = [
     ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens must not exceed"),
     ({"frequency_penalty": 3}, "frequency_penalty must be in"),
     ({"repetition_penalty": 0}, "repetition_penalty must be in"),
-    ({"stop": [""]}, "stop must be non-empty strings"),
+    ({"stop": [""]}, "stop must be a string or a list of non-empty strings"),
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"stop_token_ids": "x"}, "stop_token_ids must be a list"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
     ({"temprature": 0.5}, "unknown sampling parameter"),
     ({"regex": "a", "json_schema": {}}, "at most one constraint"),
 ]

@@ -109,7 +109,7 @@ def llama_cpp_reference() -> dict:
 
 @pytest.mark.slow
 def test_bundled_tokenizer_matches_llama_cpp(bundled):
-    from spruce.runtime.model_loader import load_tokenizer
+    from spruce.runtime.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(bundled)
     reference = llama_cpp_reference()

@@ -104,18 +104,6 @@ def _input_ids_logprobs(endpoint, ids: list[int]) -> list[list]:
     return endpoint.generate(msg).meta_info["input_token_logprobs"]
 
 
-def _constraints_enforced(endpoint) -> bool:
-    params = {"max_new_tokens": 4, "regex": "[0-9]+", **GREEDY}
-    msg = GenerateMsg(sl.backend.new_rid(), text="Digits:", sampling_params=params)
-    return re.fullmatch("[0-9]+", endpoint.generate(msg).text or "x") is not None
-
-
-@pytest.fixture(scope="session")
-def constrained(endpoint):
-    if not _constraints_enforced(endpoint):
-        pytest.xfail("the runtime does not enforce regex / json_schema constraints yet")
-
-
 @sl.function
 def structured(s):
     s += "Phone: " + sl.gen("phone", regex=r"\d{3}-\d{4}", max_tokens=12) + "\n"
@@ -132,8 +120,7 @@ PERSON_SCHEMA = {
 }
 
 
-@pytest.mark.xfail(strict=False, reason="needs constrained decoding in the runtime")
-def test_constrained_gens_always_match(endpoint, constrained):
+def test_constrained_gens_always_match(endpoint):
     import jsonschema
 
     for state in structured.run_batch([{}] * 3, backend=endpoint, temperature=1.0):
@@ -151,8 +138,6 @@ def test_a_rejected_constraint_carries_the_runtimes_message(endpoint):
 
     state = bad.run(backend=endpoint)
     error = state.error()
-    if error is None:
-        pytest.xfail("the runtime does not validate regex constraints yet")
     assert isinstance(error, sl.RuntimeRequestError) and error.status == 400 and error.message
 
 

@@ -221,7 +221,7 @@ def run_offline(args: argparse.Namespace, model_path: str, prompts: list[list[in
 async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dict]:
     import httpx
 
-    from spruce.runtime.model_loader import load_tokenizer
+    from spruce.runtime.model_files import load_tokenizer
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=30) as http:

@@ -175,7 +175,7 @@ class Launcher:
         return None
 
     async def _serve(self, ready: Ready, sender, receiver) -> None:
-        from spruce.runtime.model_loader import load_tokenizer
+        from spruce.runtime.model_files import load_tokenizer
         from spruce.runtime.server.http_app import build_app
 
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)

@@ -34,7 +34,7 @@ from spruce.runtime.server.http_app import (
     until_done_or_disconnect,
     validation_message,
 )
-from spruce.runtime.server.native import sampling_from
+from spruce.runtime.inputs import sampling_from
 from spruce.runtime.server.request_manager import Call, Event, Prepared
 
 router = APIRouter(prefix="/v1")
