@@ -8,12 +8,23 @@ bitmasks and a compressed FSM (jump-forward).
     cursor.accept_token(token_id); cursor.jump_forward(output_ids, tokenizer)
 """
 
-from spruce.constrained.bitmask import allocate_bitmask, apply_bitmask, unpack_bitmask
-from spruce.constrained.compiler import GrammarCompiler
-from spruce.constrained.cursor import GrammarCursor
-from spruce.constrained.grammar import CompiledGrammar
-from spruce.constrained.jump_forward import CharAutomaton, JumpForward
-from spruce.constrained.spec import ConstraintSpec, make_spec
+from importlib import import_module
+
+# Public name -> submodule. Imported on first use, so light users (the DSL's dtype
+# patterns) do not pull in torch and outlines-core.
+_EXPORTS = {
+    "allocate_bitmask": "bitmask", "apply_bitmask": "bitmask", "unpack_bitmask": "bitmask",
+    "GrammarCompiler": "compiler", "GrammarCursor": "cursor", "CompiledGrammar": "grammar",
+    "CharAutomaton": "jump_forward", "JumpForward": "jump_forward",
+    "ConstraintSpec": "spec", "make_spec": "spec",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'spruce.constrained' has no attribute {name!r}")
+    return getattr(import_module(f"spruce.constrained.{_EXPORTS[name]}"), name)
+
 
 __all__ = [
     "CharAutomaton",

@@ -30,10 +30,10 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         # The runtime's compiled-template cache and sandbox: one set of Jinja settings.
-        from spruce.runtime.tokenizer import _compile_template
+        from spruce.runtime.tokenizer import compile_chat_template
 
         self.source = source
-        self._template = _compile_template(source)
+        self._template = compile_chat_template(source)
         self.bos_token = bos_token
         self.eos_token = eos_token
 

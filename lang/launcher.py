@@ -53,7 +53,8 @@ class Runtime:
             options["model_path"] = model_path
         self.command = [
             sys.executable, "-m", "spruce.runtime", "serve",
-            "--host", host, "--port", str(self.port), "--zmq-port", str(self.zmq_port), *_flags(options),
+            "--host", host, "--port", str(self.port), "--zmq-port", str(self.zmq_port),
+            "--parent-pid", str(os.getpid()), *_flags(options),
         ]  # fmt: skip
         self.log_path = log_path or tempfile.mkstemp(prefix="spruce-serve-", suffix=".log")[1]
         self.endpoint: RuntimeEndpoint | None = None

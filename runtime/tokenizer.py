@@ -163,14 +163,22 @@ class Tokenizer:
     ) -> str:
         if not self.chat_template:
             raise ValueError("this model ships no chat template; send a plain prompt instead")
-        template = _compile_template(self.chat_template)
+        template = compile_chat_template(self.chat_template)
         return template.render(
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_token_id),
-            eos_token=self._special_text(min(self.eos_token_ids, default=None)),
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
         )
+
+    @property
+    def bos_token(self) -> str:
+        return self._special_text(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self._special_text(min(self.eos_token_ids, default=None))
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
@@ -274,7 +282,9 @@ def _raise(message: str) -> None:
 
 
 @lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled the way transformers renders it (sandboxed Jinja, trimmed
+    blocks, loop controls, tojson, raise_exception, strftime_now); cached by source."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )

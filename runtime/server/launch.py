@@ -194,6 +194,8 @@ class Launcher:
             logging_task = metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)
             self.tasks.append(asyncio.ensure_future(logging_task))
         self._watch_scheduler()
+        if self.options.parent_pid:
+            self.tasks.append(asyncio.ensure_future(self._watch_parent(self.options.parent_pid)))
         self.guard.app = build_app(self, model, metrics, ready)
         self._announce(ready, name)
         await self.stopping.wait()  # set once in-flight requests are done or aborted
@@ -214,6 +216,13 @@ class Launcher:
     def _watch_scheduler(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.scheduler.sentinel, self._on_scheduler_exit)
+
+    async def _watch_parent(self, pid: int) -> None:
+        """The launching process (e.g. sl.Runtime) died without shutting us down: exit."""
+        while _alive(pid):
+            await asyncio.sleep(0.5)
+        logger.error("the launching process %d is gone; the server shuts down", pid)
+        self.request_shutdown(None, grace_s=0.0)
 
     def _on_scheduler_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.scheduler.sentinel)
@@ -282,6 +291,16 @@ class Launcher:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _bind_http(host: str, port: int) -> socket.socket:

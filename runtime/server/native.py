@@ -40,6 +40,8 @@ class ModelContext:
             "chat_template": self.tokenizer.chat_template,
             "eos_token_ids": sorted(self.tokenizer.eos_token_ids),
             "bos_token_id": self.tokenizer.bos_token_id,
+            "bos_token": self.tokenizer.bos_token,  # text, for templates that use {{ bos_token }}
+            "eos_token": self.tokenizer.eos_token,
         }
 
     def prepare(

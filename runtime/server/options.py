@@ -20,6 +20,7 @@ class ServerOptions:
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time for in-flight requests before they are aborted
     startup_timeout_s: float = 600.0  # how long the launcher waits for the model to load
     throughput_log_s: float = 5.0  # period of the throughput log line while busy (0: off)
+    parent_pid: int | None = None  # shut down when this process exits (for launchers like sl.Runtime)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
