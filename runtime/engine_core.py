@@ -23,7 +23,7 @@ from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.grammar_mask import GrammarMask
 from spruce.runtime.inputs import check_request
 from spruce.runtime.memory_pool import KVShape, pool_slots_for_budget
-from spruce.runtime.model_loader import LoadedModel, load_model
+from spruce.runtime.model_loader import LoadedModel, load_model, parse_dtype
 from spruce.runtime.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.request import Req
 from spruce.runtime.sampler import Sampler, prompt_logprobs
@@ -64,6 +64,7 @@ class EngineCore:
             attention_backend=resolve_backend(config.model.attention_backend, device),
             device=device,
             cuda_graph=not config.model.disable_cuda_graph,
+            kv_dtype=self._kv_dtype(),
         )
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
@@ -82,10 +83,13 @@ class EngineCore:
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
         logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
 
+    def _kv_dtype(self) -> torch.dtype:
+        name = self.config.cache.kv_cache_dtype
+        return next(self.loaded.model.parameters()).dtype if name == "auto" else parse_dtype(name)
+
     def _num_slots(self, device: str) -> int:
         c = self.loaded.config
-        dtype = next(self.loaded.model.parameters()).dtype
-        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())
         budget_gb = self.config.cache.kv_memory_gb
         if budget_gb is None and device != "cpu":
             free, _ = torch.cuda.mem_get_info()

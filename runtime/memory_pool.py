@@ -109,8 +109,9 @@ class KVPool:
         self.allocator = SlotAllocator(num_slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        """Stores new tokens' K/V (converted to the pool's dtype when it differs)."""
+        self.k[layer][slots] = k.to(self.shape.dtype)
+        self.v[layer][slots] = v.to(self.shape.dtype)
 
     # The allocator's API, re-exported so callers hold one object.
     def alloc(self, n: int) -> torch.Tensor:

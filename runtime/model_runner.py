@@ -44,12 +44,13 @@ class ModelRunner:
         attention_backend: str = "torch",
         device: str = "cpu",
         cuda_graph: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         config = loaded.config
         self.model = loaded.model
         self.config = config
         self.device = torch.device(device)
-        dtype = next(self.model.parameters()).dtype
+        dtype = kv_dtype or next(self.model.parameters()).dtype
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         self.pool = KVPool(shape, num_slots, self.device)
         self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)

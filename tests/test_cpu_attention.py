@@ -22,8 +22,10 @@ def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_reference(heads, kv_heads, dim, threads):
-    kernel = CpuDecodeAttention(threads)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
+    torch.set_num_threads(threads)
+    kernel = CpuDecodeAttention()
     if not kernel.available:
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(heads * dim)
@@ -36,12 +38,14 @@ def test_matches_reference(heads, kv_heads, dim, threads):
     for row in rows:  # shuffled slots, different for every request
         table[row] = (torch.randperm(slots_total - 1, generator=g)[:200] + 1).int()
     q = torch.randn(batch, heads, dim, generator=g)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5), atol=1e-5, rtol=1e-5)
+    want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_rejects_unsupported_shape():
-    kernel = CpuDecodeAttention(1)
+    kernel = CpuDecodeAttention()
     if not kernel.available:
         pytest.skip("no C compiler here")
     q = torch.zeros(1, 4, 40)

@@ -47,10 +47,10 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool, req_to_token, num_heads: int, head_dim: int) -> None:
         super().__init__(pool, req_to_token, num_heads, head_dim)
         self.cpu_kernel = None
-        if pool.device.type == "cpu" and pool.shape.dtype == torch.float32:
+        if pool.device.type == "cpu" and pool.shape.dtype in (torch.float32, torch.float16):
             from spruce.runtime.kernels.cpu_attention import CpuDecodeAttention
 
-            kernel = CpuDecodeAttention(torch.get_num_threads())
+            kernel = CpuDecodeAttention()
             self.cpu_kernel = kernel if kernel.available else None
 
     def prepare(self, ctx: ForwardContext) -> None:
@@ -112,8 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
             return self.cpu_kernel(q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale)
         batch, length = group.slots.shape
         flat = group.slots.flatten()
-        k = self.pool.k[layer][flat].view(batch, length, -1, self.head_dim).transpose(1, 2)
-        v = self.pool.v[layer][flat].view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k = self.pool.k[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = self.pool.v[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :], k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True
         )
@@ -121,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_extend(self, q, k, v, layer: int, ext: _Extend) -> torch.Tensor:
         if ext.slots is not None:
-            k, v = self.pool.k[layer][ext.slots], self.pool.v[layer][ext.slots]
+            k, v = self.pool.k[layer][ext.slots].to(q.dtype), self.pool.v[layer][ext.slots].to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],

@@ -4,7 +4,8 @@ On CPUs the torch path must gather every request's K/V into a temporary before a
 which costs more memory traffic than the attention itself; the C kernel reads the pool in
 place. The shared library is compiled once per machine into a cache folder (seconds) and
 loaded with ctypes; when no compiler is available the caller falls back to torch.
-The batch is split across threads (ctypes releases the GIL during the call).
+The kernel's OpenMP loop runs on torch's own libgomp thread pool (one OpenMP runtime in
+the process), so it uses torch's thread count and never competes with torch's threads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger("spruce")
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+HEADER = Path(__file__).with_name("cpu_decode_attention_impl.h")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -36,7 +37,7 @@ def cache_dir() -> Path:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
     return cache_dir() / f"cpu_decode_attention_{key.hexdigest()[:16]}.so"
 
 
@@ -66,27 +67,27 @@ def load_library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("CPU attention kernel unavailable (%s %s); using the torch path", e, detail.decode()[:200])
         return None
-    fn = lib.spruce_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+    for fn in (lib.spruce_decode_attention_f32, lib.spruce_decode_attention_f16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float]
     _library = lib
     return lib
 
 
 class CpuDecodeAttention:
-    """decode(q, k_cache, v_cache, table, rows, seq_lens) -> out, all float32 CPU tensors."""
+    """decode(q, k_cache, v_cache, table, rows, seq_lens) -> out: q float32, the caches
+    float32 or float16 (half the memory traffic), all CPU tensors."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self) -> None:
         self.lib = load_library()
-        self.num_threads = max(1, num_threads)
-        self.pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
 
     @property
     def available(self) -> bool:
         return self.lib is not None
 
     def __call__(self, q, k_cache, v_cache, table, rows, seq_lens, scale: float) -> torch.Tensor:
-        assert q.dtype == k_cache.dtype == torch.float32 and table.dtype == torch.int32
+        assert q.dtype == torch.float32 and table.dtype == torch.int32
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
         q = q.contiguous()
         rows, seq_lens = rows.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
         out = torch.empty_like(q)
@@ -94,17 +95,7 @@ class CpuDecodeAttention:
         args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
                 rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr())  # fmt: skip
         shape = (heads, k_cache.shape[1], dim, scale)
-        fn = self.lib.spruce_decode_attention_f32
-        spans = _split(batch, self.num_threads)
-        if self.pool is None or len(spans) == 1:
-            codes = [fn(*args, 0, batch, *shape)]
-        else:
-            codes = list(self.pool.map(lambda span: fn(*args, span[0], span[1], *shape), spans))
-        if any(codes):
+        fn = self.lib.spruce_decode_attention_f16 if k_cache.dtype == torch.float16 else self.lib.spruce_decode_attention_f32
+        if fn(*args, 0, batch, *shape):
             raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")
         return out
-
-
-def _split(batch: int, parts: int) -> list[tuple[int, int]]:
-    step = -(-batch // parts)
-    return [(i, min(i + step, batch)) for i in range(0, batch, step)]

@@ -1,10 +1,12 @@
 /* Decode attention on the CPU, reading K/V straight from the token-slot pool.
  *
- * For each request b and kv head h, the G query heads that share h attend over the
- * request's seq_len tokens, whose slots are req_to_token[rows[b], 0..seq_len). Keys are
- * processed in blocks with an online softmax, so each K and V row is read exactly once
- * and nothing is gathered into a temporary buffer. Requests [first, last) are handled by
- * one call, so callers can split a batch across threads (the call holds no global state).
+ * For each request b, all its query heads attend over the request's seq_len tokens, whose
+ * slots are req_to_token[rows[b], 0..seq_len); query head h reads kv head h / G (GQA).
+ * Keys are processed in blocks with an online softmax, so each K and V row (all kv heads,
+ * contiguous) is read exactly once and nothing is gathered into a temporary buffer.
+ * Requests [first, last) are handled by one call and spread over OpenMP threads: loaded into a process
+ * that runs torch, the kernel shares torch's libgomp thread pool (same SONAME), so the
+ * two never fight over the cores.
  *
  * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache [S, KH, D];
  * req_to_token int32 [R, table_stride]; rows, seq_lens int64 [B].
@@ -13,10 +15,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define BLOCK 32
-#define MAX_GROUP 16
+#define MAX_HEADS 64
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -61,28 +66,17 @@ static inline float exp_nonpositive(float x) {
     return p;
 }
 
+/* The attention state of one request: every query head's query, accumulator and running
+ * softmax statistics, and the current block's scores / weights. */
 struct head_state {
-    vec q[MAX_GROUP][MAX_CHUNKS];
-    vec acc[MAX_GROUP][MAX_CHUNKS];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    float p[MAX_GROUP][BLOCK];
+    vec q[MAX_HEADS][MAX_CHUNKS];
+    vec acc[MAX_HEADS][MAX_CHUNKS];
+    float m[MAX_HEADS], l[MAX_HEADS];
+    float p[MAX_HEADS][BLOCK];
 };
 
-static void scores(struct head_state *st, const float *const *keys, int64_t n, int64_t group,
-                   int64_t chunks, float scale) {
-    for (int64_t j = 0; j < n; j++) {
-        vec k[MAX_CHUNKS];
-        for (int64_t c = 0; c < chunks; c++) k[c] = load(keys[j] + c * LANES);
-        for (int64_t g = 0; g < group; g++) {
-            vec dot = st->q[g][0] * k[0];
-            for (int64_t c = 1; c < chunks; c++) dot += st->q[g][c] * k[c];
-            st->p[g][j] = sum_lanes(dot) * scale;
-        }
-    }
-}
-
-static void softmax_update(struct head_state *st, int64_t n, int64_t group, int64_t chunks) {
-    for (int64_t g = 0; g < group; g++) {
+static void softmax_update(struct head_state *st, int64_t n, int64_t heads, int64_t chunks) {
+    for (int64_t g = 0; g < heads; g++) {
         float block_max = st->m[g];
         for (int64_t j = 0; j < n; j++) block_max = st->p[g][j] > block_max ? st->p[g][j] : block_max;
         float correction = st->m[g] == -INFINITY ? 0.0f : exp_nonpositive(st->m[g] - block_max);
@@ -98,68 +92,41 @@ static void softmax_update(struct head_state *st, int64_t n, int64_t group, int6
     }
 }
 
-/* One accumulator at a time stays in a register over the block; the block's V rows
- * (BLOCK x dim floats) stay in L1 across the repeated loads. */
-static void accumulate(struct head_state *st, const float *const *values, int64_t n,
-                       int64_t group, int64_t chunks) {
-    for (int64_t g = 0; g < group; g++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            vec a = st->acc[g][c];
-            for (int64_t j = 0; j < n; j++) a += st->p[g][j] * load(values[j] + c * LANES);
-            st->acc[g][c] = a;
-        }
-    }
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define NAME(x) CAT(x, SUFFIX)
+
+#define CACHE_T float
+#define LOAD_CACHE load
+#define SUFFIX f32
+#include "cpu_decode_attention_impl.h"
+#undef CACHE_T
+#undef LOAD_CACHE
+#undef SUFFIX
+
+/* Half-precision caches: half the memory traffic, widened to float in registers (with the
+ * F16C instructions; GCC's generic vector conversion goes element by element). */
+static inline vec load_half(const _Float16 *p) {
+#if defined(__AVX512F__)
+    __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    vec out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    vec out;
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+    return out;
+#else
+    vec out;
+    for (int i = 0; i < LANES; i++) out[i] = (float)p[i];
+    return out;
+#endif
 }
 
-static void attend(const float *q, const float *k_cache, const float *v_cache,
-                   const int32_t *slots, int64_t seq_len, float *out, int64_t kv_heads,
-                   int64_t kv_head, int64_t group, int64_t dim, float scale) {
-    struct head_state st;
-    int64_t chunks = dim / LANES;
-    for (int64_t g = 0; g < group; g++) {
-        st.m[g] = -INFINITY;
-        st.l[g] = 0.0f;
-        for (int64_t c = 0; c < chunks; c++) {
-            st.q[g][c] = load(q + g * dim + c * LANES);
-            st.acc[g][c] = (vec){0};
-        }
-    }
-    const float *keys[BLOCK], *values[BLOCK];
-    for (int64_t start = 0; start < seq_len; start += BLOCK) {
-        int64_t n = seq_len - start < BLOCK ? seq_len - start : BLOCK;
-        for (int64_t j = 0; j < n; j++) {
-            int64_t row = ((int64_t)slots[start + j] * kv_heads + kv_head) * dim;
-            keys[j] = k_cache + row;
-            values[j] = v_cache + row;
-        }
-        scores(&st, keys, n, group, chunks, scale);
-        softmax_update(&st, n, group, chunks);
-        accumulate(&st, values, n, group, chunks);
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float inv = st.l[g] > 0.0f ? 1.0f / st.l[g] : 0.0f;
-        for (int64_t c = 0; c < chunks; c++) {
-            vec o = st.acc[g][c] * inv;
-            memcpy(out + g * dim + c * LANES, &o, sizeof o);
-        }
-    }
-}
-
-int spruce_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                const int32_t *req_to_token, int64_t table_stride,
-                                const int64_t *rows, const int64_t *seq_lens, float *out,
-                                int64_t first, int64_t last, int64_t heads, int64_t kv_heads,
-                                int64_t dim, float scale) {
-    int64_t group = heads / kv_heads;
-    if (heads % kv_heads != 0 || group > MAX_GROUP || dim % LANES != 0 || dim / LANES > MAX_CHUNKS)
-        return 1;
-    for (int64_t b = first; b < last; b++) {
-        const int32_t *slots = req_to_token + rows[b] * table_stride;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t offset = (b * heads + h * group) * dim;
-            attend(q + offset, k_cache, v_cache, slots, seq_lens[b], out + offset, kv_heads, h,
-                   group, dim, scale);
-        }
-    }
-    return 0;
-}
+#define CACHE_T _Float16
+#define LOAD_CACHE load_half
+#define SUFFIX f16
+#include "cpu_decode_attention_impl.h"
