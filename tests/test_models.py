@@ -171,3 +171,20 @@ def test_not_a_model_file(tmp_path):
 def test_unknown_dtype(tiny_llama_dir):
     with pytest.raises(ModelLoadError, match="unknown dtype 'float8'"):
         load_model(str(tiny_llama_dir), dtype="float8")
+
+
+def test_float16_kv_cache_stays_close(tiny_llama_dir):
+    loaded = load_model(str(tiny_llama_dir))
+    runs = []
+    for kv_dtype in (torch.float32, torch.float16):
+        runner = ModelRunner(loaded, num_slots=512, max_requests=4, max_context_len=128, kv_dtype=kv_dtype)
+        assert runner.pool.k[0].dtype == kv_dtype
+        ids = prompt(8, 20)
+        row, logits = prefill(runner, ids)
+        steps = [logits]
+        for t in (5, 9, 11):  # decode steps read the half-precision cache
+            item = ForwardItem(row, len(ids), [t], runner.pool.alloc(1))
+            ids.append(t)
+            steps.append(runner.forward([item]).logits)
+        runs.append(torch.cat(steps))
+    torch.testing.assert_close(runs[1], runs[0], atol=2e-2, rtol=0)
