@@ -4,9 +4,9 @@ cache keyed by the spec."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import outlines_core
 
@@ -46,6 +46,7 @@ class GrammarCompiler:
         self._builds: dict[ConstraintSpec, Future] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
+        self._automaton_executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-automaton")
 
     @property
     def vocab_size(self) -> int:
@@ -79,21 +80,23 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._automaton_executor.shutdown(wait=False, cancel_futures=True)
 
     def _build(self, spec: ConstraintSpec) -> CompiledGrammar:
-        start = time.monotonic()
         regex = spec.to_regex(self.whitespace_pattern)
+        # The character automaton (pure Python) builds on another thread while the index
+        # (Rust, GIL released) builds here: a compile takes the longer of the two, not both.
+        automaton = self._automaton_executor.submit(_char_automaton, regex)
         try:
             index = outlines_core.Index(index_regex(regex), self.vocab.vocabulary)
         except Exception as e:  # outlines-core raises ValueError with the regex engine's message
+            automaton.cancel()
             raise ConstraintError(f"cannot compile constraint: {e}") from None
-        automaton = None
-        if time.monotonic() - start < self.timeout_s / 2:  # else skip: no jump-forward
-            try:
-                automaton = CharAutomaton(regex)
-            except Exception:  # a regex interegular cannot handle: jump-forward off
-                automaton = None
-        return CompiledGrammar(spec, regex, index, self.vocab, automaton)
+        try:  # past half the timeout, go without it: no jump-forward for this grammar
+            char_automaton = automaton.result(timeout=self.timeout_s / 2)
+        except FutureTimeout:
+            char_automaton = None
+        return CompiledGrammar(spec, regex, index, self.vocab, char_automaton)
 
     def _finish(
         self, spec: ConstraintSpec, build: Future, result: Future, timer: threading.Timer
@@ -114,6 +117,13 @@ class GrammarCompiler:
             if not isinstance(error, ConstraintError):
                 error = ConstraintError(f"cannot compile constraint: {error!r}")
             _resolve(result, error=error)
+
+
+def _char_automaton(regex: str) -> CharAutomaton | None:
+    try:
+        return CharAutomaton(regex)
+    except Exception:  # a regex interegular cannot handle: jump-forward off for it
+        return None
 
 
 def _expire(result: Future, spec: ConstraintSpec, timeout_s: float) -> None:
