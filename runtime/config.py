@@ -38,10 +38,10 @@ class CacheOptions:
 class SchedulerOptions:
     max_running_requests: int = 128
     chunked_prefill_size: int = 1024  # prefill tokens per step, over all requests
-    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight
+    schedule_policy: str = "dfs-weight"  # fcfs | lpm | dfs-weight (best in spruce bench prefix)
     prefill_first: bool = False  # True: a step with prefill work runs no decode tokens
     decode_reserve_ratio: float = 0.3  # share of future output tokens kept free at admission
-    lpm_max_queue: int = 128  # lpm falls back to fcfs beyond this waiting-queue length
+    lpm_max_queue: int = 128  # lpm and dfs-weight fall back to fcfs beyond this queue length
 
 
 @dataclass(frozen=True)

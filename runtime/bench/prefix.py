@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branches", type=int, default=32, help="tree: continuations")
     parser.add_argument("--unique", type=int, default=32, help="unique: prompts of --prefix-len/2 tokens")
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per side, in A-B-B-A order; the mean is reported")
     parser.add_argument("--policies", default=None, help="also run few-shot with each of these policies, e.g. fcfs,lpm,dfs-weight")
     parser.add_argument("--output-json", default=None)
 
@@ -111,6 +112,20 @@ def measure(engine, name: str, args, vocab: int, params: dict) -> dict:
     }
 
 
+def measure_both(with_cache, without, name: str, args, vocab: int, params: dict) -> tuple[dict, dict]:
+    """Alternates the sides (A B B A ...) so that drift on a shared machine favours neither."""
+    runs = {"on": [], "off": []}
+    for i in range(args.repeats):
+        order = [("on", with_cache), ("off", without)]
+        for side, engine in order if i % 2 == 0 else order[::-1]:
+            runs[side].append(measure(engine, name, args, vocab, params))
+    return _mean(runs["on"]), _mean(runs["off"])
+
+
+def _mean(rows: list[dict]) -> dict:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
+
 WORKLOADS = {"few-shot": few_shot, "tree": tree, "unique": unique}
 
 
@@ -127,8 +142,7 @@ def run(args: argparse.Namespace) -> int:
     with_cache.generate(input_ids=[[5, 6, 7]], sampling_params=params)  # warm-up
     results = {}
     for name in args.workloads.split(","):
-        on = measure(with_cache, name, args, vocab, params)
-        off = measure(without, name, args, vocab, params)
+        on, off = measure_both(with_cache, without, name, args, vocab, params)
         results[name] = {"cache": on, "no_cache": off, "speedup": off["seconds"] / on["seconds"]}
         print_row(name, results[name])
     if args.policies:
