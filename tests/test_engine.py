@@ -292,3 +292,16 @@ def test_text_prompt_and_chat_template(engine):
     out = engine.generate(text, {**GREEDY, "max_new_tokens": 4})
     assert out["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode(text))
     assert isinstance(out["text"], str)
+
+
+def test_long_chunked_prompts_in_a_small_pool_finish(tiny_llama_dir, engine):
+    # two long prompts whose chunks together exceed the pool: admission must account for
+    # the first prompt's remaining chunks, and a starved step retracts instead of hanging
+    batch = prompts(2, seed=40, lo=150, hi=151)
+    params = {**GREEDY, "max_new_tokens": 8}
+    expected = ids_of(engine.generate(input_ids=batch, sampling_params=params))
+    small = make_engine(
+        tiny_llama_dir, kv_memory_gb=250 * 512 / 2**30, context_length=200,
+        chunked_prefill_size=32, decode_reserve_ratio=0.0,
+    )
+    assert ids_of(small.generate(input_ids=batch, sampling_params=params)) == expected

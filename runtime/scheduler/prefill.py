@@ -42,7 +42,7 @@ class PrefillManager:
         if not self.waiting or budget <= 0:
             return []
         admitted: list[Req] = []
-        reserve = self._reserve(running)
+        reserve = self._outstanding(running, out)
         for req in self.policy(self.waiting, self.cache.cache, self.options.lpm_max_queue):
             if not self._has_room(running, admitted, budget):
                 break
@@ -51,11 +51,12 @@ class PrefillManager:
                 self.cache.release(req)  # next step its prefix is cached: wait for it
                 continue
             n = min(req.remaining, budget)
-            reserve += self._future_tokens(req)
-            slots = self.cache.alloc(n) if self.cache.available >= req.remaining + reserve else None
+            need = req.remaining + self._future_tokens(req)
+            slots = self.cache.alloc(n) if self.cache.available >= need + reserve else None
             if slots is None:
                 self.cache.release(req)
                 break
+            reserve += need - n
             self._admitted += 1
             req.admit_order = self._admitted
             self.cache.count_admission(req)
@@ -81,8 +82,11 @@ class PrefillManager:
         count = len(running) + len(admitted)
         return budget > 0 and count < self.options.max_running_requests and self.cache.table.num_free_rows > 0
 
-    def _reserve(self, running: list[Req]) -> int:
-        return sum(self._future_tokens(r) for r in running)
+    def _outstanding(self, running: list[Req], out: ScheduleOutput) -> int:
+        """Slots the running requests will still need beyond this step: the rest of their
+        prompts (or jump-forward text) and a share of their future output."""
+        this_step = {id(r): n for r, n in zip(out.reqs, out.extend_lens)}
+        return sum(r.remaining - this_step.get(id(r), 0) + self._future_tokens(r) for r in running)
 
     def _future_tokens(self, req: Req) -> int:
         left = req.sampling.max_new_tokens - len(req.output_ids)

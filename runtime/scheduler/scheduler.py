@@ -91,6 +91,8 @@ class Scheduler:
             continuing = [r for r in continuing if r in self.running]
         budget = self.prefill.continue_running(out, continuing, budget)
         self.running.extend(self.prefill.admit(out, self.running, budget))
+        if not out and self.running:  # every running request is starved of KV slots
+            self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
         return out
 
