@@ -609,8 +609,6 @@ def llama3_factors(scaling: dict, inv_wavelen: np.ndarray) -> np.ndarray:
 def _hf_state_dict(
     f: GGUFFile, config: dict, arch: _Architecture, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    import torch
-
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state = {}
     for name in f.tensor_names:

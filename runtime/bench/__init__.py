@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
 # subcommand -> module with add_arguments(parser) and run(args)
