@@ -274,6 +274,16 @@ def first_error(events: list[Event]) -> Event | None:
     return next((e for e in events if e.error is not None), None)
 
 
+async def all_results(request: Request, call: Call) -> tuple[list[Event], Event | None]:
+    """Every result of a non-streaming call (aborted if the client leaves) and the first
+    failed one, if any."""
+    try:
+        events = await until_done_or_disconnect(request, call, call.results())
+    finally:
+        call.close()
+    return events, first_error(events)
+
+
 def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -357,11 +367,7 @@ def native_routes():
         call = server.manager.submit(items, msg.stream, rids)
         if msg.stream:
             return await stream_response(request, call, _generate_stream(call))
-        try:
-            events = await until_done_or_disconnect(request, call, call.results())
-        finally:
-            call.close()
-        failed = first_error(events)
+        events, failed = await all_results(request, call)
         if failed is not None:
             where = "" if single else f"prompt {failed.index}: "
             raise ApiError(failed.status, where + failed.error)

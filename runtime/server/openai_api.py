@@ -25,13 +25,12 @@ from spruce.runtime.server.http_app import (
     SSE_DONE,
     ApiError,
     ServerState,
+    all_results,
     error_object,
-    first_error,
     json_response,
     server_of,
     sse,
     stream_response,
-    until_done_or_disconnect,
     validation_message,
 )
 from spruce.runtime.inputs import sampling_from
@@ -241,11 +240,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _results(request: Request, call: Call) -> list[Event]:
-    try:
-        events = await until_done_or_disconnect(request, call, call.results())
-    finally:
-        call.close()
-    failed = first_error(events)
+    events, failed = await all_results(request, call)
     if failed is not None:
         raise ApiError(failed.status, _openai_names(failed.error))
     return events
