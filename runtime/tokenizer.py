@@ -121,9 +121,6 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [self.encode(t, add_special_tokens) for t in texts]
-
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

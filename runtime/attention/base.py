@@ -44,10 +44,6 @@ class ForwardContext:
         return all(n == 1 for n in self.extend_lens_cpu)
 
     @property
-    def seq_lens_cpu(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
-
-    @property
     def extend_start_loc_cpu(self) -> list[int]:
         starts, total = [], 0
         for n in self.extend_lens_cpu:
