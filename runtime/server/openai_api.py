@@ -470,6 +470,8 @@ def matched_stop(meta: dict[str, Any]) -> Any:
 class _View:
     """Shared pieces of the completions and chat response builders."""
 
+    response_object: str  # the OpenAI "object" of a whole (non-streamed) response
+
     def __init__(self, server: ServerState, req: _SamplingRequest, prefix: str, prompt_lens: list[int]) -> None:
         self.req = req
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -500,18 +502,21 @@ class _View:
     def finished(self, events: list[Event]) -> None:
         self.done.update((e.index, e) for e in events)
 
+    def response(self, events: list[Event]) -> dict[str, Any]:
+        """The non-streaming body: one choice per event (`_choice`) and the usage."""
+        self.finished(events)
+        body = self.envelope([self._choice(e) for e in events], self.response_object)
+        body["usage"] = self.usage()
+        return body
+
 
 class CompletionView(_View):
+    response_object = "text_completion"
+
     def __init__(self, server: ServerState, req: CompletionRequest, prompts: list[list[int]], top: int) -> None:
         super().__init__(server, req, "cmpl", [len(p) for p in prompts])
         self.top = top
         self.echo_texts = [server.model.tokenizer.decode(p) for p in prompts] if req.echo else None
-
-    def response(self, events: list[Event]) -> dict[str, Any]:
-        self.finished(events)
-        body = self.envelope([self._choice(e) for e in events], "text_completion")
-        body["usage"] = self.usage()
-        return body
 
     def _choice(self, e: Event) -> dict[str, Any]:
         meta = e.result["meta_info"]
@@ -559,15 +564,11 @@ class CompletionView(_View):
 
 
 class ChatView(_View):
+    response_object = "chat.completion"
+
     def __init__(self, server: ServerState, req: ChatRequest, prompt_len: int, tools: ToolPlan) -> None:
         super().__init__(server, req, "chatcmpl", [prompt_len])
         self.tools = tools
-
-    def response(self, events: list[Event]) -> dict[str, Any]:
-        self.finished(events)
-        body = self.envelope([self._choice(e) for e in events], "chat.completion")
-        body["usage"] = self.usage()
-        return body
 
     def _choice(self, e: Event) -> dict[str, Any]:
         meta = e.result["meta_info"]
