@@ -72,14 +72,14 @@ class EngineCore:
         self.cache = CacheManager(pool.allocator, self.runner.req_to_token, prefix_cache)
         eos = self.tokenizer.eos_token_ids
         stops = StopChecker(self.tokenizer, eos)
-        self.scheduler = Scheduler(config.scheduler, self.cache, stops, config.constraint)
         self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
+        release = lambda req: self.sampler.release(req.rid)  # noqa: E731  (per-request generators)
+        self.scheduler = Scheduler(config.scheduler, self.cache, stops, config.constraint, release)
         self.grammar_mask = GrammarMask(self.vocab_size, config.scheduler.max_running_requests, self.runner.device)
         c = config.constraint
         self.compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, c.grammar_whitespace_pattern, c.grammar_cache_size, c.grammar_timeout_s
         )
-        self.scheduler.on_release = lambda req: self.sampler.release(req.rid)
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
         logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
 

@@ -36,10 +36,3 @@ class GrammarQueue:
                 failed.append(req)
         self.pending = still
         return ready, failed
-
-    def remove(self, rid: str) -> Req | None:
-        for req in self.pending:
-            if req.rid == rid:
-                self.pending.remove(req)
-                return req
-        return None

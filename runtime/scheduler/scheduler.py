@@ -39,6 +39,7 @@ class Scheduler:
         cache: CacheManager,
         stops: StopChecker,
         constraint: ConstraintOptions | None = None,
+        on_release=None,
     ) -> None:
         self.options = options
         self.constraint = constraint or ConstraintOptions()
@@ -51,7 +52,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_outside_step: list[Req] = []
         self._aborts: dict[str, str] = {}
-        self.on_release = None  # optional callback(req) when a request leaves (sampler state)
+        self.on_release = on_release  # optional callback(req) when a request leaves (sampler state)
 
     # -- queue ------------------------------------------------------------------------
 
@@ -109,25 +110,20 @@ class Scheduler:
         ready, failed = self.grammars.poll()
         self.waiting.extend(ready)
         for req in failed:
-            self._finish(req, FinishReason("abort", message=str(req.error)))
-            self._finished_outside_step.append(req)
+            self._finish_outside_step(req, FinishReason("abort", message=str(req.error)))
 
     def _apply_aborts(self) -> None:
         if not self._aborts:
             return
-        for rid in self._aborts:
-            req = self.grammars.remove(rid)
-            if req is not None:
-                self._finish(req, FinishReason("abort", message=self._aborts[rid]))
-                self._finished_outside_step.append(req)
-        for req in [r for r in self.waiting if r.rid in self._aborts]:
-            self.waiting.remove(req)
-            self._finish(req, FinishReason("abort", message=self._aborts[req.rid]))
-            self._finished_outside_step.append(req)
-        for req in [r for r in self.running if r.rid in self._aborts]:
-            self._finish(req, FinishReason("abort", message=self._aborts[req.rid]))
-            self._finished_outside_step.append(req)
+        queued = [*self.grammars.pending, *self.waiting, *self.running]
+        for req in [r for r in queued if r.rid in self._aborts]:
+            self._finish_outside_step(req, FinishReason("abort", message=self._aborts[req.rid]))
         self._aborts.clear()
+
+    def _finish_outside_step(self, req: Req, reason: FinishReason) -> None:
+        """Finishes a request that is not part of a step (reported by the next step)."""
+        self._finish(req, reason)
+        self._finished_outside_step.append(req)
 
     # -- update -------------------------------------------------------------------------
 
@@ -157,7 +153,7 @@ class Scheduler:
         if logprobs is not None:
             req.logprobs.output_token_logprobs.append((logprobs.logprob, token))
             req.logprobs.output_top_logprobs.append(logprobs.top)
-        if req.grammar is not None and not _grammar_accepts(req, token, self.stops.eos_token_ids):
+        if req.grammar is not None and not req.grammar.accept_token(token):  # EOS ends the cursor
             self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
             return
         reason = self.stops.check(req, 1)
@@ -191,15 +187,11 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish(reason)
-        if req in self.running:
-            self.running.remove(req)
+        for queue in (self.running, self.waiting, self.grammars.pending):
+            if req in queue:
+                queue.remove(req)
         self.cache.release(req)
         self.stats.requests_finished += 1
         if self.on_release is not None:
             self.on_release(req)
 
-
-def _grammar_accepts(req: Req, token: int, eos_ids: frozenset[int]) -> bool:
-    if token in eos_ids and req.grammar.can_end():
-        return True  # ends the request; the automaton itself is not advanced with EOS
-    return req.grammar.accept_token(token)
