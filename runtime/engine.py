@@ -91,10 +91,9 @@ class Engine:
         pending = {r.rid for r in reqs}
         while pending:
             for req in self.core.step():
-                if req.rid in texts:
+                if req.finished and req.rid in texts:  # no stream: text is made once, at the end
                     texts[req.rid].update(req)
-                    if req.finished:
-                        pending.discard(req.rid)
+                    pending.discard(req.rid)
         failed = next((r.error for r in reqs if r.error is not None), None)
         if failed is not None:  # e.g. a constraint that failed to compile
             raise failed

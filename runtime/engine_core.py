@@ -168,8 +168,8 @@ class EngineCore:
         token_lps: list = [None] * len(out.reqs)
         if sampling_reqs:
             ids, lps = self.sampler.sample(forward.logits[last_rows], sampling_reqs, self.grammar_mask)
-            slots = [i for i, s in enumerate(samples) if s]
-            for j, i in enumerate(slots):
+            sampled_at = [i for i, s in enumerate(samples) if s]
+            for j, i in enumerate(sampled_at):
                 next_ids[i], token_lps[i] = ids[j], lps[j]
         prompt_lps = [
             prompt_logprobs(r, forward.logits[forward.offsets[i] : forward.offsets[i + 1]], r.computed_len)
