@@ -26,20 +26,16 @@ class OutputText:
 
     def _restart(self, ids: list[int]) -> None:
         self.detok = IncrementalDetokenizer(self.tokenizer, self.prompt_tail, self.skip_special)
-        self.seen: list[int] = []
-        if ids:
-            self._feed(ids)
-
-    def _feed(self, ids: list[int]) -> None:
+        self.first = len(self.detok.ids)  # the detokenizer's ids start with the prompt's tail
         self.detok.add(ids)
-        self.seen.extend(ids)
 
     def update(self, req: Req) -> str:
         ids = _visible_ids(req)
-        if ids[: len(self.seen)] != self.seen:  # jump-forward re-tokenized earlier tokens
+        seen = self.detok.ids[self.first :]
+        if ids[: len(seen)] != seen:  # jump-forward re-tokenized earlier tokens
             self._restart(ids)
-        elif len(ids) > len(self.seen):
-            self._feed(ids[len(self.seen) :])
+        elif len(ids) > len(seen):
+            self.detok.add(ids[len(seen) :])
         if req.finished:
             self.detok.flush()
         visible = self._visible(self.detok.text, req.finished)
