@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from spruce.runtime.kernels.cpu_attention import CpuDecodeAttention
+from spruce.runtime.kernels.cpu_library import c_compiler
 
 
 def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
@@ -20,14 +21,21 @@ def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96)])
+def built_kernel() -> CpuDecodeAttention:
+    """The kernel; where a C compiler exists, a failed build is a failure, not a skip."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler here")
+    kernel = CpuDecodeAttention()
+    assert kernel.available, "the C kernel failed to build (see the logged compiler error)"
+    return kernel
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
     torch.set_num_threads(threads)
-    kernel = CpuDecodeAttention()
-    if not kernel.available:
-        pytest.skip("no C compiler here")
+    kernel = built_kernel()
     g = torch.Generator().manual_seed(heads * dim)
     slots_total, batch = 600, 5
     k_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
@@ -44,10 +52,33 @@ def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_stores_new_tokens_then_attends(cache_dtype):
+    """With new_kv, each request's new K/V lands in its slot (as the pool's dtype) and is
+    attended as the last token; q, k and v may be strided column blocks of one matrix."""
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, batch = 9, 3, 64, 4
+    k_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
+    seq_lens = torch.tensor([1, 17, 40, 5])
+    table = (torch.randperm(299, generator=g)[:200] + 1).int().view(4, 50)
+    rows = torch.tensor([2, 0, 3, 1])
+    new_slots = table[rows, seq_lens - 1].long()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(batch, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[new_slots], want_v[new_slots] = k.to(cache_dtype), v.to(cache_dtype)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, new_slots))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    want = reference(q, want_k.float(), want_v.float(), table, rows, seq_lens, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_rejects_unsupported_shape():
-    kernel = CpuDecodeAttention()
-    if not kernel.available:
-        pytest.skip("no C compiler here")
+    kernel = built_kernel()
     q = torch.zeros(1, 4, 40)
     cache = torch.zeros(4, 4, 40)
     with pytest.raises(ValueError, match="unsupported shape"):

@@ -2,93 +2,75 @@
  *
  * For each request b, all its query heads attend over the request's seq_len tokens, whose
  * slots are req_to_token[rows[b], 0..seq_len); query head h reads kv head h / G (GQA).
- * Keys are processed in blocks with an online softmax, so each K and V row (all kv heads,
- * contiguous) is read exactly once and nothing is gathered into a temporary buffer.
- * Requests [first, last) are handled by one call and spread over OpenMP threads: loaded into a process
- * that runs torch, the kernel shares torch's libgomp thread pool (same SONAME), so the
- * two never fight over the cores.
+ * Keys are processed in blocks of 16 with an online softmax, so each K and V row (all kv
+ * heads, contiguous) is read from memory once and nothing is gathered into a temporary.
+ * A block's 16 scores of one head fill one vector: the 16 dot products are summed by a
+ * transpose-and-add tree (15 shuffle pairs instead of 16 horizontal sums), and the softmax
+ * update (max, exp, sum) runs on whole vectors.
+ * When given the step's new K/V, each request first stores its own token's K/V into its
+ * slot (converted to the cache type), so one call replaces the pool write and the
+ * attention; the new token is the last of its context, so only its own thread reads it.
+ * Requests are spread over OpenMP threads: loaded into a process that runs torch, the
+ * kernel shares torch's libgomp thread pool (same SONAME), so the two never fight over
+ * the cores.
  *
- * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache [S, KH, D];
- * req_to_token int32 [R, table_stride]; rows, seq_lens int64 [B].
+ * Layouts: q [B, H, D] with row stride q_stride; k_new, v_new [B, KH, D] with row stride
+ * new_stride; out [B, H, D] contiguous; k_cache, v_cache [S, KH, D]; req_to_token int32
+ * [R, table_stride]; rows, seq_lens, new_slots int64 [B].
  * Vectors are GCC vector extensions (16 floats), lowered to whatever the CPU has.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu_vector.h"
 
-#define LANES 16
-#define BLOCK 32
-#define MAX_HEADS 64
+#define BLOCK LANES /* tokens per block: one score vector per head */
+#define MAX_GROUP 64 /* query heads per kv head */
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-
-static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
-
-typedef float half_vec __attribute__((vector_size(LANES / 2 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(LANES / 4 * sizeof(float))));
-
-/* Tree sum of the lanes (a chain of scalar adds would serialize on add latency). */
-static inline float sum_lanes(vec v) {
-    half_vec lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    half_vec h = lo + hi;
-    quarter_vec a, b;
-    memcpy(&a, &h, sizeof a);
-    memcpy(&b, (const char *)&h + sizeof a, sizeof b);
-    quarter_vec s = a + b;
-    return (s[0] + s[1]) + (s[2] + s[3]);
+/* d[j] holds token j's 16 partial dot products; returns the vector whose lane j is token
+ * j's full sum. Each level halves the partials per token and doubles the tokens per vector. */
+static inline vec transpose_sum(const vec d[BLOCK]) {
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) {
+        vec x = d[2 * i], y = d[2 * i + 1];
+        a[i] = SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; i++) {
+        vec x = a[2 * i], y = a[2 * i + 1];
+        b[i] = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 2; i++) {
+        vec x = b[2 * i], y = b[2 * i + 1];
+        c[i] = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    }
+    return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-/* exp(x) for x <= 0 to about 2e-7 relative error, as plain arithmetic so that loops over
- * it vectorize (libm's expf is one call per element). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.4426950408889634f;
-    float whole = floorf(t);
-    float f = t - whole;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)whole << 23;
-    memcpy(&p, &bits, sizeof bits);
-    return p;
+/* Folds one block's scores `s` of one head (lanes >= n unused) into its online softmax:
+ * running max *m, per-lane sum *l and accumulator acc[0..chunks); the block's weights go
+ * to p[0..BLOCK). */
+static inline void softmax_update(vec s, int64_t n, float *m, vec *l, float *p, vec *acc, int64_t chunks) {
+    ivec live = (ivec){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)n;
+    s = (vec)(((ivec)s & live) | ((ivec)splat(-INFINITY) & ~live));
+    float block_max = max_lanes(s);
+    float new_max = block_max > *m ? block_max : *m;
+    vec correction = exp_nonpositive(splat(*m - new_max));
+    *m = new_max;
+    vec weights = (vec)((ivec)exp_nonpositive(s - new_max) & live);
+    memcpy(p, &weights, sizeof weights);
+    *l = *l * correction + weights;
+    for (int64_t c = 0; c < chunks; c++) acc[c] *= correction;
 }
 
-/* The attention state of one request: every query head's query, accumulator and running
- * softmax statistics, and the current block's scores / weights. */
-struct head_state {
-    vec q[MAX_HEADS][MAX_CHUNKS];
-    vec acc[MAX_HEADS][MAX_CHUNKS];
-    float m[MAX_HEADS], l[MAX_HEADS];
-    float p[MAX_HEADS][BLOCK];
-};
-
-static void softmax_update(struct head_state *st, int64_t n, int64_t heads, int64_t chunks) {
-    for (int64_t g = 0; g < heads; g++) {
-        float block_max = st->m[g];
-        for (int64_t j = 0; j < n; j++) block_max = st->p[g][j] > block_max ? st->p[g][j] : block_max;
-        float correction = st->m[g] == -INFINITY ? 0.0f : exp_nonpositive(st->m[g] - block_max);
-        st->m[g] = block_max;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            float e = exp_nonpositive(st->p[g][j] - block_max);
-            st->p[g][j] = e;
-            sum += e;
-        }
-        st->l[g] = st->l[g] * correction + sum;
-        for (int64_t c = 0; c < chunks; c++) st->acc[g][c] *= correction;
+/* out[0..chunks) = acc / (sum of the lanes of l). */
+static inline void finish_head(float *out, const vec *acc, vec l, int64_t chunks) {
+    float total = sum_lanes(l);
+    float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        vec o = acc[c] * inv;
+        memcpy(out + c * LANES, &o, sizeof o);
     }
 }
 
@@ -103,28 +85,6 @@ static void softmax_update(struct head_state *st, int64_t n, int64_t heads, int6
 #undef CACHE_T
 #undef LOAD_CACHE
 #undef SUFFIX
-
-/* Half-precision caches: half the memory traffic, widened to float in registers (with the
- * F16C instructions; GCC's generic vector conversion goes element by element). */
-static inline vec load_half(const _Float16 *p) {
-#if defined(__AVX512F__)
-    __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    vec out;
-    memcpy(&out, &wide, sizeof out);
-    return out;
-#elif defined(__F16C__)
-    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    vec out;
-    memcpy(&out, &lo, sizeof lo);
-    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
-    return out;
-#else
-    vec out;
-    for (int i = 0; i < LANES; i++) out[i] = (float)p[i];
-    return out;
-#endif
-}
 
 #define CACHE_T _Float16
 #define LOAD_CACHE load_half

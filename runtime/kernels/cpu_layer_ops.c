@@ -1,0 +1,93 @@
+/* The small per-layer operations of a decoder on the CPU, one pass over memory each:
+ * residual add + RMSNorm, SiLU(gate) * up, and rotary embedding in place.
+ *
+ * Each of these is several torch operators, and each torch operator over a decode batch
+ * wakes the OpenMP threads (tens of microseconds on a small VM with sleeping threads),
+ * which costs more than the arithmetic. Here a decode batch runs on the calling thread;
+ * only inputs large enough to be worth it (prefill) are spread over torch's threads.
+ * The arithmetic follows transformers' order of operations, so results agree with the
+ * torch path to float rounding.
+ */
+#include "cpu_vector.h"
+
+#define PARALLEL_MIN_ELEMENTS (1 << 18)
+
+static inline vec abs_vec(vec x) { return (vec)((ivec)x & 0x7fffffff); }
+
+/* One row: x' = x + residual (when residual is given; residual := x'), then
+ * out = weight * (x' * 1 / sqrt(mean(x'^2) + eps)). */
+static void rms_norm_row(const float *x, float *residual, const float *weight, float *out, int64_t dim,
+                         float eps) {
+    const float *src = x;
+    if (residual != NULL) {
+        for (int64_t i = 0; i < dim; i++) residual[i] = x[i] + residual[i];
+        src = residual;
+    }
+    vec squares = (vec){0};
+    int64_t i = 0;
+    for (; i + LANES <= dim; i += LANES) {
+        vec v = load(src + i);
+        squares += v * v;
+    }
+    float sum = sum_lanes(squares);
+    for (; i < dim; i++) sum += src[i] * src[i];
+    float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (i = 0; i < dim; i++) out[i] = weight[i] * (src[i] * inv);
+}
+
+/* rows x dim, contiguous; residual may be NULL (no add). */
+void spruce_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+                     float eps) {
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual != NULL ? residual + r * dim : NULL;
+        rms_norm_row(x + r * dim, res, weight, out + r * dim, dim, eps);
+    }
+}
+
+/* x * sigmoid(x), with sigmoid from exp(-|x|) <= 1 so it never overflows. */
+static inline vec silu_vec(vec x) {
+    vec e = exp_nonpositive(-abs_vec(x));
+    ivec positive = x >= 0.0f;
+    vec numerator = (vec)(((ivec)splat(1.0f) & positive) | ((ivec)e & ~positive));
+    return x * (numerator / (1.0f + e));
+}
+
+static inline float silu_scalar(float x) { return x / (1.0f + expf(-x)); }
+
+/* gate_up rows are [gate (inter), up (inter)]; out rows are silu(gate) * up (inter). */
+void spruce_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + LANES <= inter; i += LANES) {
+            vec v = silu_vec(load(gate + i)) * load(up + i);
+            memcpy(o + i, &v, sizeof v);
+        }
+        for (; i < inter; i++) o[i] = silu_scalar(gate[i]) * up[i];
+    }
+}
+
+/* Rotate-half rotary embedding in place: row r holds `heads` vectors of `dim` floats
+ * (q heads then k heads) at stride row_stride; cos / sin are [positions, dim / 2].
+ * No fused multiply-add, so the rounding is transformers' (two products, one sum). */
+__attribute__((optimize("fp-contract=off"))) void spruce_rotary(float *x, int64_t row_stride, int64_t rows,
+                                                                int64_t heads, int64_t dim,
+                                                                const int64_t *positions, const float *cos,
+                                                                const float *sin) {
+    int64_t half = dim / 2;
+#pragma omp parallel for if (rows * heads * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + positions[r] * half, *s = sin + positions[r] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * row_stride + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] - x2 * s[i];
+                v[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,86 @@
+/* Vector helpers shared by the CPU kernels: 16-float vectors as GCC vector extensions
+ * (lowered to whatever the CPU has, AVX-512 here), lane reductions, a vector exp, and
+ * float16 widening. */
+#ifndef SPRUCE_CPU_VECTOR_H
+#define SPRUCE_CPU_VECTOR_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline vec max2(vec a, vec b) {
+    ivec a_wins = a > b;
+    return (vec)(((ivec)a & a_wins) | ((ivec)b & ~a_wins));
+}
+
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+static inline float max_lanes(vec v) {
+    v = max2(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = max2(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = max2(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = max2(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+static inline float sum_lanes(vec v) {
+    v += SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+/* exp(x) for x <= 0 to about 2e-7 relative error, on whole vectors: 2^t = 2^round(t) * 2^f
+ * with f in [-0.5, 0.5] by a degree-6 polynomial; round() by adding and removing 1.5 * 2^23
+ * (valid without -ffast-math, which would fold it away). */
+static inline vec exp_nonpositive(vec x) {
+    x = max2(x, splat(-87.0f));
+    vec t = x * 1.4426950408889634f;
+    vec whole = (t + 12582912.0f) - 12582912.0f;
+    vec f = t - whole;
+    vec p = splat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return (vec)((ivec)p + (__builtin_convertvector(whole, ivec) << 23));
+}
+
+/* Half-precision caches: half the memory traffic, widened to float in registers (with the
+ * F16C instructions; GCC's generic vector conversion goes element by element). */
+static inline vec load_half(const _Float16 *p) {
+#if defined(__AVX512F__)
+    __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    vec out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    vec out;
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+    return out;
+#else
+    vec out;
+    for (int i = 0; i < LANES; i++) out[i] = (float)p[i];
+    return out;
+#endif
+}
+
+#endif
