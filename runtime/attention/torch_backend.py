@@ -1,7 +1,8 @@
 """Reference attention backend in plain torch (CPU and any device).
 
-Decode requests (one new token) are attended together. On a CPU with float32 K/V they go
-through a small C kernel that reads the pool in place (runtime/kernels/cpu_attention.py);
+Decode requests (one new token) are attended together. On a CPU with float32 or float16
+K/V they go through a small C kernel that reads the pool in place and, in an all-decode
+batch, also stores the new K/V (runtime/kernels/cpu_attention.py);
 otherwise their context slots are gathered into a padded [B, L] index matrix once per
 forward pass (shared by every layer) and run through one scaled_dot_product_attention call
 with a padding mask. Extend requests are attended one by one; a request with no cached
@@ -93,8 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
         return _Extend(start, length, prefix, slots, mask)
 
     def forward(self, q, k, v, layer, ctx):
-        self.pool.write(layer, ctx.out_slots, k, v)
         state: _TorchState = ctx.backend_state
+        if state.all_decode and self.cpu_kernel is not None:  # the kernel stores the new K/V itself
+            return self._attend_decode(q, layer, state.decode, new_kv=(k, v, ctx.out_slots))
+        self.pool.write(layer, ctx.out_slots, k, v)
         if state.all_decode:
             return self._attend_decode(q, layer, state.decode)
         o = torch.empty_like(q)
@@ -105,11 +108,11 @@ class TorchAttentionBackend(AttentionBackend):
             o[span] = self._attend_extend(q[span], k[span], v[span], layer, ext)
         return o
 
-    def _attend_decode(self, q: torch.Tensor, layer: int, group: _DecodeGroup) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, layer: int, group: _DecodeGroup, new_kv=None) -> torch.Tensor:
         if self.cpu_kernel is not None:
             k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
             table = self.req_to_token.table
-            return self.cpu_kernel(q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale)
+            return self.cpu_kernel(q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale, new_kv)
         batch, length = group.slots.shape
         flat = group.slots.flatten()
         k = self.pool.k[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)

@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in torch.
 
 Q/K/V and gate/up projections are fused into one matmul each. Attention goes through the
-configured backend, which reads and writes the token-granular KV pool.
+configured backend, which reads and writes the token-granular KV pool. The residual
+stream is added inside each norm (norm(x + residual) returns the new residual too). On
+the CPU in float32, the residual add + norm, SiLU * up and rotary run as C kernels
+(runtime/kernels/cpu_layer_ops.py), one call each instead of several torch operators.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spruce.runtime.attention.base import AttentionBackend, ForwardContext
+from spruce.runtime.kernels import cpu_layer_ops
 from spruce.runtime.model_config import ModelConfig, RopeScaling
 
 
@@ -22,7 +26,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if cpu_layer_ops.usable(x):
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,10 +61,19 @@ class Rotary(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor):
+        """qkv [N, q_size + 2 * kv_size] -> q, k (rotated), v as [N, heads, head_dim] views."""
+        c = self.config
+        if cpu_layer_ops.usable(qkv):
+            cpu_layer_ops.rotary_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, positions, self.cos, self.sin)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if not cpu_layer_ops.usable(qkv):
+            cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return q, k, v
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,13 +105,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, ctx: ForwardContext):
-        c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        q, k = rotary(positions, q, k)
-        o = backend.forward(q, k, v.view(-1, c.num_kv_heads, c.head_dim), self.layer, ctx)
-        return self.o_proj(o.reshape(-1, c.q_size))
+        q, k, v = rotary(positions, self.qkv_proj(x))
+        o = backend.forward(q, k, v, self.layer, ctx)
+        return self.o_proj(o.reshape(-1, self.config.q_size))
 
 
 class MLP(nn.Module):
@@ -100,7 +117,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_layer_ops.usable(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -112,9 +132,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, backend, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, backend, ctx):
+        """(this layer's MLP output, the residual stream before it)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, backend, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,12 +163,12 @@ class LlamaForCausalLM(nn.Module):
         logits_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         backend.prepare(ctx)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, ctx.positions, self.rotary, backend, ctx)
+            x, residual = layer(x, residual, ctx.positions, self.rotary, backend, ctx)
         if logits_rows is not None:
-            x = x[logits_rows]
-        x = self.norm(x)
+            x, residual = x[logits_rows], residual[logits_rows]
+        x, _ = self.norm(x, residual)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)
 
