@@ -536,7 +536,7 @@ def test_http_disconnect_mid_stream_frees_the_request(server, http):
 def test_http_disconnect_non_streaming_aborts(server, http):
     body = {"text": "wait for me", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/generate", json=body, headers=AUTH, timeout=0.3)
+        httpx.post(server.url + "/generate", json=body, headers=AUTH, timeout=0.05)
     assert_no_running(http)
 
 
