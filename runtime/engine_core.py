@@ -64,7 +64,7 @@ class EngineCore:
             attention_backend=resolve_backend(config.model.attention_backend, device),
             device=device,
             cuda_graph=not config.model.disable_cuda_graph,
-            kv_dtype=self._kv_dtype(),
+            kv_dtype=self._kv_dtype(device),
         )
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
@@ -83,13 +83,20 @@ class EngineCore:
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
         logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
 
-    def _kv_dtype(self) -> torch.dtype:
+    def _kv_dtype(self, device: str) -> torch.dtype:
+        """auto: the model's dtype, except float16 for a float32 model on the CPU (as
+        llama.cpp does): half the memory and half the decode attention's memory traffic,
+        which bounds a large batch's step there. float32 keeps greedy tokens identical to
+        transformers'."""
         name = self.config.cache.kv_cache_dtype
-        return next(self.loaded.model.parameters()).dtype if name == "auto" else parse_dtype(name)
+        if name != "auto":
+            return parse_dtype(name)
+        model_dtype = next(self.loaded.model.parameters()).dtype
+        return torch.float16 if device == "cpu" and model_dtype == torch.float32 else model_dtype
 
     def _num_slots(self, device: str) -> int:
         c = self.loaded.config
-        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())
+        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype(device))
         budget_gb = self.config.cache.kv_memory_gb
         if budget_gb is None and device != "cpu":
             free, _ = torch.cuda.mem_get_info()

@@ -15,7 +15,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 
 def make_engine(folder, **options) -> Engine:
-    options = {"kv_memory_gb": 0.02, "num_threads": 1, **options}
+    # a float32 cache, so tokens and logprobs can be compared with transformers'
+    options = {"kv_memory_gb": 0.02, "num_threads": 1, "kv_cache_dtype": "float32", **options}
     return Engine(str(folder), **options)
 
 
@@ -54,6 +55,15 @@ def test_batch_invariance_and_transformers_equality(engine, hf):
     alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
     assert together == alone
     assert together == [hf_greedy(hf, p, 16) for p in batch]
+
+
+def test_cpu_default_cache_is_float16_and_batch_invariant(tiny_llama_dir):
+    engine = Engine(str(tiny_llama_dir), kv_memory_gb=0.02, num_threads=1)
+    assert engine.core.runner.pool.shape.dtype == torch.float16
+    batch = prompts(8, seed=1)
+    together = ids_of(engine.generate(input_ids=batch, sampling_params=GREEDY))
+    assert together == [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    engine.shutdown()
 
 
 def test_requests_join_while_others_decode(engine):

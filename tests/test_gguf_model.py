@@ -83,7 +83,7 @@ def test_bundled_greedy_equals_transformers(bundled):
 
     folder, name = bundled.rsplit("/", 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    engine = Engine(num_threads=1, kv_memory_gb=0.5)
+    engine = Engine(num_threads=1, kv_memory_gb=0.5, kv_cache_dtype="float32")  # transformers' precision
     texts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ids = [engine.tokenizer.encode(t) for t in texts]
     ours = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
