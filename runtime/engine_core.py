@@ -165,25 +165,29 @@ class EngineCore:
             self.step_log.append(StepInfo(time.perf_counter() - start, len(out.reqs), out.num_tokens, all_decode))
         return changed
 
+    @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> StepResult:
         items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
         forward = self.runner.forward(items)
-        samples = out.samples
-        last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
-        sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
-        next_ids: list[int | None] = [None] * len(out.reqs)
-        token_lps: list = [None] * len(out.reqs)
-        if sampling_reqs:
-            ids, lps = self.sampler.sample(forward.logits[last_rows], sampling_reqs, self.grammar_mask)
-            sampled_at = [i for i, s in enumerate(samples) if s]
-            for j, i in enumerate(sampled_at):
-                next_ids[i], token_lps[i] = ids[j], lps[j]
+        # prompt logprobs first: the sampler below changes the logits in place
         prompt_lps = [
             prompt_logprobs(r, forward.logits[forward.offsets[i] : forward.offsets[i + 1]], r.computed_len)
             if items[i].all_logits
             else None
             for i, r in enumerate(out.reqs)
         ]
+        samples = out.samples
+        last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
+        sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
+        next_ids: list[int | None] = [None] * len(out.reqs)
+        token_lps: list = [None] * len(out.reqs)
+        if sampling_reqs:
+            every_row = len(last_rows) == forward.logits.shape[0]  # a decode batch: no gather (12 MB copy)
+            logits = forward.logits if every_row else forward.logits[last_rows]
+            ids, lps = self.sampler.sample(logits, sampling_reqs, self.grammar_mask)
+            sampled_at = [i for i, s in enumerate(samples) if s]
+            for j, i in enumerate(sampled_at):
+                next_ids[i], token_lps[i] = ids[j], lps[j]
         return StepResult(next_ids, token_lps, prompt_lps)
 
     def _wait_for_grammars(self) -> None:

@@ -78,14 +78,16 @@ class ModelRunner:
         prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
         extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
         rows = torch.tensor([it.row for it in items], dtype=torch.int64)
-        starts = torch.cumsum(extend, 0) - extend
-        total = int(extend.sum())
-        # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
-        positions = torch.arange(total) + torch.repeat_interleave(prefix - starts, extend)
+        if all(len(it.new_ids) == 1 for it in items):  # decode: one token per request at its prefix length
+            positions, table_rows = prefix, rows
+        else:
+            starts = torch.cumsum(extend, 0) - extend
+            # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
+            positions = torch.arange(int(extend.sum())) + torch.repeat_interleave(prefix - starts, extend)
+            table_rows = torch.repeat_interleave(rows, extend)
         out_slots = torch.cat([it.new_slots for it in items]).to(self.device)
-        positions = positions.to(self.device)
+        positions, table_rows = positions.to(self.device), table_rows.to(self.device)
         # the new tokens' slots go into their rows of the request-to-token table, in one write
-        table_rows = torch.repeat_interleave(rows, extend).to(self.device)
         self.req_to_token.table[table_rows, positions] = out_slots.to(self.req_to_token.table.dtype)
         input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
         ctx = ForwardContext(
