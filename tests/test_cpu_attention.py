@@ -83,3 +83,22 @@ def test_rejects_unsupported_shape():
     cache = torch.zeros(4, 4, 40)
     with pytest.raises(ValueError, match="unsupported shape"):
         kernel(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+def test_bfloat16_activations_are_computed_in_float32():
+    """A bfloat16 model on the CPU with a float16 cache: q/k/v are widened, the output
+    comes back in bfloat16."""
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(100, 3, 64, generator=g).half()
+    v_cache = torch.randn(100, 3, 64, generator=g).half()
+    table = torch.arange(100, dtype=torch.int32).view(2, 50)
+    rows, seq_lens = torch.tensor([0, 1]), torch.tensor([20, 50])
+    q = torch.randn(2, 9, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 3, 64, generator=g).bfloat16(), torch.randn(2, 3, 64, generator=g).bfloat16()
+    slots = torch.tensor([19, 99])
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, new_kv=(k, v, slots))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(k_cache[slots], k.half()) and torch.equal(v_cache[slots], v.half())
+    want = reference(q.float(), k_cache.float(), v_cache.float(), table, rows, seq_lens, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)

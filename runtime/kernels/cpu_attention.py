@@ -15,10 +15,10 @@ from spruce.runtime.kernels.cpu_library import load_library
 class CpuDecodeAttention:
     """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv) -> out [B, H, D].
 
-    q float32 [B, H, D] (rows may be strided); the caches float32 or float16 (half the
-    memory traffic); all CPU tensors. `new_kv = (k, v, slots)`, when given, is each
-    request's new K/V [B, KH, D] (float32, rows may be strided), stored at `slots` before
-    attending."""
+    q [B, H, D] (rows may be strided; computed in float32, returned in q's dtype); the
+    caches float32 or float16 (half the memory traffic); all CPU tensors. `new_kv = (k, v,
+    slots)`, when given, is each request's new K/V [B, KH, D] (rows may be strided), stored
+    at `slots` before attending."""
 
     def __init__(self) -> None:
         self.lib = load_library()
@@ -28,9 +28,9 @@ class CpuDecodeAttention:
         return self.lib is not None
 
     def __call__(self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None) -> torch.Tensor:
-        assert q.dtype == torch.float32 and table.dtype == torch.int32
+        assert table.dtype == torch.int32
         assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
-        q = _rows_strided(q)
+        dtype, q = q.dtype, _rows_strided(q)
         rows, seq_lens = rows.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
         batch, heads, dim = q.shape
         out = torch.empty(batch, heads, dim)
@@ -38,7 +38,9 @@ class CpuDecodeAttention:
         if new_kv is not None:
             k, v, slots = new_kv
             k, v = _rows_strided(k), _rows_strided(v)
-            assert k.stride(0) == v.stride(0) and k.shape[0] == batch
+            if k.stride(0) != v.stride(0):  # the kernel takes one row stride for both
+                k, v = k.contiguous(), v.contiguous()
+            assert k.shape[0] == v.shape[0] == batch
             slots = slots.to(torch.int64).contiguous()
             new = (k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr())
         fn = self.lib.spruce_decode_attention_f16 if k_cache.dtype == torch.float16 else self.lib.spruce_decode_attention_f32
@@ -49,11 +51,13 @@ class CpuDecodeAttention:
         )  # fmt: skip
         if failed:
             raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")
-        return out
+        return out.to(dtype)
 
 
 def _rows_strided(x: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, D] whose rows may be strided but each row's heads are contiguous."""
+    """x [B, heads, D] as float32 whose rows may be strided but each row's heads are contiguous."""
+    if x.dtype != torch.float32:
+        x = x.float()
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x

@@ -64,13 +64,14 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor):
         """qkv [N, q_size + 2 * kv_size] -> q, k (rotated), v as [N, heads, head_dim] views."""
         c = self.config
-        if cpu_layer_ops.usable(qkv):
+        in_c = cpu_layer_ops.usable(qkv)
+        if in_c:
             cpu_layer_ops.rotary_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, positions, self.cos, self.sin)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)
         k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
-        if not cpu_layer_ops.usable(qkv):
+        if not in_c:
             cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return q, k, v
