@@ -62,6 +62,7 @@ def _build(target: Path) -> None:
     if compiler is None:
         raise OSError("no C compiler (cc / gcc) found")
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the CPU kernels (once per machine) into %s", target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # atomic: build, then rename
         out = Path(tmp) / target.name
         command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(out), "-lm"]
