@@ -65,3 +65,13 @@ def test_rotary_in_place_on_strided_rows(rows):
     cpu_layer_ops.rotary_(qkv, heads + kv_heads, dim, positions, cos, sin)
     assert torch.equal(qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim), want)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33)])
+def test_linear_few_rows(rows, n, k):
+    """Up to 4 rows go through the C kernel (5 through torch); with and without a bias."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        torch.testing.assert_close(cpu_layer_ops.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)

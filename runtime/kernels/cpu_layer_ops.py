@@ -49,3 +49,19 @@ def rotary_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor,
     load_library().spruce_rotary(
         x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
     )
+
+
+GEMV_MAX_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] @ weight.T (+ bias); a few rows (batch-1 decode) go through the C kernel,
+    which streams the weights once, others through torch."""
+    if x.shape[0] > GEMV_MAX_ROWS or not usable(x) or x.dim() != 2:
+        return torch.nn.functional.linear(x, weight, bias)
+    x = x.contiguous()
+    n, k = weight.shape
+    y = torch.empty(x.shape[0], n)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    load_library().spruce_gemv(x.data_ptr(), x.shape[0], k, weight.data_ptr(), bias_ptr, n, y.data_ptr())
+    return y

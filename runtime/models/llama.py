@@ -20,6 +20,13 @@ from spruce.runtime.kernels import cpu_layer_ops
 from spruce.runtime.model_config import ModelConfig, RopeScaling
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose batch-1 decode (a few rows) on the CPU streams the weights in C."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_layer_ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -102,8 +109,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, ctx: ForwardContext):
         q, k, v = rotary(positions, self.qkv_proj(x))
@@ -114,8 +121,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -154,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -171,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[logits_rows], residual[logits_rows]
         x, _ = self.norm(x, residual)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        return cpu_layer_ops.linear(x, weight)
 
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face parameter names, fusing q/k/v and gate/up; strict."""
