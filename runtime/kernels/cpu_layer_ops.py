@@ -1,5 +1,6 @@
 """Per-layer decoder operations in C for float32 CPU tensors (runtime/kernels/cpu_layer_ops.c):
-residual add + RMSNorm, SiLU(gate) * up, and rotary embedding in place.
+residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, and linear layers for a
+few rows (batch-1 decode).
 
 `usable(x)` says whether a tensor can take this path; the model falls back to torch ops
 otherwise (other devices and dtypes, no C compiler).
@@ -57,7 +58,8 @@ GEMV_MAX_ROWS = 4
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, k] @ weight.T (+ bias); a few rows (batch-1 decode) go through the C kernel,
     which streams the weights once, others through torch."""
-    if x.shape[0] > GEMV_MAX_ROWS or not usable(x) or x.dim() != 2:
+    plain = weight.dtype == torch.float32 and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS or not plain or not usable(x):
         return torch.nn.functional.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape
