@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from spruce.runtime.errors import ModelLoadError
-from spruce.runtime.kernels import cpu_layer_ops
+from spruce.runtime.kernels import cpu_layer_ops, cpu_library
 from spruce.runtime.model_loader import load_model
 from spruce.runtime.model_runner import ForwardItem, ModelRunner
 from conftest import write_tiny_model
@@ -110,14 +110,19 @@ def test_last_position_logits_only(pair):
     torch.testing.assert_close(logits[0], hf_logits(hf, ids)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("c_layer_ops", [True, False], ids=["c-ops", "torch-ops"])
-def test_decode_steps_match_transformers_greedy(pair, c_layer_ops, monkeypatch):
-    """Both ways of running the per-layer operations: the C kernels (CPU, float32) and the
-    torch operators every other device and dtype uses."""
-    if not c_layer_ops:
+@pytest.mark.parametrize("kernels", ["c", "torch-layer-ops", "no-c-library"])
+def test_decode_steps_match_transformers_greedy(pair, kernels, monkeypatch):
+    """Every way of running a step: the C kernels (CPU, float32), the torch per-layer
+    operators every other device and dtype uses, and a machine without a C compiler (torch
+    attention too)."""
+    if kernels == "torch-layer-ops":
         monkeypatch.setattr(cpu_layer_ops, "usable", lambda x: False)
+    if kernels == "no-c-library":
+        monkeypatch.setattr(cpu_library, "_library", None)
+        monkeypatch.setattr(cpu_library, "_tried", True)
     loaded, hf = pair
     runner = make_runner(loaded)
+    assert (runner.backend.cpu_kernel is None) == (kernels == "no-c-library")
     seqs = [prompt(10 + i, n) for i, n in enumerate([3, 9, 14, 30])]
     rows, last = [], []
     for s in seqs:
