@@ -494,10 +494,19 @@ class _View:
         completion = sum(m["completion_tokens"] for m in metas.values())
         return usage(sum(self.prompt_lens), completion, cached)
 
-    def usage_chunk(self, object_name: str) -> bytes | None:
+    def stream_end(self, object_name: str) -> list[bytes]:
+        """The last events of a stream: the usage chunk when asked for, then [DONE]."""
+        end = [SSE_DONE]
         if self.req.stream_options and self.req.stream_options.include_usage:
-            return sse({**self.envelope([], object_name), "usage": self.usage()})
-        return None
+            end.insert(0, sse({**self.envelope([], object_name), "usage": self.usage()}))
+        return end
+
+    @staticmethod
+    def stream_error(e: Event, nothing_sent: bool) -> bytes:
+        """Before the first chunk an error is a proper HTTP status; after it, an error event."""
+        if nothing_sent:
+            raise ApiError(e.status, _openai_names(e.error))
+        return sse_error(e)
 
     def finished(self, events: list[Event]) -> None:
         self.done.update((e.index, e) for e in events)
@@ -544,9 +553,7 @@ class CompletionView(_View):
         offsets: dict[int, int] = {}
         async for e in call:
             if e.error is not None:
-                if not offsets and not self.done:  # nothing sent yet: a proper error status
-                    raise ApiError(e.status, _openai_names(e.error))
-                yield sse_error(e)
+                yield self.stream_error(e, nothing_sent=not offsets and not self.done)
                 continue
             text = e.text if e.index in offsets else self._echo(e.index) + e.text
             offset = offsets.get(e.index, 0)
@@ -557,10 +564,8 @@ class CompletionView(_View):
             yield sse(self.envelope([choice], "text_completion"))
             if e.finished:
                 self.finished([e])
-        usage_chunk = self.usage_chunk("text_completion")
-        if usage_chunk:
-            yield usage_chunk
-        yield SSE_DONE
+        for chunk in self.stream_end("text_completion"):
+            yield chunk
 
 
 class ChatView(_View):
@@ -598,9 +603,7 @@ class ChatView(_View):
             auto = {i: tool_calls.AutoToolStream(self.tools.names) for i in range(self.req.n)}
         async for e in call:
             if e.error is not None:
-                if not started:  # nothing sent yet: a proper error status
-                    raise ApiError(e.status, _openai_names(e.error))
-                yield sse_error(e)
+                yield self.stream_error(e, nothing_sent=not started)
                 continue
             if e.index not in started:
                 started.add(e.index)
@@ -609,10 +612,8 @@ class ChatView(_View):
                 yield chunk
             if e.finished:
                 self.finished([e])
-        usage_chunk = self.usage_chunk("chat.completion.chunk")
-        if usage_chunk:
-            yield usage_chunk
-        yield SSE_DONE
+        for chunk in self.stream_end("chat.completion.chunk"):
+            yield chunk
 
     def _event_chunks(self, e: Event, auto: tool_calls.AutoToolStream | None) -> list[bytes]:
         out = []
