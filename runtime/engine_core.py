@@ -56,15 +56,16 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
+        kv_dtype = self._kv_dtype(device)
         self.runner = ModelRunner(
             self.loaded,
-            num_slots=self._num_slots(device),
+            num_slots=self._num_slots(device, kv_dtype),
             max_requests=config.scheduler.max_running_requests + 2,  # + CUDA graph padding row
             max_context_len=self.context_len,
             attention_backend=resolve_backend(config.model.attention_backend, device),
             device=device,
             cuda_graph=not config.model.disable_cuda_graph,
-            kv_dtype=self._kv_dtype(device),
+            kv_dtype=kv_dtype,
         )
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
@@ -94,9 +95,9 @@ class EngineCore:
         model_dtype = next(self.loaded.model.parameters()).dtype
         return torch.float16 if device == "cpu" and model_dtype == torch.float32 else model_dtype
 
-    def _num_slots(self, device: str) -> int:
+    def _num_slots(self, device: str, kv_dtype: torch.dtype) -> int:
         c = self.loaded.config
-        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype(device))
+        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         budget_gb = self.config.cache.kv_memory_gb
         if budget_gb is None and device != "cpu":
             free, _ = torch.cuda.mem_get_info()
