@@ -36,7 +36,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         dtype = self.pool.shape.dtype
         common = (self.num_heads, self.kv_heads, self.head_dim)
         if ctx.is_decode:
-            kv_indices = self._page_indices(ctx, seq_lens, kv_indptr)
+            kv_indices = self._page_indices(ctx, seq_lens)
             last = torch.ones_like(seq_lens, dtype=torch.int32)
             self.decode.plan(kv_indptr, kv_indices, last, *common, 1, q_data_type=dtype, kv_data_type=dtype)
             ctx.backend_state = "decode"
@@ -44,13 +44,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.ragged_prefill.plan(qo_indptr, qo_indptr, *common, causal=True, q_data_type=dtype)
             ctx.backend_state = "ragged"
         else:
-            kv_indices = self._page_indices(ctx, seq_lens, kv_indptr)
+            kv_indices = self._page_indices(ctx, seq_lens)
             last = torch.ones_like(seq_lens, dtype=torch.int32)
             self.paged_prefill.plan(qo_indptr, kv_indptr, kv_indices, last, *common, 1, causal=True, q_data_type=dtype)
             ctx.backend_state = "paged"
 
-    def _page_indices(self, ctx: ForwardContext, seq_lens: torch.Tensor, indptr: torch.Tensor) -> torch.Tensor:
-        rows = self.req_to_token.table[ctx.req_pool_indices]
+    def _page_indices(self, ctx: ForwardContext, seq_lens: torch.Tensor) -> torch.Tensor:
+        longest = max(p + e for p, e in zip(ctx.prefix_lens_cpu, ctx.extend_lens_cpu))
+        rows = self.req_to_token.table[ctx.req_pool_indices, :longest]
         keep = torch.arange(rows.shape[1], device=rows.device)[None, :] < seq_lens[:, None]
         return rows[keep].to(torch.int32)
 
