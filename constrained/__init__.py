@@ -16,7 +16,7 @@ _EXPORTS = {
     "allocate_bitmask": "bitmask", "apply_bitmask": "bitmask", "unpack_bitmask": "bitmask",
     "GrammarCompiler": "compiler", "GrammarCursor": "cursor", "CompiledGrammar": "grammar",
     "CharAutomaton": "jump_forward", "JumpForward": "jump_forward",
-    "ConstraintSpec": "spec", "make_spec": "spec",
+    "ConstraintSpec": "spec", "make_spec": "spec", "ConstraintError": "errors",
 }  # fmt: skip
 
 
@@ -29,6 +29,7 @@ def __getattr__(name: str):
 __all__ = [
     "CharAutomaton",
     "CompiledGrammar",
+    "ConstraintError",
     "ConstraintSpec",
     "GrammarCompiler",
     "GrammarCursor",

@@ -15,7 +15,7 @@ from spruce.constrained.jump_forward import CharAutomaton
 from spruce.constrained.patterns import index_regex
 from spruce.constrained.spec import ConstraintSpec
 from spruce.constrained.vocab import TokenVocabulary
-from spruce.runtime.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError
 
 NUM_WORKERS = 2  # a slow build (tens of seconds) does not hold up every other constraint
 
@@ -34,12 +34,10 @@ class GrammarCompiler:
         self,
         tokenizer,
         vocab_size: int | None = None,
-        whitespace_pattern: str | None = None,
         cache_size: int = 64,
         timeout_s: float = 30,
     ) -> None:
         self.vocab = TokenVocabulary(tokenizer, vocab_size)
-        self.whitespace_pattern = "" if whitespace_pattern is None else whitespace_pattern
         self.cache_size = cache_size
         self.timeout_s = timeout_s
         self._cache: OrderedDict[ConstraintSpec, CompiledGrammar] = OrderedDict()
@@ -83,7 +81,7 @@ class GrammarCompiler:
         self._automaton_executor.shutdown(wait=False, cancel_futures=True)
 
     def _build(self, spec: ConstraintSpec) -> CompiledGrammar:
-        regex = spec.to_regex(self.whitespace_pattern)
+        regex = spec.regex
         # The character automaton (pure Python) builds on another thread while the index
         # (Rust, GIL released) builds here: a compile takes the longer of the two, not both.
         automaton = self._automaton_executor.submit(_char_automaton, regex)

@@ -41,7 +41,7 @@ from spruce.constrained.patterns import (
     strip_anchors,
 )
 from spruce.constrained.ranges import integer_range_regex, number_range_regex
-from spruce.runtime.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError
 
 _ANNOTATIONS = {
     "title", "description", "default", "examples", "$comment", "$schema", "$id",

@@ -22,7 +22,7 @@ import re
 import interegular
 
 from spruce.constrained.patterns import END_MARK
-from spruce.runtime.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from spruce.constrained.json_schema import load_schema, schema_to_regex
 from spruce.constrained.limits import check_regex_size, parse_regex
 from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
-from spruce.runtime.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
 
@@ -17,21 +17,16 @@ REGEX, JSON_SCHEMA = "regex", "json_schema"
 @dataclass(frozen=True, slots=True)
 class ConstraintSpec:
     """`kind` is "regex" (value: the regex; choices and dtypes become regexes) or
-    "json_schema" (value: the schema as JSON text, property order kept). Hashable: the
-    compiled-grammar cache key."""
+    "json_schema" (value: the schema as JSON text, property order kept); `regex` is the
+    constraint as a regex, converted once by `make_spec` and carried from then on.
+    Hashable on (kind, value): the compiled-grammar cache key."""
 
     kind: str
     value: str
+    regex: str = field(compare=False)
 
-    def to_regex(self, whitespace_pattern: str = "") -> str:
-        """The constraint as a regex; re-validates (a spec may be built without make_spec)."""
-        if self.kind == JSON_SCHEMA:
-            return schema_to_regex(load_schema(self.value), whitespace_pattern)
-        if self.kind == REGEX:
-            return _regex_spec(self.value).value
-        raise ConstraintError(
-            f"unknown constraint kind {self.kind!r} (known: {REGEX}, {JSON_SCHEMA})"
-        )
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "value": self.value, "regex": self.regex}
 
 
 def make_spec(
@@ -39,12 +34,14 @@ def make_spec(
     json_schema: Any = None,
     choices: list[str] | tuple[str, ...] | None = None,
     dtype: type | str | None = None,
+    whitespace_pattern: str = "",
 ) -> ConstraintSpec | None:
     """Validates a constraint (at most one of the four) and returns its spec, or None when
     none is given. Raises ConstraintError for anything invalid or unsupported.
 
     json_schema: a dict, a JSON string or a pydantic model class. choices: the output is one
-    of the strings. dtype: int, float, bool, str (or their names): see DTYPE_REGEXES."""
+    of the strings. dtype: int, float, bool, str (or their names): see DTYPE_REGEXES.
+    whitespace_pattern: the whitespace a JSON schema's output may hold between tokens."""
     candidates = {"regex": regex, "json_schema": json_schema, "choices": choices, "dtype": dtype}
     given = [name for name, value in candidates.items() if value is not None]
     if len(given) > 1:
@@ -53,8 +50,8 @@ def make_spec(
         return _regex_spec(regex)
     if json_schema is not None:
         schema = load_schema(json_schema)
-        schema_to_regex(schema)  # every check, before any compute (a few ms)
-        return ConstraintSpec(JSON_SCHEMA, json.dumps(schema, ensure_ascii=False))
+        regex = schema_to_regex(schema, whitespace_pattern)  # every check, before any compute
+        return ConstraintSpec(JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), regex)
     if choices is not None:
         return _regex_spec(choices_regex(_checked_choices(choices)))
     if dtype is not None:
@@ -67,7 +64,7 @@ def _regex_spec(regex: Any) -> ConstraintSpec:
         raise ConstraintError(f"regex must be a string; got {type(regex).__name__}")
     regex = strip_anchors(regex)
     check_regex_size(regex, parse_regex(regex))
-    return ConstraintSpec(REGEX, regex)
+    return ConstraintSpec(REGEX, regex, regex)
 
 
 def _checked_choices(choices: Any) -> list[str]:

@@ -1,6 +1,6 @@
 """What the interpreter needs from a runtime: the base class of every backend.
 
-Requests and replies are the ZeroMQ protocol's own messages (spruce.runtime.server.protocol):
+Requests and replies are the ZeroMQ protocol's own messages (spruce.runtime.protocol.dsl):
 a backend takes a `GenerateMsg` and answers with a `FinalMsg` (`results` for a batch) or,
 streaming, with `ChunkMsg`s and then one `FinalMsg`.
 """
@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import Any, Iterator
 
 from spruce.lang.chat import ChatTemplate
-from spruce.runtime.server.protocol import ChunkMsg, FinalMsg, GenerateMsg
+from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
 
 
 def new_rid() -> str:

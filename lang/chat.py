@@ -30,7 +30,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
         # The runtime's compiled-template cache and sandbox: one set of Jinja settings.
-        from spruce.runtime.tokenizer import compile_chat_template
+        from spruce.runtime.text.tokenizer import compile_chat_template
 
         self.source = source
         self._template = compile_chat_template(source)

@@ -5,7 +5,7 @@
 One DEALER socket per endpoint, owned by an I/O thread (a ZeroMQ socket must not be used
 by two threads at once). Callers, from any thread, hand their frames to the I/O thread
 over an inproc PUSH socket (under a lock) and wait on a queue of their own: the I/O thread
-demultiplexes the replies by request id. The protocol is spruce.runtime.server.protocol,
+demultiplexes the replies by request id. The protocol is spruce.runtime.protocol.dsl,
 one orjson frame per message.
 """
 
@@ -23,7 +23,7 @@ import zmq
 from spruce.lang.backend import Backend, new_rid
 from spruce.lang.errors import ProgramError, RuntimeRequestError, RuntimeUnavailableError
 from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.server.protocol import (
+from spruce.runtime.protocol.dsl import (
     AbortMsg, ChunkMsg, ErrorMsg, FinalMsg, FlushCacheMsg, GenerateMsg, InfoMsg, ModelInfoMsg, decode, encode,
 )  # fmt: skip
 

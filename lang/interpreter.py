@@ -30,8 +30,8 @@ from spruce.lang.ir import (
     VarScopeEnd, flatten,
 )  # fmt: skip
 from spruce.lang.select import score_choices
-from spruce.runtime.sampling_params import SamplingParams
-from spruce.runtime.server.protocol import FinalMsg, GenerateMsg
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.protocol.dsl import FinalMsg, GenerateMsg
 
 _END = object()  # queued last: the worker exits
 

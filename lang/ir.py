@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 from spruce.lang.errors import ProgramError
-from spruce.runtime.sampling_params import SamplingParams
-from spruce.runtime.server.protocol import GenerateMsg
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.protocol.dsl import GenerateMsg
 
 # SGLang's gen() names that differ from SamplingParams' field names.
 DSL_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}

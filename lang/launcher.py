@@ -20,7 +20,7 @@ from typing import Any
 
 from spruce.lang.endpoint import RuntimeEndpoint
 from spruce.lang.errors import ProgramError, RuntimeUnavailableError
-from spruce.runtime.config import known_options
+from spruce.runtime.config import ServerOptions, known_options
 
 STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
@@ -139,10 +139,6 @@ def _check_options(options: dict[str, Any]) -> None:
 
 
 def _server_option_names() -> set[str]:
-    try:
-        from spruce.runtime.server.options import ServerOptions
-    except ImportError:  # an older runtime: the server checks its own flags
-        return {"host", "port", "zmq_port"}
     return {f.name for f in fields(ServerOptions)}
 
 

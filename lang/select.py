@@ -25,7 +25,7 @@ from typing import Any
 from spruce.lang.backend import Backend, new_rid
 from spruce.lang.choices import ChoicesDecision, ChoicesMethod
 from spruce.lang.errors import ProgramError
-from spruce.runtime.server.protocol import GenerateMsg
+from spruce.runtime.protocol.dsl import GenerateMsg
 
 WINDOW_TOKENS = 4  # prefix tokens recomputed per choice to see the boundary merge
 

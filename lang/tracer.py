@@ -13,7 +13,7 @@ from typing import Any, Callable
 from spruce.lang.backend import Backend
 from spruce.lang.errors import ProgramError
 from spruce.lang.ir import Arg, Fork, Join, Node, Var, flatten
-from spruce.runtime.server.protocol import GenerateMsg
+from spruce.runtime.protocol.dsl import GenerateMsg
 
 
 class TraceExecutor:

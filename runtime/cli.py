@@ -1,7 +1,8 @@
-"""The `spruce` command: generate, serve, bench.
+"""The `spruce` command: generate, serve, bench. This module owns the command line.
 
-Engine options are flags derived from the config dataclasses (one place for each option):
-`--kv-memory-gb 1`, `--disable-radix-cache`, `--schedule-policy fcfs`, ...
+Engine and server options are flags derived from the config dataclasses (one place for each
+option): `--kv-memory-gb 1`, `--disable-radix-cache`, `--schedule-policy fcfs`, `--api-key`...
+The server and the benchmarks load only when their command runs.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import logging
 import sys
 import time
 
-from spruce.runtime.config import option_fields
+from spruce.runtime.config import ServerOptions, option_fields, use_passive_omp_threads
 from spruce.runtime.errors import SpruceError
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags default to None: an unset flag leaves the config's default."""
     group = parser.add_argument_group("engine options")
     for name, kind, default in option_fields():
         flag = "--model" if name == "model_path" else "--" + name.replace("_", "-")
@@ -31,8 +33,19 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server options")
+    for name, kind, default in option_fields(ServerOptions):
+        flag = "--" + name.replace("_", "-")
+        group.add_argument(flag, dest=name, type=kind, default=default, help=f"default: {default}")
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(**{name: getattr(args, name) for name, _, _ in option_fields(ServerOptions)})
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spruce.runtime.engine import Engine
+    from spruce.runtime.engine.offline import Engine
 
     engine = Engine(**engine_options(args))
     prompt = args.prompt
@@ -50,6 +63,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from spruce.runtime.server.launch import serve
+
+    return serve(server_options(args), engine_options(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    from spruce.runtime.bench import BENCHMARKS
+
+    return importlib.import_module(BENCHMARKS[args.bench]).run(args, engine_options(args))
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="run the HTTP (native + OpenAI) and ZeroMQ server")
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_serve)
+
+
+def add_bench_parser(subparsers) -> None:
+    """`spruce bench NAME`: each benchmark module adds its own flags (`add_arguments`)."""
+    import importlib
+
+    from spruce.runtime.bench import BENCHMARKS
+
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        parser = kinds.add_parser(name, help=module.__doc__.strip().splitlines()[0])
+        module.add_arguments(parser)
+        if getattr(module, "USES_ENGINE", True):
+            add_engine_args(parser)
+        parser.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spruce", description="Spruce structured-generation runtime")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,16 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    from spruce.runtime.server.options import add_serve_parser
-
-    add_serve_parser(sub, add_engine_args)
-    from spruce.runtime.bench import add_bench_parser
-
-    add_bench_parser(sub, add_engine_args)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_passive_omp_threads()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     level = (getattr(args, "log_level", None) or "info").upper()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from spruce.constrained import errors as constrained_errors
+
 
 class SpruceError(Exception):
     """Base class: the message is meant for the user and says what to change."""
@@ -15,5 +17,11 @@ class InvalidRequestError(SpruceError, ValueError):
     """A request the runtime refuses before computing anything (bad parameters, too long)."""
 
 
-class ConstraintError(InvalidRequestError):
-    """An invalid or unsupported regex / JSON schema / choices constraint."""
+class ConstraintError(InvalidRequestError, constrained_errors.ConstraintError):
+    """An invalid or unsupported regex / JSON schema / choices constraint. The runtime's
+    form of `spruce.constrained.ConstraintError` (a subclass of both)."""
+
+
+def constraint_error(error: constrained_errors.ConstraintError) -> ConstraintError:
+    """The runtime's ConstraintError for one raised by spruce.constrained."""
+    return error if isinstance(error, ConstraintError) else ConstraintError(str(error))

@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny byte-level BPE tokenizer and tiny random-weight models saved as
-Hugging Face folders. No downloads, no GPU."""
+"""Shared fixtures and helpers for every test folder (tests/ mirrors the packages): a tiny
+byte-level BPE tokenizer, tiny random-weight models saved as Hugging Face folders, and
+request factories. No downloads, no GPU."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-import spruce.runtime  # noqa: F401  (sets OMP_WAIT_POLICY before torch is imported)
-import torch
+from spruce.runtime.config import use_passive_omp_threads
+
+use_passive_omp_threads()  # before torch is imported, as the CLI and the Engine do
+import torch  # noqa: E402
 
 # Triton kernels run in its interpreter when there is no GPU; the variable must be set
 # before triton is first imported anywhere.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+DATA_DIR = Path(__file__).parent / "data"
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -109,7 +113,7 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_llama_dir):
-    from spruce.runtime.tokenizer import Tokenizer
+    from spruce.runtime.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(str(tiny_llama_dir))
 
@@ -120,3 +124,13 @@ def bundled_gguf_path() -> str | None:
         return None
     path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if os.path.isfile(path) else None
+
+
+def add_request(core, ids: list[int], sampling: dict, **options):
+    """Validates and queues one request on an EngineCore, as a front end does; its Req."""
+    from spruce.runtime.core.options import RequestOptions
+    from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.core.validation import validate_request
+
+    valid = validate_request(ids, SamplingParams(**sampling), RequestOptions(**options), core.limits)
+    return core.add_request(valid)

@@ -80,7 +80,7 @@ def measure_backend(engine, prompts, output_len: int) -> dict:
 
 def mask_kernel_check() -> dict:
     from spruce.constrained import apply_bitmask
-    from spruce.runtime.kernels.triton_bitmask import apply_token_bitmask_inplace_triton
+    from spruce.runtime.executor.kernels.triton_bitmask import apply_token_bitmask_inplace_triton
 
     logits = torch.randn(64, 151936, device="cuda")
     bitmask = torch.randint(-(2**31), 2**31 - 1, (64, (151936 + 31) // 32), dtype=torch.int32, device="cuda")
@@ -96,17 +96,16 @@ def mask_kernel_check() -> dict:
     return {"equal": bool(torch.equal(reference, fast)), "microseconds": (time.perf_counter() - start) * 1e4}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, engine_options: dict) -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU here: the GPU figures cannot be measured on this machine")
         return 1
-    from spruce.runtime.cli import engine_options
-    from spruce.runtime.engine import Engine
+    from spruce.runtime.engine.offline import Engine
 
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if not args.skip_tests:
         result["tests"] = run_gpu_tests(args.tests_dir)
-    options = {k: v for k, v in engine_options(args).items() if k not in ("attention_backend", "disable_cuda_graph")}
+    options = {k: v for k, v in engine_options.items() if k not in ("attention_backend", "disable_cuda_graph")}
     base = None
     rows = {}
     for label, backend, no_graph in backend_configs():

@@ -120,11 +120,10 @@ def measure(engine, prompts: list[str], params: list[dict]) -> dict:
     return {**one_at_a_time(engine, prompts, params), **batched(engine, prompts, params)}
 
 
-def run(args: argparse.Namespace) -> int:
-    from spruce.runtime.cli import engine_options
-    from spruce.runtime.engine import Engine
+def run(args: argparse.Namespace, engine_options: dict) -> int:
+    from spruce.runtime.engine.offline import Engine
 
-    options = engine_options(args)
+    options = dict(engine_options)
     options.pop("disable_jump_forward", None)
     schemas = load_schemas(args.schemas)
     on = Engine(**options)

@@ -155,7 +155,7 @@ def hf_model_from(loaded):
     """A transformers model holding exactly the weights Spruce runs (fp32)."""
     import transformers
 
-    from spruce.runtime.model_loader import read_checkpoint
+    from spruce.runtime.models.loading.loader import read_checkpoint
 
     hf_config, state_dict, _ = read_checkpoint(loaded.path, torch.float32)
     config = transformers.AutoConfig.for_model(**{**hf_config, "model_type": hf_config.get("model_type", "llama")})
@@ -166,11 +166,10 @@ def hf_model_from(loaded):
     return model.eval()
 
 
-def run(args: argparse.Namespace) -> int:
-    from spruce.runtime.cli import engine_options
-    from spruce.runtime.engine import Engine
+def run(args: argparse.Namespace, engine_options: dict) -> int:
+    from spruce.runtime.engine.offline import Engine
 
-    engine = Engine(**engine_options(args))
+    engine = Engine(**engine_options)
     tokenizer = engine.tokenizer
     if args.dataset:
         prompts = dataset_prompts(tokenizer, args.dataset, args.num_prompts)

@@ -129,11 +129,10 @@ def _mean(rows: list[dict]) -> dict:
 WORKLOADS = {"few-shot": few_shot, "tree": tree, "unique": unique}
 
 
-def run(args: argparse.Namespace) -> int:
-    from spruce.runtime.cli import engine_options
-    from spruce.runtime.engine import Engine
+def run(args: argparse.Namespace, engine_options: dict) -> int:
+    from spruce.runtime.engine.offline import Engine
 
-    options = engine_options(args)
+    options = dict(engine_options)
     options.pop("disable_radix_cache", None)
     with_cache = Engine(**options)
     without = Engine(loaded=with_cache.core.loaded, **options, disable_radix_cache=True)

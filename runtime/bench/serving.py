@@ -196,11 +196,10 @@ def print_report(r: dict) -> None:
 # -- offline peer ------------------------------------------------------------------------------
 
 
-def run_offline(args: argparse.Namespace, model_path: str, prompts: list[list[int]]) -> dict:
-    from spruce.runtime.cli import engine_options
-    from spruce.runtime.engine import Engine
+def run_offline(args: argparse.Namespace, engine_options: dict, model_path: str, prompts: list[list[int]]) -> dict:
+    from spruce.runtime.engine.offline import Engine
 
-    options = engine_options(args)
+    options = dict(engine_options)
     options.setdefault("model_path", model_path)
     options["max_running_requests"] = args.max_concurrency or options.get("max_running_requests", 128)
     engine = Engine(**options)
@@ -221,7 +220,7 @@ def run_offline(args: argparse.Namespace, model_path: str, prompts: list[list[in
 async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dict]:
     import httpx
 
-    from spruce.runtime.model_files import load_tokenizer
+    from spruce.runtime.models.loading.files import load_tokenizer
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=30) as http:
@@ -239,12 +238,12 @@ async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dic
     return summarize(results, seconds, prompts), prompts, info
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, engine_options: dict) -> int:
     serving, prompts, info = asyncio.run(_serving(args))
     config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "func"}
     result = {"config": config, "model": info["model"], "serving": serving}
     if args.compare_offline:
-        result["offline"] = run_offline(args, info["model_path"], prompts)
+        result["offline"] = run_offline(args, engine_options, info["model_path"], prompts)
         offline_rate = result["offline"]["output_tokens_per_s"]
         result["serving_over_offline"] = serving["output_tokens_per_s"] / offline_rate
     print_report(result)

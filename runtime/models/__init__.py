@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from spruce.runtime.errors import ModelLoadError
-from spruce.runtime.model_config import ModelConfig
+from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spruce.runtime.attention.base import AttentionBackend, ForwardContext
-from spruce.runtime.kernels import cpu_layer_ops
-from spruce.runtime.model_config import ModelConfig, RopeScaling
+from spruce.runtime.executor.attention.base import AttentionBackend, ForwardContext
+from spruce.runtime.executor.kernels import cpu_layer_ops
+from spruce.runtime.models.config import ModelConfig, RopeScaling
 
 
 class Linear(nn.Linear):

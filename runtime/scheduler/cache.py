@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 
 from spruce.radix import NoPrefixCache, PrefixCache
-from spruce.runtime.memory_pool import ReqToTokenTable, SlotAllocator
-from spruce.runtime.request import Req
+from spruce.runtime.executor.kv_pool import ReqToTokenTable, SlotAllocator
+from spruce.runtime.core.request import Req
 
 
 class CacheManager:
     def __init__(self, allocator: SlotAllocator, table: ReqToTokenTable, cache: PrefixCache) -> None:
         self.allocator = allocator
         self.table = table
-        self.cache = cache
+        self.prefix_cache = cache
         self.shares_prefixes = not isinstance(cache, NoPrefixCache)
         # cumulative, counted at each request's first admission
         self.prompt_tokens = 0
@@ -28,12 +28,12 @@ class CacheManager:
     @property
     def available(self) -> int:
         """Slots that can be had now: free ones plus evictable cached ones."""
-        return self.allocator.num_free + self.cache.evictable_tokens
+        return self.allocator.num_free + self.prefix_cache.evictable_tokens
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n slots, evicting cached tokens when needed; None if they cannot be had."""
         shortfall = n - self.allocator.num_free
-        if shortfall > 0 and self.cache.evict(shortfall) < shortfall:
+        if shortfall > 0 and self.prefix_cache.evict(shortfall) < shortfall:
             return None
         return self.allocator.alloc(n)
 
@@ -47,18 +47,18 @@ class CacheManager:
         start = req.prompt_logprob_start
         if start is not None:
             limit = min(limit, max(start - 1, 0))
-        match = self.cache.match_prefix(req.token_ids(0, limit))
-        self.cache.lock(match.last_node)
+        match = self.prefix_cache.match_prefix(req.token_ids(0, limit))
+        self.prefix_cache.lock(match.last_node)
         self.table.write(req.row, 0, match.slots)
         req.last_node = match.last_node
         req.computed_len = req.cache_owned_len = match.slots.numel()
 
     def count_admission(self, req: Req) -> None:
         """Records the prompt's cache hit at the request's first (kept) admission."""
-        if req.cached_len < 0:
-            req.cached_len = min(req.computed_len, len(req.prompt_ids))
+        if req.cached_tokens is None:
+            req.cached_tokens = min(req.computed_len, len(req.prompt_ids))
             self.prompt_tokens += len(req.prompt_ids)
-            self.cached_prompt_tokens += req.cached_len
+            self.cached_prompt_tokens += req.cached_tokens
 
     def cache_partial(self, req: Req) -> None:
         """Inserts what a running request has computed so far, so that others can share it
@@ -67,11 +67,11 @@ class CacheManager:
             return
         ids = req.token_ids(0, req.computed_len)
         self._insert(req, ids)
-        match = self.cache.match_prefix(ids)
+        match = self.prefix_cache.match_prefix(ids)
         assert match.slots.numel() == len(ids), "just-inserted tokens must match"
         self.table.write(req.row, 0, match.slots)
-        self.cache.lock(match.last_node)
-        self.cache.unlock(req.last_node)
+        self.prefix_cache.lock(match.last_node)
+        self.prefix_cache.unlock(req.last_node)
         req.last_node = match.last_node
         req.cache_owned_len = len(ids)
 
@@ -94,7 +94,7 @@ class CacheManager:
             return
         slots = self.table.read(req.row, req.computed_len)
         self._insert(req, req.token_ids(0, req.computed_len), slots)
-        self.cache.unlock(req.last_node)
+        self.prefix_cache.unlock(req.last_node)
         self.table.free_row(req.row)
         req.row, req.last_node = None, None
         req.cache_owned_len = 0
@@ -105,7 +105,7 @@ class CacheManager:
     def _insert(self, req: Req, ids: list[int], slots: torch.Tensor | None = None) -> None:
         if slots is None:
             slots = self.table.read(req.row, len(ids))
-        already = self.cache.insert(ids, slots)
+        already = self.prefix_cache.insert(ids, slots)
         # Slots between what the request got from the cache and what the cache already had
         # were computed twice: the cache keeps its own, the request's copies go back.
         if already > req.cache_owned_len:
@@ -116,6 +116,6 @@ class CacheManager:
         return sum(r.computed_len - r.cache_owned_len for r in running if r.row is not None)
 
     def check_integrity(self, running: list[Req]) -> None:
-        self.cache.check_integrity()
-        cached = self.cache.size_info().cached_tokens
+        self.prefix_cache.check_integrity()
+        cached = self.prefix_cache.size_info().cached_tokens
         self.allocator.check_integrity(held=cached + self.held_slots(running))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spruce.runtime.request import Req
+from spruce.runtime.core.request import Req
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import ScheduleOutput
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spruce.runtime.request import Req
+from spruce.runtime.core.request import Req, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -46,14 +46,6 @@ class ScheduleOutput:
 
     def __bool__(self) -> bool:
         return bool(self.reqs)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top-k alternatives, per sampled request."""
-
-    logprob: float
-    top: list[tuple[float, int]]
 
 
 @dataclass(slots=True)

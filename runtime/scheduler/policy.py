@@ -6,7 +6,7 @@ from typing import Callable
 
 from spruce.radix import PrefixCache
 from spruce.runtime.errors import SpruceError
-from spruce.runtime.request import Req
+from spruce.runtime.core.request import Req
 
 Policy = Callable[[list[Req], PrefixCache, int], list[Req]]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spruce.runtime.config import SchedulerOptions
-from spruce.runtime.request import Req
+from spruce.runtime.core.request import Req
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import ScheduleOutput
 from spruce.runtime.scheduler.policy import get_policy
@@ -43,7 +43,7 @@ class PrefillManager:
             return []
         admitted: list[Req] = []
         reserve = self._outstanding(running, out)
-        for req in self.policy(self.waiting, self.cache.cache, self.options.lpm_max_queue):
+        for req in self.policy(self.waiting, self.cache.prefix_cache, self.options.lpm_max_queue):
             if not self._has_room(running, admitted, budget):
                 break
             self.cache.admit(req)

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 
 from spruce.runtime.config import ConstraintOptions, SchedulerOptions
-from spruce.runtime.request import FinishReason, Req
+from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
-from spruce.runtime.scheduler.grammar import GrammarQueue
+from spruce.runtime.scheduler.grammar_queue import GrammarQueue
 from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
 from spruce.runtime.scheduler.prefill import PrefillManager
-from spruce.runtime.stop import StopChecker
+from spruce.runtime.text.stop import StopChecker
 
 
 @dataclass(slots=True)
@@ -38,11 +38,11 @@ class Scheduler:
         options: SchedulerOptions,
         cache: CacheManager,
         stops: StopChecker,
-        constraint: ConstraintOptions | None = None,
+        constraint_options: ConstraintOptions | None = None,
         on_release=None,
     ) -> None:
         self.options = options
-        self.constraint = constraint or ConstraintOptions()
+        self.constraint_options = constraint_options or ConstraintOptions()
         self.cache = cache
         self.stops = stops
         self.prefill = PrefillManager(options, cache)
@@ -153,11 +153,11 @@ class Scheduler:
         if logprobs is not None:
             req.logprobs.output_token_logprobs.append((logprobs.logprob, token))
             req.logprobs.output_top_logprobs.append(logprobs.top)
-        if req.grammar is not None and not req.grammar.accept_token(token):  # EOS ends the cursor
+        if req.cursor is not None and not req.cursor.accept_token(token):  # EOS ends the cursor
             self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
             return
         reason = self.stops.check(req, 1)
-        if reason is None and req.grammar is not None and not self.constraint.disable_jump_forward:
+        if reason is None and req.cursor is not None and not self.constraint_options.disable_jump_forward:
             reason = self._jump_forward(req)
         if reason is not None:
             self._finish(req, reason)
@@ -165,14 +165,14 @@ class Scheduler:
     def _jump_forward(self, req: Req) -> FinishReason | None:
         """Appends the text the grammar forces now, re-tokenized canonically; the new tokens
         are computed in one extend pass next step instead of one decode step each."""
-        jump = req.grammar.jump_forward(req.output_ids, self.stops.tokenizer, self.constraint.jump_forward_min_chars)
+        jump = req.cursor.jump_forward(req.output_ids, self.stops.tokenizer, self.constraint_options.jump_forward_min_chars)
         if jump is None:
             return None
         kept = req.output_ids[: len(req.output_ids) - jump.rollback]
         room = req.sampling.max_new_tokens - len(kept)
         new_ids = jump.new_ids[:room]
         if len(new_ids) < len(jump.new_ids):
-            req.grammar.rollback(len(jump.new_ids) - len(new_ids))
+            req.cursor.rollback(len(jump.new_ids) - len(new_ids))
         req.output_ids = kept + new_ids
         self.cache.rollback(req, min(req.computed_len, len(req.prompt_ids) + len(kept)))
         req.jump_forward_tokens += len(new_ids)

@@ -14,7 +14,6 @@ in-flight requests `--shutdown-timeout-s`, abort the rest, stop the scheduler, e
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import faulthandler
@@ -31,11 +30,12 @@ import uvicorn
 import zmq
 import zmq.asyncio
 
+from spruce.runtime.config import ServerOptions
+from spruce.runtime.core.validation import ModelLimits
 from spruce.runtime.errors import SpruceError
-from spruce.runtime.server.messages import Ready, StartupFailed, decode
+from spruce.runtime.protocol.ipc import Ready, StartupFailed, decode
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
-from spruce.runtime.server.options import ServerOptions, server_options
 from spruce.runtime.server.request_manager import RequestManager, SchedulerUnavailable
 from spruce.runtime.server.zmq_frontend import ZmqFrontend
 
@@ -46,12 +46,6 @@ CHILD_EXIT_S = 5.0
 
 class StartupError(SpruceError):
     """The server could not start (port in use, model not loadable...)."""
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from spruce.runtime.cli import engine_options
-
-    return serve(server_options(args), engine_options(args))
 
 
 def serve(options: ServerOptions, engine_options: dict) -> int:
@@ -123,7 +117,7 @@ class Launcher:
         return self.exit_code
 
     def _start_http(self, http_socket: socket.socket) -> asyncio.Task:
-        from spruce.runtime.server.http_app import GuardMiddleware
+        from spruce.runtime.server.http.middleware import GuardMiddleware
 
         self.guard = GuardMiddleware(self.options, self)
         grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
@@ -175,12 +169,14 @@ class Launcher:
         return None
 
     async def _serve(self, ready: Ready, sender, receiver) -> None:
-        from spruce.runtime.model_files import load_tokenizer
-        from spruce.runtime.server.http_app import build_app
+        from spruce.runtime.models.loading.files import load_tokenizer
+        from spruce.runtime.server.app import build_app
 
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
         name = self.options.served_model_name or ready.model_name
-        model = ModelContext(tokenizer, name, ready.model_path, ready.context_length, ready.vocab_size)
+        whitespace = ready.config["constraint"]["grammar_whitespace_pattern"] or ""
+        limits = ModelLimits(ready.vocab_size, ready.context_length, whitespace)
+        model = ModelContext(tokenizer, name, ready.model_path, limits)
         metrics = Metrics()
         self.manager = RequestManager(sender, receiver, tokenizer, observer=metrics)
         self.zmq.attach(self.manager, model)

@@ -1,5 +1,6 @@
-"""The native generate call, shared by HTTP `/generate` and the ZeroMQ socket: validation
-and tokenization in the front end (bad input never reaches the scheduler)."""
+"""The native generate call, shared by HTTP `/generate` and the ZeroMQ socket: tokenization
+and validation in the front end (`core.validation`), so bad input never reaches the
+scheduler."""
 
 from __future__ import annotations
 
@@ -7,24 +8,29 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.inputs import batch_inputs, check_request, sampling_list
-from spruce.runtime.sampling_params import SamplingParams
-from spruce.runtime.server.protocol import GenerateMsg
-from spruce.runtime.server.request_manager import Prepared
-from spruce.runtime.tokenizer import Tokenizer
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.validation import (
+    ModelLimits, ValidRequest, batch_inputs, check_options, sampling_list, validate_request,
+)  # fmt: skip
+from spruce.runtime.protocol.dsl import GenerateMsg
+from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
+from spruce.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class ModelContext:
-    """What the front end knows of the model (its context and vocab come from the
-    scheduler's Ready handshake; the tokenizer is loaded by the front end itself)."""
+    """What the front end knows of the model (its limits come from the scheduler's Ready
+    handshake; the tokenizer is loaded by the front end itself)."""
 
     tokenizer: Tokenizer
     name: str
     path: str
-    context_length: int
-    vocab_size: int
+    limits: ModelLimits
+
+    @property
+    def context_length(self) -> int:
+        return self.limits.context_length
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
@@ -35,8 +41,8 @@ class ModelContext:
         return {
             "model": self.name,
             "model_path": self.path,
-            "context_length": self.context_length,
-            "vocab_size": self.vocab_size,
+            "context_length": self.limits.context_length,
+            "vocab_size": self.limits.vocab_size,
             "chat_template": self.tokenizer.chat_template,
             "eos_token_ids": sorted(self.tokenizer.eos_token_ids),
             "bos_token_id": self.tokenizer.bos_token_id,
@@ -44,25 +50,55 @@ class ModelContext:
             "eos_token": self.tokenizer.eos_token,
         }
 
-    def prepare(
-        self, prompt: str | list[int], sampling: SamplingParams, return_logprob: bool = False,
-        logprob_start_len: int = -1, top_logprobs_num: int = 0,
-    ) -> Prepared:  # fmt: skip
+    def prepare(self, prompt: str | list[int], sampling: SamplingParams, options: RequestOptions) -> ValidRequest:
         """Tokenizes and validates one request; InvalidRequestError says what to change."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        check_request(
-            ids, sampling, self.vocab_size, self.context_length, return_logprob, logprob_start_len, top_logprobs_num
-        )
-        return Prepared(ids, sampling, return_logprob, logprob_start_len, top_logprobs_num)
+        return validate_request(ids, sampling, options, self.limits)
 
 
-def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[Prepared], bool]:
-    """(one Prepared per prompt, whether the call was a single prompt)."""
+def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
+    """(one ValidRequest per prompt, whether the call was a single prompt)."""
     prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text")
     params = sampling_list(msg.sampling_params, len(prompts))
-    if not isinstance(msg.stream, bool):
-        raise InvalidRequestError("stream must be true or false")
-    return [
-        model.prepare(p, sp, msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)
-        for p, sp in zip(prompts, params)
-    ], single
+    options = request_options(msg)
+    return [model.prepare(p, sp, options) for p, sp in zip(prompts, params)], single
+
+
+def request_options(msg: GenerateMsg) -> RequestOptions:
+    options = RequestOptions(
+        return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+        top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
+    )  # fmt: skip
+    check_options(options)
+    return options
+
+
+
+# -- shared by the HTTP and ZeroMQ front ends ------------------------------------------------
+
+FLUSH_TIMEOUT_S = 30.0
+
+
+def too_large(limit: int) -> str:
+    return f"request larger than the server's limit of {limit} bytes (--max-request-bytes)"
+
+
+def batch_error(events: list[Event], single: bool) -> tuple[int, str] | None:
+    """(status, message) of a call's first failed request, naming its prompt in a batch."""
+    failed = next((e for e in events if e.error is not None), None)
+    if failed is None:
+        return None
+    where = "" if single else f"prompt {failed.index}: "
+    return failed.status, where + failed.error
+
+
+async def flush_cache(manager: RequestManager) -> tuple[int, str] | None:
+    """Empties the prefix cache; (status, message) when refused (busy: 400) or the
+    scheduler is unavailable (503)."""
+    try:
+        await manager.control("flush_cache", FLUSH_TIMEOUT_S)
+    except ValueError as e:
+        return 400, str(e)
+    except SchedulerUnavailable as e:
+        return 503, str(e)
+    return None

@@ -8,7 +8,7 @@ the front end's CPU per streamed token), while one more process hop costs ~85 us
 step for encoding and decoding the step output (16 requests) plus a third busy process on
 the machine, and a thread would pay more in GIL and loop hand-offs than the work itself.
 
-    call = manager.submit([prepared, ...], stream=True)
+    call = manager.submit([valid_request, ...])     # core.validation.ValidRequest
     try:
         async for event in call:       # Event: chunks, then one finished event per request
             ...
@@ -30,10 +30,10 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
-from spruce.runtime.detokenizer import OutputText
-from spruce.runtime.request import FinishReason, Req
-from spruce.runtime.sampling_params import SamplingParams
-from spruce.runtime.server.messages import (
+from spruce.runtime.text.detokenizer import OutputText
+from spruce.runtime.core.request import FinishReason, Req
+from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.protocol.ipc import (
     AbortRequests,
     ControlReply,
     ControlRequest,
@@ -45,7 +45,7 @@ from spruce.runtime.server.messages import (
     decode,
     encode,
 )
-from spruce.runtime.tokenizer import Tokenizer
+from spruce.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce.server")
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
@@ -53,17 +53,6 @@ LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logp
 
 class SchedulerUnavailable(Exception):
     """The scheduler did not answer (dead, shutting down or too busy)."""
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A validated request, ready for the scheduler."""
-
-    input_ids: list[int]
-    sampling: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
 
 
 @dataclass(slots=True)
@@ -87,11 +76,11 @@ class RequestState:
 
     __slots__ = ("rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done", "aborted")
 
-    def __init__(self, rid: str, client_rid: str, index: int, call: "Call", p: Prepared, stream: bool) -> None:
+    def __init__(self, rid: str, client_rid: str, index: int, call: "Call", valid: ValidRequest) -> None:
         self.rid, self.client_rid, self.index, self.call = rid, client_rid, index, call
-        self.shadow = Req(rid=rid, prompt_ids=p.input_ids, sampling=p.sampling)
+        self.shadow = Req(rid=rid, prompt_ids=valid.input_ids, sampling=valid.sampling)
         self.text = OutputText(call.tokenizer, self.shadow)
-        self.stream = stream
+        self.stream = valid.options.stream
         self.cached = 0
         self.done = False
         self.aborted = False  # the front end asked for the abort (client gone, shutdown)
@@ -205,20 +194,19 @@ class RequestManager:
     # -- requests ---------------------------------------------------------------------------
 
     def submit(
-        self, items: list[Prepared], stream: bool = False, rids: list[str] | None = None,
-        client_rids: list[str] | None = None,
-    ) -> Call:  # fmt: skip
+        self, items: list[ValidRequest], rids: list[str] | None = None, client_rids: list[str] | None = None
+    ) -> Call:
         """Registers and sends the requests; their events arrive on the returned Call."""
         call = Call(self, self.tokenizer, len(items))
         rids = rids or [uuid.uuid4().hex for _ in items]
         client_rids = client_rids or rids
         specs = []
-        for i, (p, rid) in enumerate(zip(items, rids)):
+        for i, (valid, rid) in enumerate(zip(items, rids)):
             assert rid not in self.states, f"request id {rid} is already in flight"
-            state = RequestState(rid, client_rids[i], i, call, p, stream)
+            state = RequestState(rid, client_rids[i], i, call, valid)
             call.states.append(state)
             self.states[rid] = state
-            specs.append(_spec(rid, p, stream))
+            specs.append(_spec(rid, valid))
         try:
             if self.dead:
                 raise SchedulerUnavailable(self.dead)
@@ -328,13 +316,6 @@ class RequestManager:
         self.receiver.close(linger=0)
 
 
-def _spec(rid: str, p: Prepared, stream: bool) -> RequestSpec:
-    return RequestSpec(
-        rid=rid,
-        input_ids=p.input_ids,
-        sampling_params=p.sampling.to_dict(),
-        return_logprob=p.return_logprob,
-        logprob_start_len=p.logprob_start_len,
-        top_logprobs_num=p.top_logprobs_num,
-        stream=stream,
-    )
+def _spec(rid: str, valid: ValidRequest) -> RequestSpec:
+    constraint = valid.constraint.to_dict() if valid.constraint is not None else None
+    return RequestSpec(rid, valid.input_ids, valid.sampling.to_dict(), valid.options.to_dict(), constraint)

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from spruce.runtime.detokenizer import meta_info
+from spruce.runtime.text.detokenizer import meta_info
 from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.request import Req
-from spruce.runtime.sampling_params import SamplingParams
-from spruce.runtime.server.messages import (
+from spruce.runtime.core.request import Req
+from spruce.constrained.spec import ConstraintSpec
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.protocol.ipc import (
     AbortRequests,
     ControlReply,
     ControlRequest,
@@ -83,7 +86,7 @@ def watch_parent(parent_pid: int, ipc_dir: str) -> None:
 
 def _load_core(options: dict, sender: zmq.Socket):
     from spruce.runtime.config import EngineConfig
-    from spruce.runtime.engine_core import EngineCore
+    from spruce.runtime.engine.core import EngineCore
 
     try:
         return EngineCore(EngineConfig.from_options(**options))
@@ -152,8 +155,7 @@ class SchedulerLoop:
     def _on_new(self, msg: NewRequests) -> None:
         for spec in msg.requests:
             try:
-                req = self._make(spec)
-                self.core.add_request(req)
+                req = self._add(spec)
             except InvalidRequestError as e:
                 self._send(RequestFailed(spec.rid, str(e), 400))
                 continue
@@ -164,16 +166,12 @@ class SchedulerLoop:
                 continue
             self.tracked[spec.rid] = Tracked(req)
 
-    def _make(self, spec: RequestSpec) -> Req:
-        return self.core.make_request(
-            spec.input_ids,
-            SamplingParams.from_dict(spec.sampling_params),
-            rid=spec.rid,
-            return_logprob=spec.return_logprob,
-            logprob_start_len=spec.logprob_start_len,
-            top_logprobs_num=spec.top_logprobs_num,
-            stream=spec.stream,
-        )
+    def _add(self, spec: RequestSpec) -> Req:
+        """The front end validated the request (core.validation); it is trusted here."""
+        constraint = ConstraintSpec(**spec.constraint) if spec.constraint is not None else None
+        options = RequestOptions.from_dict(spec.options)
+        valid = ValidRequest(spec.input_ids, SamplingParams.from_dict(spec.sampling_params), options, constraint)
+        return self.core.add_request(valid, rid=spec.rid)
 
     def _on_abort(self, msg: AbortRequests) -> None:
         for rid in msg.rids:
@@ -225,13 +223,13 @@ class SchedulerLoop:
             return None
         if req.finished:
             del self.tracked[req.rid]
-        elif not req.stream:
+        elif not req.options.stream:
             return None
         keep = _kept(tracked, req)
         new_ids = req.output_ids[keep:]
         tracked.sent[keep:] = new_ids
-        update = ReqUpdate(req.rid, keep, new_ids, max(req.cached_len, 0))
-        if req.stream and req.logprobs is not None:
+        update = ReqUpdate(req.rid, keep, new_ids, req.cached_tokens or 0)
+        if req.options.stream and req.logprobs is not None:
             update.logprobs = _new_logprobs(tracked, req)
         if req.finished:
             _add_finish(update, req)
@@ -273,12 +271,12 @@ def _new_logprobs(tracked: Tracked, req: Req) -> dict[str, list]:
     start = tracked.logprobs_sent
     tracked.logprobs_sent = len(lp.output_token_logprobs)
     out = {"output_token_logprobs": [list(x) for x in lp.output_token_logprobs[start:]]}
-    if req.top_logprobs_num:
+    if req.options.top_logprobs_num:
         out["output_top_logprobs"] = [_pairs(t) for t in lp.output_top_logprobs[start:]]
     if not tracked.input_logprobs_sent and (lp.input_token_logprobs or req.output_ids or req.finished):
         tracked.input_logprobs_sent = True
         out["input_token_logprobs"] = [list(x) for x in lp.input_token_logprobs]
-        if req.top_logprobs_num:
+        if req.options.top_logprobs_num:
             out["input_top_logprobs"] = [_pairs(t) for t in lp.input_top_logprobs]
     return out
 

@@ -15,9 +15,9 @@ import zmq
 import zmq.asyncio
 
 from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.server import protocol
-from spruce.runtime.server.native import ModelContext, prepare_generate
-from spruce.runtime.server.protocol import (
+from spruce.runtime.protocol import dsl as protocol
+from spruce.runtime.server.native import ModelContext, batch_error, flush_cache, prepare_generate, too_large
+from spruce.runtime.protocol.dsl import (
     AbortMsg,
     ChunkMsg,
     ErrorMsg,
@@ -27,10 +27,9 @@ from spruce.runtime.server.protocol import (
     InfoMsg,
     ModelInfoMsg,
 )
-from spruce.runtime.server.request_manager import Call, RequestManager, SchedulerUnavailable
+from spruce.runtime.server.request_manager import Call, RequestManager
 
 logger = logging.getLogger("spruce.server")
-FLUSH_TIMEOUT_S = 30.0
 
 
 class ZmqFrontend:
@@ -73,7 +72,7 @@ class ZmqFrontend:
 
     def _dispatch(self, identity: bytes, frame: bytes) -> None:
         if len(frame) > self.max_request_bytes:
-            self._spawn(self._send(identity, ErrorMsg(_rid_of(frame), _too_large(self.max_request_bytes), 413)))
+            self._spawn(self._send(identity, ErrorMsg(_rid_of(frame), too_large(self.max_request_bytes), 413)))
             return
         try:
             msg = protocol.decode(frame)
@@ -106,7 +105,7 @@ class ZmqFrontend:
             return
         base = f"z{identity.hex()}:{msg.rid}"
         rids = [base] if single else [f"{base}/{i}" for i in range(len(items))]
-        call = self.manager.submit(items, msg.stream, rids, client_rids=[msg.rid] * len(items))
+        call = self.manager.submit(items, rids, client_rids=[msg.rid] * len(items))
         self.calls[key] = call
         try:
             if msg.stream:
@@ -136,11 +135,10 @@ class ZmqFrontend:
 
     async def _reply_final(self, identity: bytes, rid: str, call: Call, single: bool) -> None:
         events = await call.results()
-        failed = [(i, e) for i, e in enumerate(events) if e.error is not None]
-        if failed:
-            i, event = failed[0]
-            where = "" if single else f"prompt {i}: "
-            await self._send(identity, ErrorMsg(rid, where + event.error, event.status))
+        failed = batch_error(events, single)
+        if failed is not None:
+            status, message = failed
+            await self._send(identity, ErrorMsg(rid, message, status))
         elif single:
             await self._send(identity, FinalMsg(rid, **events[0].result))
         else:
@@ -155,12 +153,10 @@ class ZmqFrontend:
         await self._send(identity, InfoMsg(msg.rid, self.model.info()))
 
     async def _on_flush_cache(self, identity: bytes, msg: FlushCacheMsg) -> None:
-        try:
-            await self.manager.control("flush_cache", FLUSH_TIMEOUT_S)
-        except ValueError as e:
-            await self._send(identity, ErrorMsg(msg.rid, str(e), 400))
-        except SchedulerUnavailable as e:
-            await self._send(identity, ErrorMsg(msg.rid, str(e), 503))
+        refused = await flush_cache(self.manager)
+        if refused is not None:
+            status, message = refused
+            await self._send(identity, ErrorMsg(msg.rid, message, status))
         else:
             await self._send(identity, InfoMsg(msg.rid, {"flushed": True}))
 
@@ -193,10 +189,6 @@ def _rid_of(frame: bytes) -> str:
         return ""
     rid = data.get("rid") if isinstance(data, dict) else None
     return rid if isinstance(rid, str) else ""
-
-
-def _too_large(limit: int) -> str:
-    return f"message larger than the server's limit of {limit} bytes (--max-request-bytes)"
 
 
 def _client_types() -> str:

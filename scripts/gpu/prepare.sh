@@ -16,9 +16,9 @@ import json
 
 import torch
 
-from spruce.runtime.gguf import gguf_to_hf, read_gguf
-from spruce.runtime.model_files import default_model_path
-from spruce.runtime.tokenizer import Tokenizer
+from spruce.runtime.models.loading.gguf import gguf_to_hf, read_gguf
+from spruce.runtime.models.loading.files import default_model_path
+from spruce.runtime.text.tokenizer import Tokenizer
 
 gguf = read_gguf(default_model_path())
 config, _ = gguf_to_hf(gguf, torch.float32)

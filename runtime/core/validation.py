@@ -1,0 +1,112 @@
+"""The one validation boundary. Every front end (the offline Engine, HTTP, ZeroMQ) turns a
+call into `ValidRequest`s here, once; the scheduler trusts what it gets (asserts only).
+
+    prompts, single = batch_inputs(text, input_ids)          # one prompt or a batch
+    params = sampling_list(sampling_params, len(prompts))    # SamplingParams per prompt
+    valid = validate_request(ids, params[0], options, model_limits)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spruce.constrained import errors as constrained_errors
+from spruce.constrained.spec import ConstraintSpec, make_spec
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.errors import InvalidRequestError, constraint_error
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What validation needs to know of the model and the server's grammar settings."""
+
+    vocab_size: int
+    context_length: int
+    whitespace_pattern: str = ""  # JSON schemas: allowed whitespace between tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed every check: token ids, sampling, options, and its constraint
+    already converted to a regex (None when unconstrained)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    options: RequestOptions
+    constraint: ConstraintSpec | None
+
+
+def validate_request(
+    ids: list[int], sampling: SamplingParams, options: RequestOptions, limits: ModelLimits
+) -> ValidRequest:
+    """Everything about one request that can be checked before it is queued; raises
+    InvalidRequestError (ConstraintError for a bad constraint) saying what to change."""
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids):
+        raise InvalidRequestError(f"input_ids must be token ids in [0, {limits.vocab_size})")
+    sampling.validate(len(ids), limits.context_length)
+    check_options(options)
+    return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits.whitespace_pattern))
+
+
+def check_options(options: RequestOptions) -> None:
+    if not isinstance(options.return_logprob, bool):
+        raise InvalidRequestError("return_logprob must be true or false")
+    if not _is_int(options.logprob_start_len) or options.logprob_start_len < -1:
+        raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
+    if not _is_int(options.top_logprobs_num) or options.top_logprobs_num < 0:
+        raise InvalidRequestError("top_logprobs_num must be an integer >= 0")
+    if not isinstance(options.stream, bool):
+        raise InvalidRequestError("stream must be true or false")
+
+
+def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> ConstraintSpec | None:
+    try:
+        return make_spec(
+            regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
+            whitespace_pattern=whitespace_pattern,
+        )  # fmt: skip
+    except constrained_errors.ConstraintError as e:
+        raise constraint_error(e) from None
+
+
+def batch_inputs(text: Any, input_ids: Any, text_name: str = "prompt") -> tuple[list, bool]:
+    """(the prompts, each a string or a list of ids; whether a single prompt was given)."""
+    if (text is None) == (input_ids is None):
+        raise InvalidRequestError(f"give exactly one of {text_name} or input_ids")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], True
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), False
+        raise InvalidRequestError(f"{text_name} must be a string or a non-empty list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return [list(x) for x in input_ids], False
+    if isinstance(input_ids, list):
+        return [input_ids], True
+    raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
+
+
+def sampling_list(params: Any, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: one dict / SamplingParams for all, or a list of n."""
+    if isinstance(params, list):
+        if len(params) != n:
+            raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts")
+        return [sampling_from(p) for p in params]
+    return [sampling_from(params)] * n
+
+
+def sampling_from(params: Any) -> SamplingParams:
+    if isinstance(params, SamplingParams):
+        return params
+    if params is not None and not isinstance(params, dict):
+        raise InvalidRequestError("sampling_params must be a JSON object (a dict) or a SamplingParams")
+    try:
+        return SamplingParams.from_dict(params)
+    except TypeError as e:  # a value of a type no field can hold
+        raise InvalidRequestError(f"bad sampling_params: {e}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,222 @@
+"""EngineCore: the model runner, scheduler and sampler behind one `step()`.
+
+The offline Engine and the server's scheduler process both drive this class; only their
+I/O differs. Requests arrive validated (`core.validation`, called by every front end).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+
+import torch
+
+from spruce.constrained import GrammarCompiler
+from spruce.radix import NoPrefixCache, RadixCache
+from spruce.runtime.executor.attention import resolve_backend
+from spruce.runtime.config import EngineConfig
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.executor.logits_mask import GrammarMask
+from spruce.runtime.core.validation import ModelLimits, ValidRequest
+from spruce.runtime.executor.kv_pool import KVShape, pool_slots_for_budget
+from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_dtype
+from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.core.request import Req
+from spruce.runtime.executor.sampler import Sampler, prompt_logprobs
+from spruce.runtime.scheduler.cache import CacheManager
+from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.scheduler import Scheduler
+from spruce.runtime.text.stop import StopChecker
+
+logger = logging.getLogger("spruce")
+DEFAULT_CPU_KV_GB = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    seconds: float
+    batch_size: int
+    num_tokens: int
+    all_decode: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = config.resolved_device
+        if device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model.model_path, config.resolved_dtype, device)
+        self.tokenizer = self.loaded.tokenizer
+        model_config = self.loaded.config
+        self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
+        kv_dtype = self._kv_dtype(device)
+        self.runner = ModelRunner(
+            self.loaded,
+            num_slots=self._num_slots(device, kv_dtype),
+            max_requests=config.scheduler.max_running_requests + 2,  # + CUDA graph padding row
+            max_context_len=self.context_len,
+            attention_backend=resolve_backend(config.model.attention_backend, device),
+            device=device,
+            cuda_graph=not config.model.disable_cuda_graph,
+            kv_dtype=kv_dtype,
+        )
+        self.vocab_size = model_config.vocab_size
+        pool = self.runner.pool
+        prefix_cache = NoPrefixCache(pool.allocator) if config.cache.disable_radix_cache else RadixCache(pool.allocator)
+        self.cache_manager = CacheManager(pool.allocator, self.runner.req_to_token, prefix_cache)
+        eos = self.tokenizer.eos_token_ids
+        stops = StopChecker(self.tokenizer, eos)
+        self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
+        release = lambda req: self.sampler.release(req.rid)  # noqa: E731  (per-request generators)
+        self.scheduler = Scheduler(config.scheduler, self.cache_manager, stops, config.constraint, release)
+        self.grammar_mask = GrammarMask(self.vocab_size, config.scheduler.max_running_requests, self.runner.device)
+        c = config.constraint
+        self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, c.grammar_cache_size, c.grammar_timeout_s)
+        self.step_log: list[StepInfo] | None = None  # set to a list to record every step
+        logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
+
+    def _kv_dtype(self, device: str) -> torch.dtype:
+        """auto: the model's dtype, except float16 for a float32 model on the CPU (as
+        llama.cpp does): half the memory and half the decode attention's memory traffic,
+        which bounds a large batch's step there. float32 keeps greedy tokens identical to
+        transformers'."""
+        name = self.config.cache.kv_cache_dtype
+        if name != "auto":
+            return parse_dtype(name)
+        model_dtype = next(self.loaded.model.parameters()).dtype
+        return torch.float16 if device == "cpu" and model_dtype == torch.float32 else model_dtype
+
+    def _num_slots(self, device: str, kv_dtype: torch.dtype) -> int:
+        c = self.loaded.config
+        shape = KVShape(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
+        budget_gb = self.config.cache.kv_memory_gb
+        if budget_gb is None and device != "cpu":
+            free, _ = torch.cuda.mem_get_info()
+            budget_bytes = int(free * self.config.cache.gpu_memory_fraction)
+        else:
+            budget_bytes = int((budget_gb or DEFAULT_CPU_KV_GB) * 2**30)
+        slots = pool_slots_for_budget(shape, budget_bytes, min_slots=self.context_len + 1)
+        if budget_gb is None:  # never more than every running request at full context needs
+            slots = min(slots, self.config.scheduler.max_running_requests * self.context_len + 1)
+        return slots
+
+    # -- requests -------------------------------------------------------------------------
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What the validation boundary needs to know of this model and configuration."""
+        whitespace = self.config.constraint.grammar_whitespace_pattern or ""
+        return ModelLimits(self.vocab_size, self.context_len, whitespace)
+
+    def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:
+        """Queues a validated request (see core.validation: the scheduler trusts it); a
+        constrained one first waits for its grammar to compile."""
+        req = Req(
+            rid=rid or uuid.uuid4().hex, prompt_ids=list(valid.input_ids), sampling=valid.sampling,
+            options=valid.options, constraint=valid.constraint,
+        )  # fmt: skip
+        if req.constraint is not None:
+            req.grammar_future = self.compiler.submit(req.constraint)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        self.scheduler.abort(rid, message)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """One scheduling step and forward pass; returns requests with new tokens or finished."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        changed = self.scheduler.pop_finished_outside_step()
+        if not out:
+            self._wait_for_grammars()
+            return changed
+        changed += self.scheduler.update(out, self._run(out))
+        if self.step_log is not None:
+            all_decode = all(n == 1 for n in out.extend_lens)
+            self.step_log.append(StepInfo(time.perf_counter() - start, len(out.reqs), out.num_tokens, all_decode))
+        return changed
+
+    @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
+    def _run(self, out: ScheduleOutput) -> StepResult:
+        items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
+        forward = self.runner.forward(items)
+        # prompt logprobs first: the sampler below changes the logits in place
+        prompt_lps = [
+            prompt_logprobs(r, forward.logits[forward.offsets[i] : forward.offsets[i + 1]], r.computed_len)
+            if items[i].all_logits
+            else None
+            for i, r in enumerate(out.reqs)
+        ]
+        samples = out.samples
+        last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
+        sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
+        next_ids: list[int | None] = [None] * len(out.reqs)
+        token_lps: list = [None] * len(out.reqs)
+        if sampling_reqs:
+            every_row = len(last_rows) == forward.logits.shape[0]  # a decode batch: no gather (12 MB copy)
+            logits = forward.logits if every_row else forward.logits[last_rows]
+            ids, lps = self.sampler.sample(logits, sampling_reqs, self.grammar_mask)
+            sampled_at = [i for i, s in enumerate(samples) if s]
+            for j, i in enumerate(sampled_at):
+                next_ids[i], token_lps[i] = ids[j], lps[j]
+        return StepResult(next_ids, token_lps, prompt_lps)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to compute but grammars compiling: wait for one instead of spinning."""
+        futures = [r.grammar_future for r in self.scheduler.grammars.pending]
+        if futures:
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+
+    def _forward_item(self, req: Req, n: int, slots: torch.Tensor) -> ForwardItem:
+        start = req.computed_len
+        lp_start = req.prompt_logprob_start
+        # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
+        all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
+        return ForwardItem(req.row, start, req.token_ids(start, start + n), slots, all_logits)
+
+    # -- observability ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.compiler.close()
+
+    def flush_cache(self) -> None:
+        if self.scheduler.running or self.scheduler.waiting:
+            raise InvalidRequestError(
+                "cannot flush the cache while requests are running or waiting; retry when idle"
+            )
+        self.cache_manager.prefix_cache.reset()
+        self.runner.pool.allocator.compact()
+
+    def stats(self) -> dict:
+        size = self.cache_manager.prefix_cache.size_info()
+        pool = self.runner.pool
+        s = self.scheduler.stats
+        return {
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "kv_slots_total": pool.capacity,
+            "kv_slots_free": pool.num_free,
+            "kv_slots_used": pool.capacity - pool.num_free,
+            "cache_tokens": size.cached_tokens,
+            "cache_evictable_tokens": size.evictable_tokens,
+            "cache_locked_tokens": size.locked_tokens,
+            "prompt_tokens_total": self.cache_manager.prompt_tokens,
+            "cached_prompt_tokens_total": self.cache_manager.cached_prompt_tokens,
+            "evicted_tokens_total": self.cache_manager.prefix_cache.evicted_tokens,
+            "generated_tokens_total": s.generated_tokens,
+            "requests_finished_total": s.requests_finished,
+            "retractions_total": s.retractions,
+            "steps_total": s.steps,
+            "time": time.time(),
+        }

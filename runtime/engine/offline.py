@@ -1,0 +1,132 @@
+"""The offline Engine: generate in-process, single requests or batches, optionally streamed.
+
+    from spruce.runtime import Engine
+    with Engine() as engine:                       # the bundled SmolLM2-135M-Instruct
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"], out["meta_info"]["finish_reason"])
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+from spruce.runtime.config import EngineConfig, use_passive_omp_threads
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.request import Req
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.validation import batch_inputs, sampling_list, validate_request
+from spruce.runtime.text.detokenizer import OutputText, meta_info
+
+if TYPE_CHECKING:
+    from spruce.runtime.models.loading.loader import LoadedModel
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, loaded: LoadedModel | None = None, **options: Any) -> None:
+        """`options` are EngineConfig's (see `spruce serve --help`); `loaded`, an already
+        loaded model (e.g. another engine's `engine.core.loaded`), shares its weights."""
+        self.config = EngineConfig.from_options(model_path=model_path, **options)
+        use_passive_omp_threads()  # before torch is imported, if it was not yet
+        from spruce.runtime.engine.core import EngineCore  # torch and the model code
+        if self.config.log_level:
+            logging.getLogger("spruce").setLevel(self.config.log_level.upper())
+        self.core = EngineCore(self.config, loaded)
+        self.tokenizer = self.core.tokenizer
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | SamplingParams | list | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ):
+        """Returns one result dict (a list for list input), or an iterator of chunks when
+        `stream=True`. Every request is validated before any runs: one bad request raises
+        InvalidRequestError and nothing is computed."""
+        prompts, single = batch_inputs(prompt, input_ids)
+        params = sampling_list(sampling_params, len(prompts))
+        options = RequestOptions(
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream,
+        )  # fmt: skip
+        limits = self.core.limits
+        valid = [validate_request(self._ids(p), sp, options, limits) for p, sp in zip(prompts, params)]
+        reqs = [self.core.add_request(v) for v in valid]
+        if stream:
+            return self._stream(reqs)
+        results = self._run(reqs)
+        return results[0] if single else results
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def flush_cache(self) -> None:
+        self.core.flush_cache()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.close()
+        self.core = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _ids(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _run(self, reqs: list[Req]) -> list[dict]:
+        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
+        pending = {r.rid for r in reqs}
+        while pending:
+            for req in self.core.step():
+                if req.finished and req.rid in texts:  # no stream: text is made once, at the end
+                    texts[req.rid].update(req)
+                    pending.discard(req.rid)
+        failed = next((r.error for r in reqs if r.error is not None), None)
+        if failed is not None:  # e.g. a constraint that failed to compile
+            raise failed
+        return [_result(r, texts[r.rid].text) for r in reqs]
+
+    def _stream(self, reqs: list[Req]) -> Iterator[dict]:
+        """Chunks: {"index", "text" (new text), "output_ids" (new ids), "finished", "meta_info"}."""
+        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        pending = set(index)
+        try:
+            while pending:
+                for req in self.core.step():
+                    if req.rid not in index:
+                        continue
+                    delta = texts[req.rid].update(req)
+                    yield {
+                        "index": index[req.rid],
+                        "text": delta,
+                        "output_ids": texts[req.rid].new_output_ids(req),
+                        "finished": req.finished,
+                        "meta_info": meta_info(req),
+                    }
+                    if req.finished:
+                        pending.discard(req.rid)
+        finally:
+            for rid in pending:  # a consumer that stops early aborts what is left
+                self.core.abort(rid, "the stream was closed")
+            while pending and self.core.has_work():
+                pending -= {r.rid for r in self.core.step() if r.finished}
+
+
+def _result(req: Req, text: str) -> dict:
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}

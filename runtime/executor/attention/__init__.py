@@ -1,0 +1,55 @@
+"""Attention backends behind one interface, picked by name from a registry."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+from spruce.runtime.executor.attention.base import AttentionBackend, ForwardContext
+from spruce.runtime.errors import SpruceError
+
+# name -> "module:Class", imported on use so GPU-only packages are optional
+ATTENTION_BACKENDS = {
+    "torch": "spruce.runtime.executor.attention.torch_backend:TorchAttentionBackend",
+    "triton": "spruce.runtime.executor.attention.triton_backend:TritonAttentionBackend",
+    "flashinfer": "spruce.runtime.executor.attention.flashinfer_backend:FlashInferAttentionBackend",
+}
+_NEEDS = {"triton": "triton", "flashinfer": "flashinfer"}
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend(name: str, device: str) -> str:
+    """`auto`: flashinfer if importable on a GPU, else triton on a GPU, torch on a CPU.
+    A forced backend that cannot run here is a clear error."""
+    on_gpu = device.startswith("cuda")
+    if name == "auto":
+        if on_gpu and _importable("flashinfer"):
+            return "flashinfer"
+        return "triton" if on_gpu and _importable("triton") else "torch"
+    if name not in ATTENTION_BACKENDS:
+        known = ", ".join(["auto", *sorted(ATTENTION_BACKENDS)])
+        raise SpruceError(f"unknown attention backend {name!r} (known: {known})")
+    needs = _NEEDS.get(name)
+    if needs and not _importable(needs):
+        raise SpruceError(f"attention backend {name!r} needs the {needs} package: pip install 'spruce[gpu]'")
+    if name == "flashinfer" and not on_gpu:
+        raise SpruceError("attention backend 'flashinfer' needs a CUDA GPU; use --attention-backend torch")
+    if name == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SpruceError("attention backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing)")
+    return name
+
+
+def create_backend(name: str, pool, req_to_token, num_heads: int, head_dim: int) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        known = ", ".join(sorted(ATTENTION_BACKENDS))
+        raise SpruceError(f"unknown attention backend {name!r} (known: {known})")
+    module_name, cls_name = ATTENTION_BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(pool, req_to_token, num_heads, head_dim)
+
+
+__all__ = ["AttentionBackend", "ForwardContext", "ATTENTION_BACKENDS", "create_backend", "resolve_backend"]

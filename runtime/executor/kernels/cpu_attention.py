@@ -1,0 +1,63 @@
+"""CPU decode attention in C (runtime/kernels/cpu_decode_attention.c).
+
+On CPUs the torch path must gather every request's K/V into a temporary before attending,
+which costs more memory traffic than the attention itself; the C kernel reads the pool in
+place, and can store the step's new K/V in the same call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spruce.runtime.executor.kernels.cpu_library import load_library
+
+
+class CpuDecodeAttention:
+    """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv) -> out [B, H, D].
+
+    q [B, H, D] (rows may be strided; computed in float32, returned in q's dtype); the
+    caches float32 or float16 (half the memory traffic); all CPU tensors. `new_kv = (k, v,
+    slots)`, when given, is each request's new K/V [B, KH, D] (rows may be strided), stored
+    at `slots` before attending."""
+
+    def __init__(self) -> None:
+        self.lib = load_library()
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    def __call__(self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None) -> torch.Tensor:
+        assert table.dtype == torch.int32
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
+        dtype, q = q.dtype, _rows_strided(q)
+        rows, seq_lens = rows.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+        batch, heads, dim = q.shape
+        out = torch.empty(batch, heads, dim)
+        new = (None, None, 0, None)
+        if new_kv is not None:
+            k, v, slots = new_kv
+            k, v = _rows_strided(k), _rows_strided(v)
+            if k.stride(0) != v.stride(0):  # the kernel takes one row stride for both
+                k, v = k.contiguous(), v.contiguous()
+            assert k.shape[0] == v.shape[0] == batch
+            slots = slots.to(torch.int64).contiguous()
+            new = (k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr())
+        fn = self.lib.spruce_decode_attention_f16 if k_cache.dtype == torch.float16 else self.lib.spruce_decode_attention_f32
+        failed = fn(
+            q.data_ptr(), q.stride(0), *new, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+            table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            batch, heads, k_cache.shape[1], dim, scale,
+        )  # fmt: skip
+        if failed:
+            raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")
+        return out.to(dtype)
+
+
+def _rows_strided(x: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, D] as float32 whose rows may be strided but each row's heads are contiguous."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x

@@ -1,0 +1,113 @@
+"""Model runner: owns the model, the KV pool, the request-to-token table and the attention
+backend; turns a batch description into tensors and runs one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spruce.runtime.executor.attention import create_backend
+from spruce.runtime.executor.attention.base import ForwardContext
+from spruce.runtime.executor.kv_pool import KVPool, KVShape, ReqToTokenTable
+
+
+@dataclass(slots=True)
+class ForwardItem:
+    """One request's part of a forward pass.
+
+    The request's row in the request-to-token table already holds the slots of its first
+    `prefix_len` tokens; `new_slots` are where the K/V of `new_ids` go (allocated by the
+    caller). `all_logits` asks for logits of every new position, not only the last."""
+
+    row: int
+    prefix_len: int
+    new_ids: list[int]
+    new_slots: torch.Tensor
+    all_logits: bool = False
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [rows, vocab] float32
+    offsets: list[int]  # item i's logits are rows offsets[i] .. offsets[i + 1]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: Any,  # a models.loading.LoadedModel: its .model and .config are used
+        num_slots: int,
+        max_requests: int,
+        max_context_len: int,
+        attention_backend: str = "torch",
+        device: str = "cpu",
+        cuda_graph: bool = False,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        config = loaded.config
+        self.model = loaded.model
+        self.config = config
+        self.device = torch.device(device)
+        dtype = kv_dtype or next(self.model.parameters()).dtype
+        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        self.pool = KVPool(shape, num_slots, self.device)
+        self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)
+        self.backend = create_backend(
+            attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim
+        )
+        self.graphs = None
+        if cuda_graph and self.device.type == "cuda" and attention_backend == "triton":
+            from spruce.runtime.executor.cuda_graph import CudaGraphRunner
+
+            padding_row = self.req_to_token.alloc_row()  # a spare row for padded graph batches
+            self.graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, max_requests - 1, padding_row)
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> ForwardOutput:
+        ctx, input_ids = self._build(items)
+        logits_rows, offsets = self._logits_rows(items)
+        if self.graphs is not None and ctx.is_decode and logits_rows is None and self.graphs.can_run(len(items)):
+            logits = self.graphs.run(input_ids, ctx.positions, ctx.out_slots, ctx.req_pool_indices)
+        else:
+            logits = self.model(input_ids, ctx, self.backend, logits_rows)
+        return ForwardOutput(logits.float(), offsets)
+
+    def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
+        prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
+        extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
+        rows = torch.tensor([it.row for it in items], dtype=torch.int64)
+        if all(len(it.new_ids) == 1 for it in items):  # decode: one token per request at its prefix length
+            positions, table_rows = prefix, rows
+        else:
+            starts = torch.cumsum(extend, 0) - extend
+            # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
+            positions = torch.arange(int(extend.sum())) + torch.repeat_interleave(prefix - starts, extend)
+            table_rows = torch.repeat_interleave(rows, extend)
+        out_slots = torch.cat([it.new_slots for it in items]).to(self.device)
+        positions, table_rows = positions.to(self.device), table_rows.to(self.device)
+        # the new tokens' slots go into their rows of the request-to-token table, in one write
+        self.req_to_token.table[table_rows, positions] = out_slots.to(self.req_to_token.table.dtype)
+        input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
+        ctx = ForwardContext(
+            positions=positions,
+            out_slots=out_slots,
+            req_pool_indices=rows.to(self.device),
+            prefix_lens=prefix.to(self.device),
+            extend_lens=extend.to(self.device),
+            prefix_lens_cpu=prefix.tolist(),
+            extend_lens_cpu=extend.tolist(),
+        )
+        return ctx, input_ids.to(self.device)
+
+    def _logits_rows(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
+        rows, offsets, start = [], [0], 0
+        for it in items:
+            n = len(it.new_ids)
+            rows.extend(range(start, start + n) if it.all_logits else [start + n - 1])
+            offsets.append(len(rows))
+            start += n
+        if len(rows) == start:
+            return None, offsets
+        return torch.tensor(rows, device=self.device), offsets

@@ -1,0 +1,171 @@
+"""Batched sampling over requests with different parameters.
+
+Per step: penalties from per-request token counts, suppression of EOS / stop ids before
+`min_new_tokens`, the grammar bitmask, then greedy rows by argmax and the others by
+temperature, top-k, top-p and min-p filtering, all as [batch, vocab] tensor ops. A request
+with a seed samples from its own generator, so its output does not depend on the batch.
+Logprobs are of the model's own distribution (raw logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spruce.runtime.core.request import Req, TokenLogprobs
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(i for i in eos_token_ids if i < vocab_size)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Req], apply_mask=None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [len(reqs), vocab] float32 (modified in place) -> next ids and logprobs.
+        `apply_mask(logits, reqs)`, when given, masks constrained rows' disallowed tokens."""
+        raw_logprobs = self._raw_logprobs(logits, reqs)
+        self.process_logits(logits, reqs)
+        if apply_mask is not None:
+            apply_mask(logits, reqs)
+        ids = self._choose(logits, reqs)
+        return ids, self._token_logprobs(raw_logprobs, ids, reqs)
+
+    def process_logits(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """In place: penalties, and EOS / stop ids suppressed before min_new_tokens."""
+        self._apply_penalties(logits, reqs)
+        self._suppress_stops(logits, reqs)
+        return logits
+
+    def release(self, rid: str) -> None:
+        self._request_generators.pop(rid, None)
+
+    # -- logits processing ------------------------------------------------------------
+
+    def _raw_logprobs(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor | None:
+        rows = [i for i, r in enumerate(reqs) if r.options.return_logprob]
+        if not rows:
+            return None
+        return torch.log_softmax(logits[rows], dim=-1)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.sampling.has_penalties]
+        if not rows:
+            return
+        counts = self._output_counts([reqs[i] for i in rows])
+        params = [reqs[i].sampling for i in rows]
+        sub = logits[rows]
+        freq = self._column([p.frequency_penalty for p in params])
+        presence = self._column([p.presence_penalty for p in params])
+        sub -= freq * counts + presence * (counts > 0)
+        rep = self._column([p.repetition_penalty for p in params])
+        seen = self._seen_anywhere([reqs[i] for i in rows])
+        penalized = torch.where(sub > 0, sub / rep, sub * rep)
+        logits[rows] = torch.where(seen, penalized, sub)
+
+    def _output_counts(self, reqs: list[Req]) -> torch.Tensor:
+        counts = torch.zeros(len(reqs), self.vocab_size, device=self.device)
+        for i, r in enumerate(reqs):
+            if r.output_ids:
+                ids = torch.tensor(r.output_ids, device=self.device)
+                counts[i].index_add_(0, ids, torch.ones(len(r.output_ids), device=self.device))
+        return counts
+
+    def _seen_anywhere(self, reqs: list[Req]) -> torch.Tensor:
+        """Tokens in prompt or output (repetition_penalty covers both, as in transformers)."""
+        seen = torch.zeros(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)
+        for i, r in enumerate(reqs):
+            seen[i, torch.tensor(r.all_ids(), device=self.device)] = True
+        return seen
+
+    def _suppress_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.sampling.min_new_tokens:
+                ids = [*self.eos_token_ids, *(t for t in r.sampling.stop_token_ids if t < self.vocab_size)]
+                logits[i, ids] = float("-inf")
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+    # -- choosing tokens -----------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        ids = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if sampled:
+            probs = self._filtered_probs(logits[sampled], [reqs[i].sampling for i in sampled])
+            ids[sampled] = self._draw(probs, [reqs[i] for i in sampled])
+        return ids.tolist()
+
+    def _filtered_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
+        probs = torch.softmax(logits / self._column([p.temperature for p in params]), dim=-1)
+        if all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+            return probs
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=self.device)[None, :]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=self.device)
+        drop = rank >= top_k[:, None]
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) > self._column([p.top_p for p in params])
+        drop |= sorted_probs < self._column([p.min_p for p in params]) * sorted_probs[:, :1]
+        drop[:, 0] = False  # the most likely token always stays
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        out = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
+        shared = [i for i, r in enumerate(reqs) if r.sampling.seed is None]
+        if shared:
+            out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+        for i, r in enumerate(reqs):
+            if r.sampling.seed is not None:
+                out[i] = torch.multinomial(probs[i], 1, generator=self._generator_of(r))[0]
+        return out
+
+    def _generator_of(self, req: Req) -> torch.Generator:
+        gen = self._request_generators.get(req.rid)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
+            self._request_generators[req.rid] = gen
+        return gen
+
+    # -- logprobs -----------------------------------------------------------------------
+
+    def _token_logprobs(self, raw: torch.Tensor | None, ids: list[int], reqs: list[Req]):
+        out: list[TokenLogprobs | None] = [None] * len(reqs)
+        if raw is None:
+            return out
+        rows = [i for i, r in enumerate(reqs) if r.options.return_logprob]
+        for j, i in enumerate(rows):
+            out[i] = TokenLogprobs(float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num))
+        return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    if k <= 0:
+        return []
+    values, ids = logprobs.topk(min(k, logprobs.numel()))
+    return list(zip(values.tolist(), ids.tolist()))
+
+
+def prompt_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> list[tuple[float | None, int, list]]:
+    """Logprobs of prompt tokens predicted by `logits` (rows = positions first_pos.. of
+    this step): the row at position p scores prompt token p + 1. Only tokens at or after
+    the request's `logprob_start_len` are returned; the very first token has no logprob."""
+    start = req.prompt_logprob_start
+    n_prompt = len(req.prompt_ids)
+    out: list[tuple[float | None, int, list]] = []
+    if start == 0 and first_pos == 0:
+        out.append((None, req.prompt_ids[0], []))
+    lo = max(first_pos, start - 1, 0)  # first scoring row (position)
+    hi = min(first_pos + logits.shape[0], n_prompt - 1)  # rows up to the last prompt token's predictor
+    if hi <= lo:
+        return out
+    logprobs = torch.log_softmax(logits[lo - first_pos : hi - first_pos], dim=-1)
+    targets = torch.tensor(req.prompt_ids[lo + 1 : hi + 1], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    for j, (lp, tok) in enumerate(zip(chosen, targets.tolist())):
+        out.append((lp, tok, top_logprobs(logprobs[j], req.options.top_logprobs_num)))
+    return out

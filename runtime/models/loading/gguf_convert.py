@@ -1,0 +1,220 @@
+"""A GGUF file in Hugging Face terms: `gguf_to_hf(file, dtype)` -> (config.json dict, state
+dict with HF parameter names and layouts), for the llama.cpp architectures Spruce runs."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+from spruce.runtime.errors import ModelLoadError
+from spruce.runtime.models.loading.gguf import GGUFFile
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face view: config.json dict + state dict
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Architecture:
+    hf_class: str
+    model_type: str
+    permuted_qk: bool  # llama.cpp's converter interleaves Q/K rows for rope (llama only)
+
+
+ARCHITECTURES = {
+    "llama": _Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+_REQUIRED = object()
+
+
+def gguf_to_hf(f: GGUFFile, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A Hugging Face `config.json` dict and a state dict (HF names, HF row order, `dtype`).
+
+    llama files get their Q/K rows un-permuted back to HF's rotate-half layout;
+    `lm_head.weight` is present only when the file has `output.weight` (else tied)."""
+    arch_name = f.metadata.get("general.architecture")
+    arch = ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise ModelLoadError(
+            f"{f.path}: GGUF architecture {arch_name!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    config = _hf_config(f, arch_name, arch, dtype)
+    return config, _hf_state_dict(f, config, arch, dtype)
+
+
+def _hf_config(f: GGUFFile, arch_name: str, arch: _Architecture, dtype: torch.dtype) -> dict:
+    meta, prefix = f.metadata, arch_name + "."
+
+    def get(key: str, default: Any = _REQUIRED) -> Any:
+        if prefix + key in meta:
+            return meta[prefix + key]
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{f.path}: the GGUF metadata lacks {prefix + key!r}")
+        return default
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    config = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "rms_norm_eps": _shortest(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _shortest(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": _vocab_size(f, get),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    rope_scaling = _rope_scaling(f, get, config)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _shortest(value: float) -> float:
+    """A float32 metadata value as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _vocab_size(f: GGUFFile, get: Callable[..., Any]) -> int:
+    embed = f.tensors.get("token_embd.weight")
+    if embed is not None:
+        return embed.shape[0]
+    return get("vocab_size", None) or len(f.metadata.get("tokenizer.ggml.tokens", ()))
+
+
+def _rope_scaling(f: GGUFFile, get: Callable[..., Any], config: dict) -> dict | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` (linear, yarn) or, for llama3-style
+    scaling, from the `rope_freqs.weight` tensor llama.cpp writes instead of metadata."""
+    kind = get("rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _shortest(get("rope.scaling.factor"))}
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": _shortest(get("rope.scaling.factor")),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+    if kind != "none":
+        raise ModelLoadError(f"{f.path}: rope scaling type {kind!r} is not supported")
+    if _ROPE_FREQS not in f.tensors:
+        return None
+    factors = f.tensor(_ROPE_FREQS).double().numpy()
+    return llama3_rope_scaling(factors, config["rope_theta"], config["head_dim"], f.path)
+
+
+def llama3_rope_scaling(
+    factors: np.ndarray, rope_theta: float, head_dim: int, path: str = "GGUF file"
+) -> dict | None:
+    """Recovers HF's llama3 `rope_scaling` from llama.cpp's per-frequency divisors.
+
+    llama.cpp stores r_i = 1 (short wavelengths), `factor` (long ones) and, in between,
+    1 / ((1 - s) / factor + s) with s = old_ctx / ((high - low) * wavelen) - low / (high - low).
+    s is linear in 1 / wavelen, so a line fit gives its slope and intercept; any
+    (low, high, old_ctx) with those two yields the same frequencies, so low is fixed to 1
+    (Llama 3's own value, recovered exactly). The result is checked by recomputing r."""
+    factor = float(factors.max())
+    if factor <= 1.0:
+        return None
+    inv_wavelen = 1 / (2 * math.pi * rope_theta ** (np.arange(0, head_dim, 2) / head_dim))
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    band = (smooth > 1e-4) & (smooth < 1 - 1e-4)
+    scaling = None
+    slope, intercept = np.polyfit(inv_wavelen[band], smooth[band], 1) if band.sum() >= 2 else (0, 0)
+    if intercept < 0:  # low / (high - low) > 0
+        high = round(1 - 1 / intercept, 4)
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _shortest(factor),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": round(slope * (high - 1)),
+        }
+    if scaling is None or not np.allclose(llama3_factors(scaling, inv_wavelen), factors, rtol=1e-4):
+        raise ModelLoadError(
+            f"{path}: {_ROPE_FREQS} does not follow llama3 rope scaling; this rope variant "
+            "is not supported"
+        )
+    return scaling
+
+
+def llama3_factors(scaling: dict, inv_wavelen: np.ndarray) -> np.ndarray:
+    """llama.cpp's rope_freqs values (per-frequency divisors) for a llama3 `rope_scaling`."""
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    smooth = np.clip((old_ctx * inv_wavelen - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def _hf_state_dict(
+    f: GGUFFile, config: dict, arch: _Architecture, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    state = {}
+    for name in f.tensor_names:
+        if name == _ROPE_FREQS:
+            continue  # folded into config["rope_scaling"]
+        hf_name, role = _hf_name(f.path, name)
+        tensor = f.tensor(name, dtype)
+        if arch.permuted_qk and role in heads:
+            tensor = unpermute_qk(tensor, heads[role])
+        state[hf_name] = tensor
+    return state
+
+
+def _hf_name(path: str, name: str) -> tuple[str, str]:
+    """GGUF tensor name -> (HF parameter name, GGUF role such as 'attn_q')."""
+    base, _, suffix = name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix == "weight":
+        return f"{_GLOBAL_NAMES[base]}.weight", base
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama-family model")
+    layer, role, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[role]}.{suffix}", role
+
+
+def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undoes llama.cpp's Q/K row permutation: within each head, interleaved (pair) rows
+    back to HF's rotate-half order (first halves, then second halves)."""
+    rows = tensor.shape[0]
+    return (
+        tensor.reshape(n_head, rows // n_head // 2, 2, *tensor.shape[1:])
+        .transpose(1, 2)
+        .reshape(tensor.shape)
+        .contiguous()
+    )

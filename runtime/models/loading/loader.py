@@ -1,0 +1,116 @@
+"""Loads a model + tokenizer from a Hugging Face folder or a GGUF file (no path: the
+bundled default model, see model_files.py)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spruce.runtime.errors import ModelLoadError
+from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.loading.files import checkpoint_kind, default_model_path
+from spruce.runtime.models import model_class
+from spruce.runtime.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("spruce")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: str
+    name: str
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r} (supported: {', '.join(DTYPES)})") from None
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """Loads weights and tokenizer; logs architecture, parameter count, dtype and seconds."""
+    start = time.perf_counter()
+    path = path or default_model_path()
+    dtype = parse_dtype(dtype)
+    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype)
+    config = ModelConfig.from_hf(hf_config)
+    model = _build(config, state_dict, dtype, torch.device(device))
+    params = sum(p.numel() for p in model.parameters())
+    name = os.path.basename(os.path.normpath(path))
+    logger.info(
+        "loaded %s (%s, %.1fM parameters, %s) in %.2f s",
+        name, config.architecture, params / 1e6, str(dtype).removeprefix("torch."), time.perf_counter() - start,
+    )
+    return LoadedModel(model, config, tokenizer, path, name)
+
+
+def read_checkpoint(path: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
+    """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF file."""
+    if checkpoint_kind(path) == "folder":
+        return _read_hf_folder(path)
+    return _read_gguf(path, dtype)
+
+
+def _read_hf_folder(folder: str):
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(
+            f"{folder} has no config.json; a model folder needs config.json, *.safetensors and tokenizer.json"
+        )
+    with open(config_path, encoding="utf-8") as f:
+        hf_config = json.load(f)
+    model_class(ModelConfig.from_hf(hf_config))  # fail on an unknown model before reading weights
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (PyTorch .bin files are not loaded)")
+    return hf_config, _read_safetensors(files), Tokenizer.from_folder(folder, hf_config)
+
+
+def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:  # sharded checkpoints: every shard's tensors into one dict
+        try:
+            state_dict.update(load_file(file))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"cannot read {file}: {e}") from None
+    return state_dict
+
+
+def _read_gguf(path: str, dtype: torch.dtype):
+    from spruce.runtime.models.loading.gguf import read_gguf
+    from spruce.runtime.models.loading.gguf_convert import gguf_to_hf
+
+    gguf_file = read_gguf(path)
+    hf_config, state_dict = gguf_to_hf(gguf_file, dtype)
+    return hf_config, state_dict, Tokenizer.from_gguf_metadata(gguf_file.metadata)
+
+
+def _build(config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.build(device)  # the rotary table is computed, not loaded
+    try:
+        model.load_hf_weights(state_dict)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"weights do not fit {config.architecture}: {e}") from None
+    return model.eval().requires_grad_(False)

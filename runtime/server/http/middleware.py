@@ -1,0 +1,77 @@
+"""The outer ASGI layer of the HTTP server (see GuardMiddleware)."""
+
+from __future__ import annotations
+
+import hmac
+
+from spruce.runtime.server.http.common import error_body
+from spruce.runtime.server.native import too_large
+
+class GuardMiddleware:
+    """The outer ASGI layer: 503 while the model loads (`app` is None) and while the server
+    drains; the API key on every route but /health (401); the body size limit (413). The
+    body is read here (bounded) and replayed to the app."""
+
+    def __init__(self, options, launcher) -> None:
+        self.app = None  # set once the model is loaded
+        self.expected = f"Bearer {options.api_key}".encode() if options.api_key else None
+        self.max_bytes = options.max_request_bytes
+        self.launcher = launcher
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        if self.launcher.draining:
+            return await _send_error(send, 503, "the server is shutting down")
+        if self.expected is not None and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                return await _send_error(send, 401, message, code="invalid_api_key")
+        if self.app is None:
+            return await _send_error(send, 503, "the model is still loading; retry when /health answers 200")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_error(send, 413, too_large(self.max_bytes))
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await _read_body(receive, self.max_bytes)
+            if body is None:
+                return await _send_error(send, 413, too_large(self.max_bytes))
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b""
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: http.disconnect when the client goes away
+
+    return replayed
+
+
+async def _send_error(send, status: int, message: str, code: str | None = None) -> None:
+    body = error_body(status, message, code=code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+

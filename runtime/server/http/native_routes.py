@@ -1,0 +1,148 @@
+"""The native HTTP routes: /generate, /model_info, /server_info, /flush_cache,
+/abort_request, /health, /metrics."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from spruce.runtime.protocol.dsl import GenerateMsg
+from spruce.runtime.server.http.common import (
+    SSE_DONE, ApiError, ServerState, all_results, error_response, json_body, json_response,
+    server_of, sse, stream_error, stream_response,
+)  # fmt: skip
+from spruce.runtime.server.native import batch_error, flush_cache, prepare_generate
+from spruce.runtime.server.request_manager import Call, SchedulerUnavailable
+
+STATS_TIMEOUT_S = 5.0
+
+
+def native_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        server = server_of(request)
+        if server.draining:
+            return error_response(503, "the server is shutting down")
+        try:
+            await server.manager.control("ping", server.options.health_timeout_s)
+        except SchedulerUnavailable as e:
+            return error_response(503, str(e))
+        return json_response({"status": "ok"})
+
+    @router.get("/model_info")
+    async def model_info(request: Request) -> Response:
+        return json_response(server_of(request).model.info())
+
+    @router.get("/server_info")
+    async def server_info(request: Request) -> Response:
+        server = server_of(request)
+        stats = await _stats(server)
+        return json_response({
+            "model": server.model.info(),
+            "engine_config": server.ready.config,
+            "server_options": server.options.to_dict(),
+            "kv_slots_total": server.ready.kv_slots,
+            "in_flight_requests": server.in_flight(),
+            "scheduler": stats,
+        })  # fmt: skip
+
+    @router.post("/flush_cache")
+    async def flush(request: Request) -> Response:
+        refused = await flush_cache(server_of(request).manager)
+        if refused is not None:
+            raise ApiError(*refused)
+        return json_response({"flushed": True})
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        data = await json_body(request)
+        rid = data.get("rid")
+        if not isinstance(rid, str):
+            raise ApiError(400, "give the request id to abort as {\"rid\": \"...\"}", param="rid")
+        manager = server_of(request).manager
+        rids = manager.in_flight_matching(rid)
+        manager.abort(rids)
+        return json_response({"aborted": len(rids)})
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        server = server_of(request)
+        try:
+            server.metrics.refresh(await server.manager.control("stats", STATS_TIMEOUT_S))
+        except SchedulerUnavailable:
+            pass  # serve the last known gauges
+        return Response(server.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @router.post("/generate")
+    async def generate(request: Request) -> Response:
+        server = server_of(request)
+        msg, rids = _generate_msg(await json_body(request))
+        items, single = prepare_generate(msg, server.model)
+        rids = _request_ids(rids, len(items), single, server)
+        call = server.manager.submit(items, rids)
+        if msg.stream:
+            return await stream_response(request, call, _generate_stream(call))
+        events = await all_results(request, call)
+        failed = batch_error(events, single)
+        if failed is not None:
+            raise ApiError(*failed)
+        results = [e.result for e in events]
+        return json_response(results[0] if single else results)
+
+    return router
+
+
+async def _stats(server: ServerState) -> dict:
+    try:
+        return await server.manager.control("stats", STATS_TIMEOUT_S)
+    except SchedulerUnavailable as e:
+        raise ApiError(503, str(e)) from None
+
+
+def _generate_msg(data: dict) -> tuple[GenerateMsg, Any]:
+    data = dict(data)
+    rids = data.pop("rid", None)
+    data.pop("type", None)
+    try:
+        msg = GenerateMsg(rid="", **data)
+    except TypeError as e:
+        known = [f for f in GenerateMsg.__dataclass_fields__ if f not in ("type", "rid")]
+        raise ApiError(400, f"bad /generate request ({e}); known fields: rid, {', '.join(known)}") from None
+    if msg.sampling_params is None:
+        msg.sampling_params = {}
+    return msg, rids
+
+
+def _request_ids(rids: Any, n: int, single: bool, server: ServerState) -> list[str]:
+    if rids is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rids, str):
+        rids = [rids] if single else [f"{rids}-{i}" for i in range(n)]
+    if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
+        raise ApiError(400, f"rid must be a string or a list of {n} strings", param="rid")
+    busy = [r for r in rids if server.manager.is_in_flight(r)]
+    if busy or len(set(rids)) != n:
+        raise ApiError(400, f"request id(s) already in flight or repeated: {busy or rids}; use new ids", param="rid")
+    return rids
+
+
+async def _generate_stream(call: Call) -> AsyncIterator[bytes]:
+    first = True
+    async for event in call:
+        if event.error is not None:
+            yield stream_error(event, nothing_sent=first)
+            continue
+        first = False
+        yield sse({
+            "index": event.index,
+            "text": event.text,
+            "output_ids": event.output_ids,
+            "finished": event.finished,
+            "meta_info": event.meta_info,
+        })  # fmt: skip
+    yield SSE_DONE

@@ -1,0 +1,113 @@
+"""OpenAI requests -> validated requests: sampling maps onto the one `SamplingParams`
+(OpenAI's names, and any SamplingParams field by its own name as an extension);
+`response_format` and tool calls become its json_schema, enforced by the constrained
+decoder; every choice is validated once (core.validation via ModelContext.prepare)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.validation import ValidRequest, sampling_from
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.server.http.common import ApiError, ServerState
+from spruce.runtime.server.openai import tool_calls
+from spruce.runtime.server.openai.schemas import (
+    MAX_N, MAX_TOP_LOGPROBS, ChatRequest, ResponseFormat, SamplingRequest,
+)  # fmt: skip
+
+def check_model(server: ServerState, name: str) -> None:
+    if name not in (server.model.name, server.model.path):
+        raise ApiError(
+            404, f"the model {name!r} does not exist; this server serves {server.model.name!r}",
+            param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_schema: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams (checked with the rest of the request by `choices`)."""
+    fields = req.extensions()
+    fields["max_new_tokens"] = max_new_tokens
+    for name in ("temperature", "top_p", "seed", "frequency_penalty", "presence_penalty"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    if req.stop is not None:
+        fields["stop"] = req.stop
+    add_constraint(fields, req.response_format, tool_schema)
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
+    try:
+        return sampling_from(fields)
+    except InvalidRequestError as e:
+        raise ApiError(400, openai_names(str(e))) from None
+
+
+def add_constraint(fields: dict, fmt: ResponseFormat | None, tool_schema: dict | None) -> None:
+    given = [k for k in ("regex", "json_schema", "choices") if fields.get(k) is not None]
+    if fmt is not None and fmt.type != "text":
+        given.append("response_format")
+        if fmt.type == "json_object":
+            fields["json_schema"] = tool_calls.ANY_OBJECT
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            message = 'response_format json_schema needs {"json_schema": {"schema": {...}}}'
+            raise ApiError(400, message, param="response_format")
+        else:
+            fields["json_schema"] = fmt.json_schema.schema_
+    if tool_schema is not None:
+        given.append("tool_choice")
+        fields["json_schema"] = tool_schema
+    if len(given) > 1:
+        raise ApiError(400, f"give at most one output constraint; got {', '.join(given)}")
+
+
+def choices(
+    server: ServerState, ids: list[int], base: SamplingParams, req: SamplingRequest, logprobs: bool, top: int,
+    echo: bool = False,
+) -> list[ValidRequest]:  # fmt: skip
+    """The `n` validated requests of one prompt (seeds n, n+1, ... when a seed is given)."""
+    options = RequestOptions(
+        return_logprob=logprobs, logprob_start_len=0 if echo and logprobs else -1, top_logprobs_num=top,
+        stream=req.stream,
+    )  # fmt: skip
+    out = []
+    for i in range(req.n):
+        sampling = base if base.seed is None or i == 0 else base.replace(seed=base.seed + i)
+        try:
+            out.append(server.model.prepare(ids, sampling, options))
+        except InvalidRequestError as e:
+            raise ApiError(400, openai_names(str(e))) from None
+    return out
+
+
+def openai_names(message: str) -> str:
+    return message.replace("max_new_tokens", "max_tokens")
+
+
+def completion_top_logprobs(logprobs: int | None) -> int:
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
+    return logprobs or 0
+
+
+def chat_top_logprobs(req: ChatRequest) -> int:
+    if req.top_logprobs is None:
+        return 0
+    if not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    return req.top_logprobs
+
+
+def completion_prompts(prompt: Any, server: ServerState) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    tokenizer = server.model.tokenizer
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -1,0 +1,86 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions. Bodies are
+parsed by `schemas`, mapped to validated requests by `mapping` and `chat_prompt`, answered
+by `views`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from spruce.runtime.server.http.common import ApiError, all_results, json_response, server_of, stream_response
+from spruce.runtime.server.native import batch_error
+from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt_ids
+from spruce.runtime.server.openai.mapping import (
+    check_model, chat_top_logprobs, choices, completion_prompts, completion_top_logprobs, openai_names,
+    sampling_params,
+)  # fmt: skip
+from spruce.runtime.server.openai.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse
+from spruce.runtime.server.openai.views import ChatView, CompletionView
+from spruce.runtime.server.request_manager import Call, Event
+
+router = APIRouter(prefix="/v1")
+
+
+
+@router.get("/models")
+async def models(request: Request) -> Response:
+    server = server_of(request)
+    card = {
+        "id": server.model.name,
+        "object": "model",
+        "created": int(server.started),
+        "owned_by": "spruce",
+        "root": server.model.path,
+        "max_model_len": server.model.context_length,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    server = server_of(request)
+    req: CompletionRequest = parse(CompletionRequest, await request.body())
+    check_model(server, req.model)
+    if req.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    top = completion_top_logprobs(req.logprobs)
+    prompts = completion_prompts(req.prompt, server)
+    items = []
+    for ids in prompts:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        base = sampling_params(req, max_tokens)
+        items += choices(server, ids, base, req, req.logprobs is not None, top, echo=req.echo)
+    call = server.manager.submit(items)
+    view = CompletionView(server, req, prompts, top)
+    if req.stream:
+        return await stream_response(request, call, view.stream(call))
+    return json_response(view.response(await _results(request, call)))
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    server = server_of(request)
+    req: ChatRequest = parse(ChatRequest, await request.body())
+    check_model(server, req.model)
+    top = chat_top_logprobs(req)
+    tools = ToolPlan.of(req)
+    ids = chat_prompt_ids(req, tools, server)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
+        max_tokens = max(server.model.context_length - len(ids), 0)
+    base = sampling_params(req, max_tokens, tools.schema)
+    items = choices(server, ids, base, req, req.logprobs, top)
+    call = server.manager.submit(items)
+    view = ChatView(server, req, len(ids), tools)
+    if req.stream:
+        return await stream_response(request, call, view.stream(call))
+    return json_response(view.response(await _results(request, call)))
+
+
+async def _results(request: Request, call: Call) -> list[Event]:
+    events = await all_results(request, call)
+    failed = batch_error(events, single=True)  # choices are not prompts: no "prompt i:" prefix
+    if failed is not None:
+        status, message = failed
+        raise ApiError(status, openai_names(message))
+    return events

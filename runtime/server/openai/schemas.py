@@ -1,0 +1,150 @@
+"""The OpenAI request bodies as pydantic models in strict mode (a string where a number
+belongs is a 400, not silently converted), and the limits on them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.server.http.common import ApiError, validation_message
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Accepted and ignored: they change nothing in how this server generates.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "logit_bias", "best_of"}
+SAMPLING_EXTENSIONS = set(SamplingParams.field_names()) - {"max_new_tokens"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat; unknown fields are checked in `extensions()`."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+
+    def extensions(self) -> dict[str, Any]:
+        """The extra fields that are SamplingParams fields; anything unknown is a 400."""
+        extra = dict(self.model_extra or {})
+        if extra.get("logit_bias"):
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        if extra.get("best_of") not in (None, self.n):
+            raise ApiError(400, "best_of is not supported (use n)", param="best_of")
+        unknown = sorted(set(extra) - SAMPLING_EXTENSIONS - IGNORED_FIELDS)
+        if unknown:
+            raise ApiError(
+                400,
+                f"unknown field(s) {unknown}; besides OpenAI's fields this server accepts the sampling "
+                f"parameters {', '.join(sorted(SAMPLING_EXTENSIONS))}",
+                param=unknown[0],
+            )
+        return {k: v for k, v in extra.items() if k in SAMPLING_EXTENSIONS}
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: str = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        loc = ".".join(str(x) for x in errors[0].get("loc", ())) or None
+        raise ApiError(400, validation_message(errors), param=loc) from None

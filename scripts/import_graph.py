@@ -1,0 +1,133 @@
+"""Prints the import graph between Spruce's folders and fails (exit 1) on any cycle.
+
+Every `import` / `from ... import` in the packages counts, at module level or inside a
+function (a function-level import is still a dependency); imports under
+`if TYPE_CHECKING:` do not (they never run). A node is a layer: a top-level folder of
+`runtime/` with its subfolders (`runtime/core`, `runtime/server` with `server/http` and
+`server/openai`, ...) or one of the other packages (`lang`, `constrained`, `radix`); modules
+directly in `runtime/` are one node each (`runtime/cli.py`, ...), since the root holds only
+entry points. Also checked: the layer rules
+that `constrained/` and `radix/` import nothing from `runtime/` or `lang/`, and no module
+imports a private (`_name`) attribute of another module.
+
+    python scripts/import_graph.py           # the graph, then "no cycles"
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"runtime": "spruce.runtime", "lang": "spruce.lang", "radix": "spruce.radix", "constrained": "spruce.constrained"}
+LEAVES = ("constrained", "radix")  # may import nothing from the other packages but each other
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGES[parts[0]], *parts[1:]])
+
+
+def node_of(module: str, modules: dict[str, Path]) -> str | None:
+    """The folder node of a spruce module (or of the module a name in it belongs to)."""
+    while module and module not in modules:
+        module = module.rpartition(".")[0]
+    if not module:
+        return None
+    path = modules[module].relative_to(ROOT)
+    if path.parent == Path("runtime") and path.name != "__init__.py":
+        return str(path)  # an entry-point module of the runtime root
+    return "/".join(path.parent.parts[:2])  # runtime/<layer>, or the package
+
+
+def imports_of(tree: ast.AST, module: str, is_package: bool):
+    """(imported module, imported names) of every import that runs (not TYPE_CHECKING)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            yield base, [a.name for a in node.names]
+
+
+def main() -> int:
+    files = [p for folder in PACKAGES for p in (ROOT / folder).rglob("*.py")]
+    modules = {module_name(p): p for p in files}
+    edges: dict[str, set[str]] = defaultdict(set)
+    problems = []
+    for module, path in sorted(modules.items()):
+        source = node_of(module, modules)
+        tree = ast.parse(path.read_text(), str(path))
+        for target_module, names in imports_of(tree, module, path.name == "__init__.py"):
+            if not target_module.startswith("spruce."):
+                continue
+            for name in names:
+                full = f"{target_module}.{name}"
+                if name.startswith("_") and full not in modules and not name.startswith("__"):
+                    problems.append(f"{path.relative_to(ROOT)} imports the private name {full}")
+            targets = {f"{target_module}.{n}" for n in names if f"{target_module}.{n}" in modules} or {target_module}
+            for target in targets:
+                node = node_of(target, modules)
+                if node is not None and node != source:
+                    edges[source].add(node)
+    for leaf in LEAVES:
+        for target in edges.get(leaf, ()):
+            if not target.startswith(LEAVES):
+                problems.append(f"{leaf}/ imports {target}: it must stay a leaf")
+    for source in sorted(edges):
+        print(f"{source:28} -> {', '.join(sorted(edges[source]))}")
+    cycle = find_cycle(edges)
+    if cycle:
+        problems.append("import cycle between folders: " + " -> ".join(cycle))
+    for problem in problems:
+        print("ERROR:", problem)
+    if not problems:
+        print("no cycles, no private imports, leaves stay leaves")
+    return 1 if problems else 0
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Cursor semantics, the outlines-core traps, bitmask packing / application, the compiler's
+cache and worker threads."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import outlines_core
+import pytest
+import torch
+from test_constrained_helpers import build_merge_tokenizer, generate, tiny_compiler  # noqa: F401
+
+from spruce.constrained import (
+    ConstraintSpec,
+    GrammarCompiler,
+    allocate_bitmask,
+    apply_bitmask,
+    make_spec,
+    unpack_bitmask,
+)
+from spruce.constrained.bitmask import pack_token_ids
+from spruce.constrained import ConstraintError
+from spruce.runtime.text.tokenizer import Tokenizer
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _allowed(cursor, vocab_size: int) -> set[int]:
+    bitmask = allocate_bitmask(1, vocab_size)
+    cursor.fill_bitmask(bitmask, 0)
+    return set(torch.nonzero(unpack_bitmask(bitmask, vocab_size)[0]).flatten().tolist())
+
+
+@pytest.fixture(scope="module")
+def cafe_tokenizer():
+    return build_merge_tokenizer([("x", "c"), ("a", "f"), ("af", "e")])
+
+
+# -- EOS ----------------------------------------------------------------------------------
+
+
+def test_outlines_refuses_to_advance_on_eos_at_a_final_state(tiny_compiler, tiny_tokenizer):
+    """The trap: Index.get_next_state(final, eos) is None and Guide.advance(eos) raises."""
+    vocab = tiny_compiler.vocab
+    index = outlines_core.Index("ab", vocab.vocabulary)
+    state = index.get_initial_state()
+    for token_id in _ids(tiny_tokenizer, "ab"):
+        state = index.get_next_state(state, token_id)
+    assert index.is_final_state(state) and index.get_next_state(state, vocab.outlines_eos) is None
+    guide = outlines_core.Guide(index)
+    for token_id in _ids(tiny_tokenizer, "ab"):
+        guide.advance(token_id, return_tokens=False)
+    with pytest.raises(ValueError):
+        guide.advance(vocab.outlines_eos, return_tokens=False)
+
+
+def test_eos_finishes_the_cursor_only_in_accepting_states(tiny_compiler, tiny_tokenizer):
+    eos = next(iter(tiny_tokenizer.eos_token_ids))
+    cursor = tiny_compiler.compile(make_spec(regex="ab(cd)?")).cursor()
+    assert not cursor.accept_token(eos) and not cursor.can_end()
+    for token_id in _ids(tiny_tokenizer, "ab"):
+        assert cursor.accept_token(token_id)
+    assert cursor.can_end() and not cursor.is_terminated()
+    assert eos in _allowed(cursor, tiny_compiler.vocab_size)
+    assert cursor.accept_token(eos)
+    assert cursor.is_terminated() and cursor.can_end()
+    assert not cursor.accept_token(_ids(tiny_tokenizer, "c")[0]) and not cursor.accept_token(eos)
+    assert _allowed(cursor, tiny_compiler.vocab_size) == {eos}
+    cursor.rollback(1)  # EOS is an accepted token like any other
+    assert not cursor.is_terminated() and cursor.accept_token(_ids(tiny_tokenizer, "c")[0])
+    assert eos not in _allowed(cursor, tiny_compiler.vocab_size)
+
+
+def test_terminated_when_only_eos_can_follow(tiny_compiler, tiny_tokenizer):
+    cursor = tiny_compiler.compile(make_spec(choices=["yes", "no"])).cursor()
+    for token_id in _ids(tiny_tokenizer, "no"):
+        assert not cursor.is_terminated()
+        cursor.accept_token(token_id)
+    assert cursor.is_terminated() and cursor.can_end()
+
+
+def test_every_eos_id_is_allowed_and_special_tokens_never(tiny_llama_dir, tiny_tokenizer):
+    two_eos = Tokenizer(tiny_tokenizer.backend, bos_token_id=None, eos_token_ids=[2, 0])
+    compiler = GrammarCompiler(two_eos, vocab_size=400)  # logits wider than the tokenizer
+    cursor = compiler.compile(make_spec(regex="[^a]*")).cursor()
+    allowed = _allowed(cursor, 400)
+    assert {0, 2} <= allowed and 1 not in allowed  # <|im_start|> is special
+    assert not allowed & set(range(384, 400))
+    assert cursor.accept_token(0) and cursor.is_terminated()
+    compiler.close()
+
+
+def test_mask_and_accept_token_agree(tiny_compiler, tiny_tokenizer):
+    grammar = tiny_compiler.compile(make_spec(json_schema={"type": "array", "items": {"type": "number"}}))
+    gen = generate(grammar, tiny_tokenizer, seed=3)
+    cursor = grammar.cursor()
+    for token_id in gen.ids[:12]:
+        allowed = _allowed(cursor, tiny_compiler.vocab_size)
+        for candidate in range(tiny_compiler.vocab_size):
+            assert (candidate in allowed) == cursor.copy().accept_token(candidate), candidate
+        assert cursor.accept_token(token_id)
+
+
+# -- tokens spanning a match position (outlines-core reports matches one byte late) ---------
+
+
+def test_raw_outlines_refuses_a_token_spanning_two_repetitions(cafe_tokenizer):
+    xc, afe = _ids(cafe_tokenizer, "xcafe")
+    assert cafe_tokenizer.decode([xc]) == "xc" and re.fullmatch("(x|cafe)+", "xcafe")
+    compiler = GrammarCompiler(cafe_tokenizer)
+    index = outlines_core.Index("(x|cafe)+", compiler.vocab.vocabulary)
+    assert index.get_next_state(index.get_initial_state(), xc) is None
+    compiler.close()
+
+
+def test_cursor_accepts_tokens_spanning_repetitions(cafe_tokenizer):
+    compiler = GrammarCompiler(cafe_tokenizer)
+    for regex, text in [("(x|cafe)+", "xcafexcafe"), ("x(cafe)*", "xcafe"), ("1(\\.5)?", "1.5")]:
+        cursor = compiler.compile(make_spec(regex=regex)).cursor()
+        for token_id in _ids(cafe_tokenizer, text):
+            assert cursor.accept_token(token_id), (regex, text, cafe_tokenizer.decode([token_id]))
+        assert cursor.can_end()
+    compiler.close()
+
+
+def test_choices_sharing_a_prefix_are_all_reachable(tiny_compiler, tiny_tokenizer):
+    grammar = tiny_compiler.compile(make_spec(choices=["a", "ab", "abc", ""]))
+    seen = {generate(grammar, tiny_tokenizer, seed).text for seed in range(40)}
+    assert seen == {"a", "ab", "abc", ""}
+
+
+# -- rollback / copy ------------------------------------------------------------------------
+
+
+def test_rollback_restores_the_exact_state(tiny_compiler, tiny_tokenizer):
+    grammar = tiny_compiler.compile(make_spec(json_schema={"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 5}, "n": {"type": "integer"}}, "required": ["name", "n"]}))  # fmt: skip
+    ids = _ids(tiny_tokenizer, '{"name":"Al","n":12}')
+    cursor, snapshots = grammar.cursor(), []
+    for token_id in ids:
+        snapshots.append((_allowed(cursor, tiny_compiler.vocab_size), cursor.jump_forward_text()))
+        assert cursor.accept_token(token_id)
+    assert cursor.can_end()
+    for n in range(len(ids), 0, -1):
+        probe = cursor.copy()
+        probe.rollback(n)
+        assert probe.num_accepted == len(ids) - n
+        assert (_allowed(probe, tiny_compiler.vocab_size), probe.jump_forward_text()) == snapshots[-n]
+    with pytest.raises(ValueError):
+        cursor.rollback(len(ids) + 1)
+
+
+def test_copy_is_independent(tiny_compiler, tiny_tokenizer):
+    cursor = tiny_compiler.compile(make_spec(regex="[ab]{3}")).cursor()
+    cursor.accept_token(_ids(tiny_tokenizer, "a")[0])
+    clone = cursor.copy()
+    clone.accept_token(_ids(tiny_tokenizer, "b")[0])
+    assert (cursor.num_accepted, clone.num_accepted) == (1, 2)
+
+
+# -- bitmask --------------------------------------------------------------------------------
+
+
+def test_bit_order_is_lsb_first_per_int32_word():
+    packed = pack_token_ids([0, 31, 33], vocab_size=70)
+    assert packed.dtype == torch.int32 and packed.shape == (3,)
+    assert packed.tolist() == [1 - 2**31, 2, 0]
+
+
+def test_packing_matches_a_boolean_mask():
+    rng = np.random.default_rng(0)
+    for vocab_size in (1, 31, 32, 33, 384, 1000):
+        allowed = rng.random(vocab_size) < 0.3
+        packed = pack_token_ids(np.flatnonzero(allowed), vocab_size)
+        assert torch.equal(unpack_bitmask(packed, vocab_size), torch.from_numpy(allowed))
+
+
+def test_fill_bitmask_matches_the_index(tiny_compiler, tiny_tokenizer):
+    grammar = tiny_compiler.compile(make_spec(regex="[a-c]+x?"))
+    cursor = grammar.cursor()
+    cursor.accept_token(_ids(tiny_tokenizer, "a")[0])
+    state = cursor.state
+    vocab = tiny_compiler.vocab
+    expected = {t for t in grammar.index.get_allowed_tokens(state) if t < vocab.vocab_size} | set(vocab.eos_token_ids)
+    bitmask = allocate_bitmask(3, vocab.vocab_size)
+    cursor.fill_bitmask(bitmask, 1)
+    bits = unpack_bitmask(bitmask, vocab.vocab_size)
+    assert set(torch.nonzero(bits[1]).flatten().tolist()) == expected
+    assert bits[0].all() and bits[2].all()  # other rows untouched
+
+
+def test_apply_bitmask_touches_only_the_given_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 70)
+    original = logits.clone()
+    allowed = [torch.rand(70) < 0.5 for _ in range(4)]
+    bitmask = torch.stack([pack_token_ids(torch.nonzero(a).flatten().numpy(), 70) for a in allowed])
+    apply_bitmask(logits, bitmask, rows=[1, 3])
+    for row in (0, 2):
+        assert torch.equal(logits[row], original[row])
+    for row in (1, 3):
+        assert torch.equal(logits[row][allowed[row]], original[row][allowed[row]])
+        assert torch.isneginf(logits[row][~allowed[row]]).all()
+    full = original.clone()
+    apply_bitmask(full, bitmask)
+    assert torch.isneginf(full[0][~allowed[0]]).all()
+
+
+def test_apply_bitmask_checks_its_inputs():
+    logits = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="int32"):
+        apply_bitmask(logits, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="words"):
+        apply_bitmask(logits, torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expected logits"):
+        apply_bitmask(logits, torch.zeros(3, 2, dtype=torch.int32))
+
+
+# -- compiler: cache and worker threads ------------------------------------------------------
+
+
+def test_cache_hit_returns_the_same_object(tiny_compiler):
+    spec = make_spec(regex="cached[0-9]")
+    first = tiny_compiler.compile(spec)
+    assert tiny_compiler.compile(make_spec(regex="cached[0-9]")) is first
+    future = tiny_compiler.submit(spec)
+    assert future.done() and future.result() is first
+
+
+def test_lru_evicts_the_least_recently_used(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer, cache_size=2)
+    a, b, c = (make_spec(regex=r) for r in ("a+", "b+", "c+"))
+    grammar_a = compiler.compile(a)
+    compiler.compile(b)
+    compiler.compile(a)  # a is now the most recent
+    compiler.compile(c)
+    assert compiler.cached(b) is None and compiler.cached(a) is grammar_a
+    compiler.close()
+
+
+def test_submit_builds_on_a_worker_once_per_spec(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer)
+    threads, release = [], threading.Event()
+    build = compiler._build
+
+    def slow_build(spec):
+        threads.append(threading.current_thread().name)
+        release.wait(5)
+        return build(spec)
+
+    compiler._build = slow_build
+    spec = make_spec(regex="worker[a-z]{2}")
+    first, second = compiler.submit(spec), compiler.submit(spec)
+    assert not first.done()  # submit never waits for the build
+    release.set()
+    assert first.result(5) is second.result(5)
+    assert len(threads) == 1 and threads[0].startswith("spruce-grammar")
+    compiler.close()
+
+
+@pytest.mark.parametrize("spec", [ConstraintSpec("regex", "[unclosed", "[unclosed"), ConstraintSpec("regex", "(a", "(a")])
+def test_a_bad_spec_fails_its_future_with_constraint_error(tiny_compiler, spec):
+    with pytest.raises(ConstraintError):
+        tiny_compiler.submit(spec).result(10)
+
+
+def test_a_build_past_the_timeout_fails_the_future_and_is_cached_later(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer, timeout_s=0.05)
+    build = compiler._build
+    compiler._build = lambda spec: (time.sleep(0.3), build(spec))[1]
+    spec = make_spec(regex="late")
+    with pytest.raises(ConstraintError, match="not compiled within"):
+        compiler.submit(spec).result(5)
+    deadline = time.monotonic() + 5
+    while compiler.cached(spec) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert compiler.cached(spec) is not None
+    compiler.close()

@@ -1,0 +1,75 @@
+"""Backend selection, and the triton backend equal to the torch one inside the model
+(on the CPU under TRITON_INTERPRET=1, set by conftest)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from spruce.runtime.executor.attention import resolve_backend
+from spruce.runtime.errors import SpruceError
+from spruce.runtime.models.loading.loader import load_model
+from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+
+def test_auto_picks_torch_on_cpu():
+    assert resolve_backend("auto", "cpu") == "torch"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_auto_picks_a_gpu_backend():
+    assert resolve_backend("auto", "cuda") == ("flashinfer" if HAS_FLASHINFER else "triton")
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(SpruceError, match="unknown attention backend 'flash'.*auto, flashinfer, torch, triton"):
+        resolve_backend("flash", "cpu")
+
+
+def test_forced_gpu_backend_on_cpu_is_a_clear_error(monkeypatch):
+    with pytest.raises(SpruceError, match="flashinfer"):
+        resolve_backend("flashinfer", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if HAS_TRITON:
+        with pytest.raises(SpruceError, match="'triton' needs a CUDA GPU"):
+            resolve_backend("triton", "cpu")
+
+
+def run_mixed_batch(loaded, backend: str) -> list[torch.Tensor]:
+    """Prefill two prompts (one in two chunks), then a mixed step: decode + extend."""
+    runner = ModelRunner(loaded, num_slots=512, max_requests=4, max_context_len=128, attention_backend=backend)
+    rows = [runner.req_to_token.alloc_row() for _ in range(3)]
+    a, b, c = list(range(5, 30)), list(range(40, 52)), list(range(60, 80))
+
+    def item(row, prefix, ids, all_logits=True):
+        return ForwardItem(row, prefix, ids, runner.pool.alloc(len(ids)), all_logits)
+
+    out = [runner.forward([item(rows[0], 0, a), item(rows[1], 0, b[:7])]).logits]
+    out.append(runner.forward([item(rows[1], 7, b[7:]), item(rows[0], 25, [3]), item(rows[2], 0, c)]).logits)
+    out.append(runner.forward([item(rows[0], 26, [4]), item(rows[1], 12, [9]), item(rows[2], 20, [11])]).logits)
+    return out
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="CPU interpreter test")
+def test_triton_backend_equals_torch_in_the_model(tiny_llama_dir):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    loaded = load_model(str(tiny_llama_dir))
+    for got, want in zip(run_mixed_batch(loaded, "triton"), run_mixed_batch(loaded, "torch")):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_backends_equal_torch(tiny_llama_dir, backend):
+    if backend == "flashinfer" and not HAS_FLASHINFER:
+        pytest.skip("flashinfer not installed")
+    loaded = load_model(str(tiny_llama_dir), dtype="bfloat16", device="cuda")
+    for got, want in zip(run_mixed_batch(loaded, backend), run_mixed_batch(loaded, "torch")):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

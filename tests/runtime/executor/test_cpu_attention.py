@@ -1,0 +1,104 @@
+"""The C decode-attention kernel equals a torch reference (gather + softmax)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
+from spruce.runtime.executor.kernels.cpu_library import c_compiler
+
+
+def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    for b in range(q.shape[0]):
+        slots = table[rows[b], : seq_lens[b]].long()
+        k = k_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b], k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+def built_kernel() -> CpuDecodeAttention:
+    """The kernel; where a C compiler exists, a failed build is a failure, not a skip."""
+    if c_compiler() is None:
+        pytest.skip("no C compiler here")
+    kernel = CpuDecodeAttention()
+    assert kernel.available, "the C kernel failed to build (see the logged compiler error)"
+    return kernel
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
+    torch.set_num_threads(threads)
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(heads * dim)
+    slots_total, batch = 600, 5
+    k_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
+    v_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
+    seq_lens = torch.tensor([1, 31, 32, 33, 170])
+    table = torch.zeros(8, 200, dtype=torch.int32)
+    rows = torch.tensor([6, 0, 3, 1, 5])
+    for row in rows:  # shuffled slots, different for every request
+        table[row] = (torch.randperm(slots_total - 1, generator=g)[:200] + 1).int()
+    q = torch.randn(batch, heads, dim, generator=g)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5)
+    want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_stores_new_tokens_then_attends(cache_dtype):
+    """With new_kv, each request's new K/V lands in its slot (as the pool's dtype) and is
+    attended as the last token; q, k and v may be strided column blocks of one matrix."""
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, batch = 9, 3, 64, 4
+    k_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
+    seq_lens = torch.tensor([1, 17, 40, 5])
+    table = (torch.randperm(299, generator=g)[:200] + 1).int().view(4, 50)
+    rows = torch.tensor([2, 0, 3, 1])
+    new_slots = table[rows, seq_lens - 1].long()
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(batch, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[new_slots], want_v[new_slots] = k.to(cache_dtype), v.to(cache_dtype)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, new_slots))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    want = reference(q, want_k.float(), want_v.float(), table, rows, seq_lens, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_unsupported_shape():
+    kernel = built_kernel()
+    q = torch.zeros(1, 4, 40)
+    cache = torch.zeros(4, 4, 40)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        kernel(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]), torch.tensor([1]), 1.0)
+
+
+def test_bfloat16_activations_are_computed_in_float32():
+    """A bfloat16 model on the CPU with a float16 cache: q/k/v are widened, the output
+    comes back in bfloat16."""
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(100, 3, 64, generator=g).half()
+    v_cache = torch.randn(100, 3, 64, generator=g).half()
+    table = torch.arange(100, dtype=torch.int32).view(2, 50)
+    rows, seq_lens = torch.tensor([0, 1]), torch.tensor([20, 50])
+    q = torch.randn(2, 9, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 3, 64, generator=g).bfloat16(), torch.randn(2, 3, 64, generator=g).bfloat16()
+    slots = torch.tensor([19, 99])
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, new_kv=(k, v, slots))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(k_cache[slots], k.half()) and torch.equal(v_cache[slots], v.half())
+    want = reference(q.float(), k_cache.float(), v_cache.float(), table, rows, seq_lens, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
