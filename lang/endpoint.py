@@ -1,6 +1,7 @@
 """RuntimeEndpoint: the ZeroMQ client of a running `spruce serve`.
 
     backend = sl.RuntimeEndpoint("tcp://127.0.0.1:30001")   # the server's --zmq-port
+    backend = sl.RuntimeEndpoint("http://127.0.0.1:30000")  # HTTP instead: lang/http_endpoint.py
 
 One DEALER socket per endpoint, owned by an I/O thread (a ZeroMQ socket must not be used
 by two threads at once). Callers, from any thread, hand their frames to the I/O thread
@@ -44,6 +45,14 @@ class RuntimeEndpoint(Backend):
     limit; a runtime that stops answering is still detected by a liveness ping).
     liveness_check: called about once a second while waiting; raises to give up (a
     launcher uses it to notice that its runtime process died)."""
+
+    def __new__(cls, address: str = DEFAULT_ADDRESS, **kwargs: Any):
+        """An http:// or https:// address gives the HTTP transport (spruce.lang.http_endpoint)."""
+        if cls is RuntimeEndpoint and isinstance(address, str) and address.startswith(("http://", "https://")):
+            from spruce.lang.http_endpoint import HttpEndpoint
+
+            return HttpEndpoint(address, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -154,11 +163,6 @@ class RuntimeEndpoint(Backend):
 def normalize_address(address: str) -> str:
     if not isinstance(address, str) or not address:
         raise ProgramError(f"a runtime address is a string like {DEFAULT_ADDRESS!r}; got {address!r}")
-    if address.startswith(("http://", "https://")):
-        raise ProgramError(
-            f"RuntimeEndpoint speaks ZeroMQ, not HTTP: give the server's ZeroMQ address "
-            f"(its --zmq-port), e.g. {DEFAULT_ADDRESS!r}, not {address!r}"
-        )
     if "://" not in address:
         address = "tcp://" + address
     return address

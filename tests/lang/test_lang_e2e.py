@@ -1,5 +1,5 @@
 """The DSL against a real `spruce serve` on the tiny random-weight model (one server for
-the session, started by sl.Runtime with one CPU thread)."""
+the session, see conftest.py), on both transports: ZeroMQ and HTTP."""
 
 from __future__ import annotations
 
@@ -19,18 +19,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="spruce serve is not available"
 )
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="session")
-def runtime(tiny_llama_dir):
-    rt = sl.Runtime(str(tiny_llama_dir), num_threads=1, kv_memory_gb=0.25)
-    yield rt
-    rt.shutdown()
-
-
-@pytest.fixture(scope="session")
-def endpoint(runtime):
-    return runtime.endpoint
 
 
 @pytest.fixture(scope="session")
@@ -200,10 +188,11 @@ def test_messages_have_the_roles_and_contents(endpoint):
     assert state.text() == template.render(state.messages(), add_generation_prompt=False)
 
 
-def test_an_unreachable_endpoint_errors_quickly():
+@pytest.mark.parametrize("scheme", ["tcp", "http"])
+def test_an_unreachable_endpoint_errors_quickly(scheme):
     start = time.monotonic()
-    with pytest.raises(sl.RuntimeUnavailableError, match="127.0.0.1"):
-        sl.RuntimeEndpoint(f"tcp://127.0.0.1:{free_port()}")
+    with pytest.raises(sl.RuntimeUnavailableError, match="no Spruce runtime answered at .*127.0.0.1"):
+        sl.RuntimeEndpoint(f"{scheme}://127.0.0.1:{free_port()}")
     assert time.monotonic() - start < 5
 
 

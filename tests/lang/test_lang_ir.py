@@ -129,6 +129,9 @@ def test_run_needs_a_backend():
         program._default_backend = saved
 
 
-def test_http_address_is_refused_with_advice():
-    with pytest.raises(sl.ProgramError, match="ZeroMQ, not HTTP"):
-        sl.RuntimeEndpoint("http://localhost:30000")
+def test_an_http_address_selects_the_http_transport():
+    from spruce.lang.launcher import free_port
+
+    address = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(sl.RuntimeUnavailableError, match=f"no Spruce runtime answered at {address}"):
+        sl.RuntimeEndpoint(address, api_key="secret")
