@@ -102,6 +102,13 @@ class CacheManager:
     def free_slots(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
+    def undo_step(self, req: Req, slots: torch.Tensor) -> None:
+        """A step that failed before `update()`: the slots `schedule()` gave the request go
+        back, and the row positions the model runner pointed at them are reset to the padding
+        slot, so no row refers to a free slot. `computed_len` was never advanced."""
+        self.allocator.free(slots)
+        self.table.write(req.row, req.computed_len, torch.zeros_like(slots))
+
     def _insert(self, req: Req, ids: list[int], slots: torch.Tensor | None = None) -> None:
         if slots is None:
             slots = self.table.read(req.row, len(ids))
@@ -116,6 +123,8 @@ class CacheManager:
         return sum(r.computed_len - r.cache_owned_len for r in running if r.row is not None)
 
     def check_integrity(self, running: list[Req]) -> None:
+        """Debug check of the pool accounting (tests call it after failures): used slots ==
+        slots referenced by the prefix cache + those owned by running requests."""
         self.prefix_cache.check_integrity()
         cached = self.prefix_cache.size_info().cached_tokens
         self.allocator.check_integrity(held=cached + self.held_slots(running))

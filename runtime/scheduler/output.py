@@ -51,8 +51,10 @@ class ScheduleOutput:
 @dataclass(slots=True)
 class StepResult:
     """Aligned with ScheduleOutput.reqs: the sampled token (None when the request did not
-    sample this step), its logprobs when asked, and prompt logprobs computed this step."""
+    sample this step), its logprobs when asked, prompt logprobs computed this step, and the
+    error of a request whose own row failed (it is aborted alone; None: no errors)."""
 
     next_token_ids: list[int | None]
     token_logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[list[tuple[float, int, list[tuple[float, int]]]] | None]
+    errors: list[str | None] | None = None

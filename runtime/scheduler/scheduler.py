@@ -9,6 +9,7 @@ waiting queue with their progress (their tokens stay in the prefix cache).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,10 +17,13 @@ from spruce.runtime.config import ConstraintOptions, SchedulerOptions
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
+from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
 from spruce.runtime.scheduler.grammar_queue import GrammarQueue
 from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
 from spruce.runtime.scheduler.prefill import PrefillManager
 from spruce.runtime.text.stop import StopChecker
+
+logger = logging.getLogger("spruce.scheduler")
 
 
 @dataclass(slots=True)
@@ -30,6 +34,8 @@ class SchedulerStats:
     generated_tokens: int = 0
     retractions: int = 0
     steps: int = 0
+    failed_steps: int = 0
+    request_faults: int = 0  # requests aborted for a failure of their own
 
 
 class Scheduler:
@@ -48,6 +54,7 @@ class Scheduler:
         self.prefill = PrefillManager(options, cache)
         self.decode = DecodeManager(cache)
         self.grammars = GrammarQueue()
+        self.faults = FaultTracker()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self._finished_outside_step: list[Req] = []
@@ -82,6 +89,11 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         self._apply_aborts()
         self._admit_compiled()
+        if self.faults:
+            out = self._schedule_suspect()
+            if out:
+                self.stats.steps += 1
+                return out
         out = ScheduleOutput()
         budget = self.options.chunked_prefill_size
         decoding = [r for r in self.running if r.remaining == 1]
@@ -95,6 +107,19 @@ class Scheduler:
         if not out and self.running:  # every running request is starved of KV slots
             self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
+        return out
+
+    def _schedule_suspect(self) -> ScheduleOutput:
+        """After a failed forward pass: the next suspect alone (nothing else runs while
+        suspects remain, so a failure names its request). Empty when it gets no slots."""
+        out = ScheduleOutput()
+        req = self.faults.next_suspect(self.running)
+        if req is None:
+            return out
+        n = min(req.remaining, self.options.chunked_prefill_size)
+        slots = self.cache.alloc(n)
+        if slots is not None:
+            out.add(req, n, slots)
         return out
 
     def _retract(self, req: Req) -> None:
@@ -128,22 +153,69 @@ class Scheduler:
     # -- update -------------------------------------------------------------------------
 
     def update(self, out: ScheduleOutput, result: StepResult) -> list[Req]:
-        """Applies a step's results; returns the requests with news (new tokens or finished)."""
+        """Applies a step's results; returns the requests with news (new tokens or finished).
+        A request whose row failed (`result.errors`), or whose output processing raises, is
+        aborted alone; the others are updated as usual."""
+        self.faults.step_succeeded(out.reqs)
         changed = []
         for i, req in enumerate(out.reqs):
-            req.computed_len += out.extend_lens[i]
+            req.computed_len += out.extend_lens[i]  # the forward pass wrote these K/V
+            error = result.errors[i] if result.errors else None
+            if error is None:
+                error = self._update_one(req, out.extend_lens[i], result, i)
+            if error is not None:
+                self.fail_request(req, error)
+            if result.next_token_ids[i] is not None or req.finished:
+                changed.append(req)
+        return changed
+
+    def _update_one(self, req: Req, extend_len: int, result: StepResult, i: int) -> str | None:
+        """One request's part of update(); the error message if it raised."""
+        try:
             self._record_prompt_logprobs(req, result.prompt_logprobs[i])
-            token = result.next_token_ids[i]
-            if out.extend_lens[i] > 1:
+            if extend_len > 1:
                 # a prompt chunk or jump-forward text: share it now, not when the request ends
                 self.cache.cache_partial(req)
+            token = result.next_token_ids[i]
             if token is not None:
                 self._append(req, token, result.token_logprobs[i])
             elif req.remaining == 0:  # max_new_tokens == 0: the prompt is now cached
                 self._finish(req, FinishReason("length"))
-            if token is not None or req.finished:
-                changed.append(req)
-        return changed
+        except Exception as e:  # its own stop strings, cursor, detokenization
+            logger.exception("processing the output of request %s failed", req.rid)
+            return f"processing this request's output failed: {e!r}"
+        return None
+
+    # -- failures -------------------------------------------------------------------------
+
+    def fail_request(self, req: Req, message: str) -> None:
+        """Aborts one request for a failure of its own (a RequestFault, 500 for a client)."""
+        if req.finished:
+            return
+        req.error = RequestFault(message)
+        self.stats.request_faults += 1
+        self._finish(req, FinishReason("abort", message=message))
+
+    def step_failed(self, out: ScheduleOutput, error: BaseException) -> list[Req]:
+        """Rolls back a step whose forward pass (or batched sampling) raised before
+        `update()`: its new slots are freed and its table positions reset, `computed_len`
+        is unchanged (requests admitted by the step stay admitted, with their cached
+        prefix). The requests become suspects (see faults.py); returns the ones aborted."""
+        self.stats.failed_steps += 1
+        for req, slots in zip(out.reqs, out.new_slots):
+            self.cache.undo_step(req, slots)
+        aborted = self.faults.step_failed(out.reqs)
+        for req in aborted:
+            self.fail_request(req, f"the forward pass failed each time this request ran alone: {error!r}")
+        return aborted
+
+    def check_integrity(self) -> None:
+        """Debug check after failures: KV accounting is exact, admitted requests hold
+        distinct rows, queued ones hold none."""
+        rows = [r.row for r in self.running]
+        assert None not in rows and len(set(rows)) == len(rows), "running requests share or lack rows"
+        assert all(r.row is None for r in [*self.waiting, *self.grammars.pending]), "a queued request holds a row"
+        self.cache.check_integrity(self.running)
 
     def _append(self, req: Req, token: int, logprobs) -> None:
         if req.first_token_at is None:
