@@ -7,7 +7,8 @@
         s += sl.user(question)
         s += sl.assistant(sl.gen("answer", max_tokens=32))
 
-    sl.set_default_backend(sl.Runtime())          # or sl.RuntimeEndpoint("tcp://127.0.0.1:30001")
+    sl.set_default_backend(sl.Runtime())          # or sl.RuntimeEndpoint("tcp://127.0.0.1:30001"),
+                                                  # or sl.RuntimeEndpoint("http://127.0.0.1:30000")
     state = qa.run(question="What is the capital of France?", temperature=0)
     print(state["answer"])
 """
@@ -22,6 +23,7 @@ from spruce.lang.api import (
     gen,
     gen_int,
     gen_string,
+    get_server_info,
     image,
     select,
     system,
@@ -42,11 +44,16 @@ from spruce.lang.choices import (
 )
 from spruce.lang.endpoint import RuntimeEndpoint
 from spruce.lang.errors import ProgramError, RuntimeRequestError, RuntimeUnavailableError, UnsupportedFeatureError
+from spruce.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from spruce.lang.launcher import Runtime
 from spruce.lang.program import Program, function, get_default_backend, set_default_backend
 from spruce.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
+    "REGEX_BOOL",
+    "REGEX_FLOAT",
+    "REGEX_INT",
+    "REGEX_STR",
     "Backend",
     "ChoicesDecision",
     "ChoicesMethod",
@@ -68,6 +75,7 @@ __all__ = [
     "gen_int",
     "gen_string",
     "get_default_backend",
+    "get_server_info",
     "greedy_token_selection",
     "image",
     "select",

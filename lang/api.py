@@ -5,21 +5,35 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from spruce.lang.backend import Backend
 from spruce.lang.choices import ChoicesMethod, token_length_normalized
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
-from spruce.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params, to_node
+from spruce.lang.ir import (
+    MAX_SAMPLES, REQUEST_OPTIONS, SAMPLING_FIELDS, Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params,
+    to_node,
+)  # fmt: skip
 from spruce.lang.program import resolve_backend
 from spruce.runtime.errors import ConstraintError
 
 _CONSTRAINTS = ("regex", "json_schema", "choices")
 
 
-def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen:
+def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen | Select:
     """Generates text into variable `name`. Keywords: every SamplingParams field (with
     SGLang's names max_tokens / min_tokens), return_logprob, logprob_start_len,
     top_logprobs_num, and one constraint: regex, json_schema (dict, JSON string or pydantic
-    model class), choices (the output is one of them) or dtype (int, float, bool, str).
-    None means "the run's default"."""
+    model class) or dtype (int, float, bool, str). None means "the run's default".
+
+    As in SGLang: n=k draws k samples in one request (the variable is the list of k texts,
+    its meta_info the list of their meta_infos; the first sample is appended to the text);
+    choices=[...] (with choices_method=, temperature=) is a select."""
+    n = params.pop("n", None)
+    choices_method = params.pop("choices_method", None)
+    if params.get("choices") is not None:
+        return _gen_select(name, params, choices_method)
+    if choices_method is not None:
+        raise ProgramError("gen(choices_method=...) needs choices=[...] (a gen with choices is a select)")
+    _refuse_unsupported(params)
     dtype = params.pop("dtype", None)
     sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
     dtype_name = None
@@ -28,15 +42,47 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
         if given:
             raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
         dtype_name, sampling["regex"] = _dtype_regex(dtype)
-    if "choices" in sampling:
-        _check_choices(sampling["choices"], "gen")
-    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name)
+    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name, _sample_count(n))
+
+
+def _gen_select(name: str | None, params: dict[str, Any], choices_method: Any) -> Select:
+    """SGLang's gen(choices=...): a select; the sampling keywords other than temperature
+    do not apply to scoring choices and are ignored, as there."""
+    temperature = params.get("temperature")
+    method = token_length_normalized if choices_method is None else choices_method
+    return select(name, params["choices"], 0.0 if temperature is None else temperature, method)
+
+
+def _refuse_unsupported(params: dict[str, Any]) -> None:
+    """SGLang gen keywords this runtime's protocol does not carry (yet): a clear error
+    rather than a silently different result."""
+    for key, what in _NEEDS_RUNTIME_SUPPORT.items():
+        if params.get(key) is not None and key not in SAMPLING_FIELDS and key not in REQUEST_OPTIONS:
+            raise UnsupportedFeatureError(f"gen({key}=...): {what}")
+
+
+_NEEDS_RUNTIME_SUPPORT = {
+    "stop_regex": "this runtime cannot stop generation on a regex yet; use stop=[...] strings, "
+    "or constrain the whole output with regex=...",
+    "return_text_in_logprobs": "this runtime's logprobs carry token ids only ([logprob, token_id]); "
+    "decode the ids with sl.Runtime(...).get_tokenizer().decode([token_id])",
+}
+
+
+def _sample_count(n: Any) -> int:
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+        raise ProgramError(f"gen(n=...) must be an integer from 1 to {MAX_SAMPLES}; got {n!r}")
+    return n
 
 
 def _gen_signature() -> inspect.Signature:
     P = inspect.Parameter
     head = [P("name", P.POSITIONAL_OR_KEYWORD, default=None), P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None)]
-    rest = [P(k, P.KEYWORD_ONLY, default=None) for k in (*dsl_keywords(), "dtype") if k != "max_tokens"]
+    extra = ("n", "stop_regex", "return_text_in_logprobs", "dtype", "choices_method")
+    names = dict.fromkeys(k for k in (*dsl_keywords(), *extra) if k != "max_tokens")
+    rest = [P(k, P.KEYWORD_ONLY, default=None) for k in names]
     return inspect.Signature(head + rest, return_annotation=Gen)
 
 
@@ -132,6 +178,13 @@ def video(*args: Any, **kwargs: Any):
 def flush_cache(backend: Any = None) -> None:
     """Empties the runtime's prefix cache (the runtime refuses while it is busy)."""
     resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    """The server's configuration and statistics (a Runtime, or an http:// endpoint)."""
+    if hasattr(backend, "get_server_info") and not isinstance(backend, Backend):
+        return backend.get_server_info()  # a Runtime asks its server over HTTP
+    return resolve_backend(backend).get_server_info()
 
 
 def _dtype_regex(dtype: Any) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any, Iterator
 
 from spruce.lang.chat import ChatTemplate
+from spruce.lang.errors import UnsupportedFeatureError
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
 
 
@@ -38,6 +39,13 @@ class Backend:
 
     def flush_cache(self) -> None:
         raise NotImplementedError
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The server's configuration and statistics (the HTTP transport has them)."""
+        raise UnsupportedFeatureError(
+            f"{type(self).__name__} cannot read the server info; use an http:// RuntimeEndpoint "
+            "or sl.Runtime(...).get_server_info()"
+        )
 
     def close(self) -> None:
         """Releases the connection (a backend that owns nothing does nothing)."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from spruce.lang.backend import Backend, new_rid
 from spruce.lang.chat import Conversation
 from spruce.lang.choices import sample_by_scores
-from spruce.lang.errors import ProgramError
+from spruce.lang.errors import ProgramError, UnsupportedFeatureError
 from spruce.lang.ir import (
     Arg, Fork, Gen, Join, Node, Params, RoleBegin, RoleEnd, Select, Text, Var, VarScopeBegin,
     VarScopeEnd, flatten,
@@ -44,7 +44,7 @@ class RunDefaults:
     sampling: Params = ()
     options: Params = ()
 
-    def request_for(self, node: Gen, text: str, stream: bool) -> GenerateMsg:
+    def request_for(self, node: Gen, text: str | list[str], stream: bool) -> GenerateMsg:
         params = SamplingParams.from_dict({**dict(self.sampling), **node.sampling_params})
         params.validate()
         return GenerateMsg(
@@ -57,10 +57,14 @@ class RunDefaults:
 
 
 class Executor:
-    def __init__(self, backend: Backend, defaults: RunDefaults, stream: bool = False) -> None:
+    """use_thread=False runs each node at once, in the thread that appends it (SGLang's
+    `run(use_thread=False)`): no parallel forks, but no worker thread either."""
+
+    def __init__(self, backend: Backend, defaults: RunDefaults, stream: bool = False, use_thread: bool = True) -> None:
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
+        self.use_thread = use_thread
         self.text_ = ""
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
@@ -70,6 +74,7 @@ class Executor:
         self.fork_point = 0  # length of the parent's text when this state was forked
         self.fork_commits: list[dict] = []  # meta_info of each fork's prefix commit
         self._partial: dict[str, str] = {}  # variable -> text so far, while streaming
+        self._partial_meta: dict[str, dict] = {}  # variable -> its latest chunk's meta_info, while streaming
         self._scopes: dict[str, int] = {}
         self._children: list[Executor] = []
         self.program_thread: int | None = None  # the thread running the program, when streaming
@@ -91,8 +96,10 @@ class Executor:
             Var: lambda n: self._append(str(self.variables[n.name])),
             Arg: self._unbound_arg,
         }
-        self._thread = threading.Thread(target=self._work, name="spruce-program", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if use_thread:
+            self._thread = threading.Thread(target=self._work, name="spruce-program", daemon=True)
+            self._thread.start()
 
     # -- called by the program (any thread) ------------------------------------------------
 
@@ -100,7 +107,10 @@ class Executor:
         if self._ended:
             raise ProgramError("this program state has ended; nothing more can be appended to it")
         for leaf in flatten(node):
-            self._queue.put(leaf)
+            if self._thread is None:
+                self._run(leaf)
+            else:
+                self._queue.put(leaf)
 
     def sync(self) -> None:
         """Waits until every queued node has run."""
@@ -120,8 +130,12 @@ class Executor:
         """No more nodes: waits for the queued ones, then stops the worker (and children's)."""
         if not self._ended:
             self._ended = True
-            self._queue.put(_END)
-        self._thread.join()
+            if self._thread is None:
+                self._mark_finished()
+            else:
+                self._queue.put(_END)
+        if self._thread is not None:
+            self._thread.join()
         for child in self._children:
             child.end()
 
@@ -141,6 +155,11 @@ class Executor:
     def get_meta_info(self, name: str) -> Any:
         self.settle(name)
         return self.meta_info.get(name)
+
+    def stream_meta_info(self, name: str) -> Any:
+        """Variable `name`'s meta_info without waiting: its latest chunk's while it streams."""
+        with self._changed:
+            return self.meta_info.get(name, self._partial_meta.get(name))
 
     def text(self) -> str:
         self.settle()
@@ -201,18 +220,29 @@ class Executor:
             try:
                 if node is _END:
                     break
-                if self.error_ is None:
-                    self._handlers[type(node)](node)
-            except BaseException as e:  # noqa: BLE001 - the error belongs to the state
-                self.error_ = e
+                self._run(node)
             finally:
                 self._queue.task_done()
-                self._notify()
+        self._mark_finished()
+
+    def _run(self, node: Node) -> None:
+        try:
+            if self.error_ is None:
+                self._handlers[type(node)](node)
+        except BaseException as e:  # noqa: BLE001 - the error belongs to the state
+            self.error_ = e
+        finally:
+            self._notify()
+
+    def _mark_finished(self) -> None:
         with self._changed:
             self._finished = True
             self._changed.notify_all()
 
     def _gen(self, node: Gen) -> None:
+        if node.n > 1:
+            self._gen_samples(node)
+            return
         msg = self.defaults.request_for(node, self.text_, self.stream)
         if self.stream:
             final = self._gen_streamed(msg, node.name)
@@ -221,6 +251,19 @@ class Executor:
             self._append(final.text)
         if node.name is not None:
             self._set_var(node.name, final.text, final.meta_info)
+
+    def _gen_samples(self, node: Gen) -> None:
+        """gen(n=k): the text is committed first, then k copies of it go as one batch, so
+        every sample finds the prompt in the radix cache."""
+        if self.stream:
+            raise UnsupportedFeatureError(f"gen(n={node.n}) cannot stream; run the program without stream=True")
+        self._commit(None)
+        msg = self.defaults.request_for(node, [self.text_] * node.n, stream=False)
+        results = self.backend.generate(msg).results
+        texts = [r["text"] for r in results]
+        self._append(texts[0])  # as SGLang: the first sample continues the program
+        if node.name is not None:
+            self._set_var(node.name, texts, [r["meta_info"] for r in results])
 
     def _gen_streamed(self, msg: GenerateMsg, name: str | None) -> FinalMsg:
         received = ""
@@ -232,6 +275,7 @@ class Executor:
             received += event.text
             if name is not None:
                 self._partial[name] = received
+                self._partial_meta[name] = event.meta_info
             self._append(event.text)
         raise AssertionError("a stream ended without its final message")
 
@@ -247,7 +291,7 @@ class Executor:
             self._set_var(node.name, choice, decision.meta_info)
         self._append(choice)
 
-    def _commit(self, node: Fork) -> None:
+    def _commit(self, node: Fork | None) -> None:
         if self.text_:
             self.fork_commits.append(self.backend.commit(self.text_))
 
@@ -274,6 +318,7 @@ class Executor:
         with self._changed:
             self.variables[name] = value
             self._partial.pop(name, None)
+            self._partial_meta.pop(name, None)
             if meta is not None:
                 self.meta_info[name] = meta
             self.set_names.append(name)
@@ -290,7 +335,7 @@ class Executor:
         return value if isinstance(value, str) else ""
 
     def _child(self) -> "Executor":
-        child = Executor(self.backend, self.defaults, self.stream)
+        child = Executor(self.backend, self.defaults, self.stream, self.use_thread)
         child.text_ = self.text_
         child.variables = dict(self.variables)
         child.meta_info = dict(self.meta_info)

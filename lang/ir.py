@@ -17,6 +17,15 @@ from spruce.lang.errors import ProgramError
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.protocol.dsl import GenerateMsg
 
+# SGLang's module-level regexes for typed gens, spelled our way with the same language:
+# an optionally signed integer / decimal (trailing spaces and newlines allowed), a Python
+# bool, a double-quoted string of word and space characters.
+REGEX_INT = r"[+-]?[0-9]+[\n ]*"
+REGEX_FLOAT = r"[+-]?[0-9]*\.?[0-9]+[\n ]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r'"[\w\s]*"'
+MAX_SAMPLES = 128  # gen(n=...): samples of one gen (as the OpenAI route's n)
+
 # SGLang's gen() names that differ from SamplingParams' field names.
 DSL_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 SAMPLING_FIELDS = SamplingParams.field_names()
@@ -52,6 +61,7 @@ class Gen(Node):
     sampling: Params = ()
     options: Params = ()  # return_logprob, logprob_start_len, top_logprobs_num
     dtype: str | None = None  # int | float | bool | str (already turned into `sampling`'s regex)
+    n: int = 1  # samples in one request; n > 1 sets the variable to a list of n texts
 
     @property
     def sampling_params(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import json
 import os
 import socket
 import subprocess
@@ -16,11 +18,16 @@ import sys
 import tempfile
 import time
 from dataclasses import fields
-from typing import Any
+from typing import Any, AsyncIterator
 
+from spruce.lang.backend import new_rid
 from spruce.lang.endpoint import RuntimeEndpoint
-from spruce.lang.errors import ProgramError, RuntimeUnavailableError
+from spruce.lang.errors import ProgramError, RuntimeUnavailableError, UnsupportedFeatureError
+from spruce.lang.http_endpoint import HttpEndpoint
+from spruce.lang.sglang_options import translate_sglang_options
 from spruce.runtime.config import ServerOptions, known_options
+from spruce.runtime.protocol.dsl import FinalMsg, GenerateMsg
+from spruce.runtime.text.tokenizer import Tokenizer
 
 STARTUP_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 15.0
@@ -32,8 +39,10 @@ class Runtime:
     constructor returns; `.endpoint` is its RuntimeEndpoint.
 
     options: engine options (num_threads=1, kv_memory_gb=1, disable_radix_cache=True...) and
-    server options (host, port, zmq_port...), as the `spruce serve` flags take them. The
-    process's output goes to `log_path` (a temporary file unless given)."""
+    server options (host, port, zmq_port...), as the `spruce serve` flags take them; SGLang's
+    server options are translated (mem_fraction_static, random_seed...: see
+    spruce.lang.sglang_options). The process's output goes to `log_path` (a temporary file
+    unless given)."""
 
     def __init__(
         self,
@@ -43,12 +52,15 @@ class Runtime:
         log_path: str | None = None,
         **options: Any,
     ) -> None:
+        options = translate_sglang_options(options)
         _check_options(options)
+        self.api_key = options.get("api_key")
         host = options.pop("host", "127.0.0.1")
         self.port = options.pop("port", None) or free_port(host)
         self.zmq_port = options.pop("zmq_port", None) or free_port(host)
         self.address = f"tcp://{host}:{self.zmq_port}"
         self.url = f"http://{host}:{self.port}"
+        self.model_path = model_path  # None: the bundled model
         if model_path is not None:
             options["model_path"] = model_path
         self.command = [
@@ -58,6 +70,7 @@ class Runtime:
         ]  # fmt: skip
         self.log_path = log_path or tempfile.mkstemp(prefix="spruce-serve-", suffix=".log")[1]
         self.endpoint: RuntimeEndpoint | None = None
+        self._http: HttpEndpoint | None = None
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -74,6 +87,8 @@ class Runtime:
         atexit.unregister(self.shutdown)
         if self.endpoint is not None:
             self.endpoint.close()
+        if self._http is not None:
+            self._http.close()
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -81,6 +96,69 @@ class Runtime:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+    # -- SGLang's Runtime methods ---------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str],
+        sampling_params: dict[str, Any] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        lora_path: Any = None,
+    ) -> str:
+        """One /generate call; as SGLang, the JSON text of the result ({"text", "output_ids",
+        "meta_info"}, or a list of them for a list of prompts)."""
+        if lora_path is not None:
+            raise UnsupportedFeatureError("Runtime.generate(lora_path=...): Spruce serves no LoRA adapters")
+        msg = GenerateMsg(
+            rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob,
+            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+            top_logprobs_num=top_logprobs_num or 0,
+        )  # fmt: skip
+        final = self._ready_endpoint().generate(msg)
+        if final.results is not None:
+            return json.dumps(final.results)
+        return json.dumps({"text": final.text, "output_ids": final.output_ids, "meta_info": final.meta_info})
+
+    async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """The new text of a streamed generation, chunk by chunk (SGLang's add_request)."""
+        msg = GenerateMsg(rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}))
+        events = self._ready_endpoint().generate_stream(msg)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                event = await loop.run_in_executor(None, next, events, None)
+                if event is None or isinstance(event, FinalMsg):
+                    return
+                if event.text:
+                    yield event.text
+        finally:
+            events.close()
+
+    add_request = async_generate
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (encode, decode, apply_chat_template)."""
+        from spruce.runtime.models.loading.files import load_tokenizer  # reads the files only
+
+        return load_tokenizer(self.model_path)
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Puts `prefix` in the runtime's prefix cache (a zero-output request)."""
+        self._ready_endpoint().commit(prefix)
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The server's /server_info: model, engine configuration, options, scheduler stats."""
+        if self._http is None:
+            self._http = HttpEndpoint(self.url, api_key=self.api_key, liveness_check=self._check_alive)
+        return self._http.get_server_info()
+
+    def _ready_endpoint(self) -> RuntimeEndpoint:
+        if self.endpoint is None:
+            raise RuntimeUnavailableError(self.address, "this Runtime has been shut down")
+        return self.endpoint
 
     def log_tail(self) -> str:
         try:
@@ -106,7 +184,8 @@ class Runtime:
         while True:
             self._check_alive()
             try:
-                return RuntimeEndpoint(self.address, connect_timeout=1.0, liveness_check=self._check_alive)
+                key = {"api_key": self.api_key} if self.api_key else {}  # the server checks it on ZeroMQ too
+                return RuntimeEndpoint(self.address, connect_timeout=1.0, liveness_check=self._check_alive, **key)
             except RuntimeUnavailableError:
                 if time.monotonic() > deadline:
                     raise RuntimeUnavailableError(

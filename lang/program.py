@@ -13,8 +13,8 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 from spruce.lang.backend import Backend
 from spruce.lang.errors import ProgramError, RuntimeRequestError
@@ -59,65 +59,100 @@ def _as_backend(backend: Any) -> Backend:
 class Program:
     """A DSL program (what `@sl.function` returns)."""
 
-    def __init__(self, func: Callable, bound: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, func: Callable, bound: dict[str, Any] | None = None, num_api_spec_tokens: int | None = None
+    ) -> None:
         self.func = func
         self.bound = dict(bound or {})
+        # SGLang's speculative execution for API models (OpenAI...): a Spruce runtime serves
+        # the model itself, so every gen is one request and this is kept but not used.
+        self.num_api_spec_tokens = num_api_spec_tokens
         params = list(inspect.signature(func).parameters.values())
         if not params:
             raise ProgramError(f"{func.__name__} must take the program state as its first parameter (def prog(s, ...))")
         self.arg_names = {p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        self.positional = [p for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params[1:])
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
     def bind(self, **kwargs: Any) -> "Program":
         """A copy with some arguments fixed."""
-        return Program(self.func, {**self.bound, **kwargs})
+        return Program(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         return self.run(*args, **kwargs)
 
-    def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
+    def run(
+        self, *args: Any, stream: bool = False, backend: Any = None, use_thread: bool = True, **kwargs: Any
+    ) -> ProgramState:
         """Runs the program; returns its state. Keywords that are not the program's own
         arguments are sampling defaults for every gen (max_new_tokens / max_tokens,
         temperature, stop, ..., return_logprob): a gen's own non-None fields win.
 
         stream=True returns at once while the program runs: read `state.text_iter()`.
+        use_thread=False runs each expression in the program's own thread as it is
+        appended (no worker thread per state; forks then run one after the other).
         An error inside the DSL (a refused request...) is kept in `state.error()`; an
         exception raised by the program's own Python propagates (when not streaming)."""
         program_kwargs, defaults = self._split(kwargs)
         kwargs = {**self.bound, **program_kwargs}
-        return run_program(self.func, resolve_backend(backend), args, kwargs, defaults, stream)
+        return run_program(self.func, resolve_backend(backend), args, kwargs, defaults, stream, use_thread=use_thread)
 
     def run_batch(
         self,
-        batch_kwargs: list[dict[str, Any]],
+        batch_kwargs: list[dict[str, Any]] | list[tuple],
         *,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
+        generator_style: bool = False,
         backend: Any = None,
         **kwargs: Any,
-    ) -> list[ProgramState]:
-        """Runs one program per dict of arguments on a thread pool; returns the states in
-        order. The batch's common prompt prefix is sent first (a zero-output request) so
-        that every program finds it cached. A program that fails does not stop the
-        others: its state holds the error (`state.error()`, `state.ok`)."""
+    ) -> list[ProgramState] | Iterator[ProgramState]:
+        """Runs one program per item on a thread pool; returns the states in order. An item
+        is a dict of arguments or a tuple / list of positional ones. The batch's common
+        prompt prefix is sent first (a zero-output request) so that every program finds it
+        cached. A program that fails does not stop the others: its state holds the error
+        (`state.error()`, `state.ok`). generator_style=True returns an iterator that yields
+        each state, in order, as soon as it is done."""
         backend = resolve_backend(backend)
         common, defaults = self._split(kwargs)
-        batch = [{**self.bound, **common, **dict(item)} for item in batch_kwargs]
+        batch = [{**self.bound, **common, **self._arguments(item)} for item in batch_kwargs]
+        workers = _thread_count(num_threads, max(len(batch), 1))
+        states = self._batch_states(backend, batch, defaults, workers, progress_bar)
+        return states if generator_style else list(states)
+
+    def _batch_states(
+        self, backend: Backend, batch: list[dict], defaults: RunDefaults, workers: int, progress_bar: bool
+    ) -> Iterator[ProgramState]:
         if not batch:
-            return []
+            return
         send_prefix_hint(self.func, backend, batch)
-        workers = _thread_count(num_threads, len(batch))
-        states: list[ProgramState | None] = [None] * len(batch)
+        bar = _progress(len(batch), progress_bar)
         with ThreadPoolExecutor(workers, thread_name_prefix="spruce-batch") as pool:
-            futures = {
-                pool.submit(run_program, self.func, backend, (), kw, defaults, False, False): i
-                for i, kw in enumerate(batch)
-            }
-            for future in _progress(as_completed(futures), len(batch), progress_bar):
-                states[futures[future]] = future.result()
-        return states  # type: ignore[return-value]
+            futures = [pool.submit(run_program, self.func, backend, (), kw, defaults, False, False) for kw in batch]
+            if bar is not None:
+                for future in futures:
+                    future.add_done_callback(lambda _: bar.update())
+            for future in futures:
+                yield future.result()
+        if bar is not None:
+            bar.close()
+
+    def _arguments(self, item: Any) -> dict[str, Any]:
+        """A batch item as keyword arguments (a tuple / list fills the parameters in order)."""
+        if isinstance(item, dict):
+            return dict(item)
+        if not isinstance(item, (list, tuple)):
+            raise ProgramError(f"a run_batch item is a dict or a tuple of arguments; got {type(item).__name__}")
+        required = sum(1 for p in self.positional if p.default is p.empty)
+        if not required <= len(item) <= len(self.positional):
+            names = ", ".join(p.name for p in self.positional)
+            raise ProgramError(
+                f"a run_batch item of {len(item)} values does not fit {self.__name__}(s, {names}): "
+                f"give {required} to {len(self.positional)} values, or a dict"
+            )
+        return {p.name: value for p, value in zip(self.positional, item)}
 
     def trace(self, *args: Any, backend: Any = None, **kwargs: Any) -> list[Node]:
         """The program's IR: the typed, immutable nodes it appends, with no backend.
@@ -140,11 +175,14 @@ class Program:
         return f"<spruce program {self.__name__}>"
 
 
-def function(func: Callable | None = None):
-    """`@sl.function` (or `@sl.function()`): makes `def prog(s, ...)` a Program."""
+def function(func: Callable | None = None, num_api_spec_tokens: int | None = None):
+    """`@sl.function` (or `@sl.function()`): makes `def prog(s, ...)` a Program.
+
+    num_api_spec_tokens: accepted for SGLang programs; a no-op here (SGLang uses it to
+    batch the gens of a program for API models, which a Spruce runtime is not)."""
     if func is None:
-        return lambda f: Program(f)
-    return Program(func)
+        return lambda f: Program(f, num_api_spec_tokens=num_api_spec_tokens)
+    return Program(func, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def run_program(
@@ -155,8 +193,9 @@ def run_program(
     defaults: RunDefaults,
     stream: bool,
     reraise: bool = True,
+    use_thread: bool = True,
 ) -> ProgramState:
-    state = ProgramState(Executor(backend, defaults, stream))
+    state = ProgramState(Executor(backend, defaults, stream, use_thread))
     if stream:
         thread = threading.Thread(target=_body, args=(func, state, args, kwargs, False), daemon=True)
         thread.start()
@@ -212,9 +251,10 @@ def _thread_count(num_threads: int | str, batch_size: int) -> int:
     return min(num_threads, batch_size)
 
 
-def _progress(iterable, total: int, enabled: bool):
+def _progress(total: int, enabled: bool):
+    """A tqdm bar of `total` programs, or None."""
     if not enabled:
-        return iterable
+        return None
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total)
+    return tqdm(total=total)

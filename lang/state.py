@@ -6,6 +6,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Callable, Iterator
 
+from spruce.lang.errors import UnsupportedFeatureError
 from spruce.lang.ir import Node, RoleBegin, RoleEnd, Seq, VarScopeBegin, VarScopeEnd, to_node
 
 
@@ -50,10 +51,26 @@ class ProgramState:
         yield
         self._executor.submit(end)
 
-    def fork(self, size: int = 1) -> "ProgramStateGroup":
+    def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> "ProgramStateGroup":
         """`size` copies of this state that run in parallel; the text so far is committed
-        to the runtime's cache first, so the children share it."""
+        to the runtime's cache first, so the children share it. position_ids_offset
+        (SGLang's) must be None: children continue at the parent's positions."""
+        if position_ids_offset is not None:
+            raise UnsupportedFeatureError(
+                "fork(position_ids_offset=...): forked states continue at the parent's token positions; "
+                "leave it None"
+            )
         return ProgramStateGroup([ProgramState(e) for e in self._executor.fork(size)], self)
+
+    @contextmanager
+    def copy(self, position_ids_offset: list[int] | None = None) -> Iterator["ProgramState"]:
+        """`with s.copy() as c: c += ...`: a fork of one state, joined (gather_variable)
+        when the block ends: the variables it set become one-item lists in `s`."""
+        group = self.fork(1, position_ids_offset)
+        try:
+            yield group[0]
+        finally:
+            group.join()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -103,14 +120,19 @@ class ProgramState:
         program runs): the whole text, or only variable `var_name`'s."""
         return self._executor.iter_text(var_name)
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """text_iter for asyncio. return_meta_data (with var_name): (chunk, meta_info) pairs,
+        the meta_info of the variable's latest chunk (its counters so far)."""
         chunks = self.text_iter(var_name)
         loop = asyncio.get_running_loop()
         while True:
             chunk = await loop.run_in_executor(None, next, chunks, None)
             if chunk is None:
                 return
-            yield chunk
+            if return_meta_data and var_name is not None:
+                yield chunk, self._executor.stream_meta_info(var_name)
+            else:
+                yield chunk
 
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"

@@ -59,7 +59,11 @@ def test_gen_dtype_becomes_a_regex():
 
 
 def test_choices_are_checked():
-    assert sl.gen("c", choices=["a", "b"]).sampling_params["choices"] == ("a", "b")
+    picked = sl.gen("c", choices=["a", "b"], choices_method=sl.greedy_token_selection, max_tokens=4)
+    assert picked == Select("c", ("a", "b"), 0.0, sl.greedy_token_selection)  # SGLang: gen with choices selects
+    assert sl.gen("c", choices=["a"]) == sl.select("c", ["a"])
+    with pytest.raises(sl.ProgramError, match="choices_method=...\\) needs choices"):
+        sl.gen("c", choices_method=sl.greedy_token_selection)
     with pytest.raises(sl.ProgramError, match="non-empty list"):
         sl.select("c", choices=[])
     with pytest.raises(sl.ProgramError, match="non-empty list"):
