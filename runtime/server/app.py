@@ -13,6 +13,7 @@ from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.http.common import ApiError, ServerState, error_response, validation_message
 from spruce.runtime.server.http.native_routes import native_routes
+from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.openai.routes import router as openai_router
@@ -23,6 +24,7 @@ logger = logging.getLogger("spruce.server")
 def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:
     app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(launcher, model, metrics, ready)
+    app.include_router(sglang_routes())  # SGLang's route names; first: it wraps POST /abort_request
     app.include_router(native_routes())
     app.include_router(openai_router)
     _add_error_handlers(app)
