@@ -1,6 +1,7 @@
 """RuntimeEndpoint: the ZeroMQ client of a running `spruce serve`.
 
     backend = sl.RuntimeEndpoint("tcp://127.0.0.1:30001")   # the server's --zmq-port
+    backend = sl.RuntimeEndpoint(address, api_key="...")    # a server run with --api-key
     backend = sl.RuntimeEndpoint("http://127.0.0.1:30000")  # HTTP instead: lang/http_endpoint.py
 
 One DEALER socket per endpoint, owned by an I/O thread (a ZeroMQ socket must not be used
@@ -44,7 +45,8 @@ class RuntimeEndpoint(Backend):
     request_timeout: the most seconds to wait for a request's next message (None: no
     limit; a runtime that stops answering is still detected by a liveness ping).
     liveness_check: called about once a second while waiting; raises to give up (a
-    launcher uses it to notice that its runtime process died)."""
+    launcher uses it to notice that its runtime process died).
+    api_key: the server's --api-key, sent with every message (see protocol/dsl.py)."""
 
     def __new__(cls, address: str = DEFAULT_ADDRESS, **kwargs: Any):
         """An http:// or https:// address gives the HTTP transport (spruce.lang.http_endpoint)."""
@@ -61,11 +63,12 @@ class RuntimeEndpoint(Backend):
         connect_timeout: float = CONNECT_TIMEOUT_S,
         request_timeout: float | None = None,
         liveness_check: Callable[[], None] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.address = normalize_address(address)
         self.request_timeout = request_timeout
         self._liveness_check = liveness_check
-        self._conn = ZmqConnection(self.address)
+        self._conn = ZmqConnection(self.address, api_key)
         try:
             self._info = self._call(ModelInfoMsg(new_rid()), connect_timeout, "answered").info
         except BaseException:
@@ -180,8 +183,9 @@ class ZmqConnection:
     """A DEALER socket shared by every thread: sends go through the I/O thread, replies
     come back on per-rid queues."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address
+        self._api_key = api_key
         self._ctx = zmq.Context()
         self._pending: dict[str, queue.Queue] = {}
         self._pending_lock = threading.Lock()
@@ -216,7 +220,7 @@ class ZmqConnection:
         with self._send_lock:
             if self._closed:
                 raise RuntimeUnavailableError(self.address, f"the connection to {self.address} is closed")
-            self._outbox.send_multipart([msg.rid.encode(), encode(msg)])
+            self._outbox.send_multipart([msg.rid.encode(), encode(msg, self._api_key)])
 
     def close(self) -> None:
         with self._send_lock:

@@ -14,6 +14,7 @@ import time
 
 from spruce.runtime.config import ServerOptions, option_fields, use_passive_omp_threads
 from spruce.runtime.errors import SpruceError
+from spruce.runtime.limits import RequestLimits, ServingLimits
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +34,32 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
+SERVER_SECTIONS = {"request_limits": RequestLimits, "serving_limits": ServingLimits}
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server options")
-    for name, kind, default in option_fields(ServerOptions):
-        flag = "--" + name.replace("_", "-")
-        group.add_argument(flag, dest=name, type=kind, default=default, help=f"default: {default}")
+    """Server flags, the request and serving limits' (limits.py) among them."""
+    sections = (("server options", ServerOptions), *(("limits", cls) for cls in SERVER_SECTIONS.values()))
+    for title, cls in sections:
+        group = parser.add_argument_group(title)
+        for name, kind, default in option_fields(cls):
+            if name in SERVER_SECTIONS:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if kind is bool:
+                group.add_argument(flag, dest=name, action="store_true", default=default)
+            else:
+                group.add_argument(flag, dest=name, type=kind, default=default, help=f"default: {default}")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(**{name: getattr(args, name) for name, _, _ in option_fields(ServerOptions)})
+    sections = {key: cls(**_values(args, cls)) for key, cls in SERVER_SECTIONS.items()}
+    plain = {k: v for k, v in _values(args, ServerOptions).items() if k not in SERVER_SECTIONS}
+    return ServerOptions(**plain, **sections)
+
+
+def _values(args: argparse.Namespace, cls: type) -> dict:
+    return {name: getattr(args, name) for name, _, _ in option_fields(cls) if hasattr(args, name)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.limits import RequestLimits, ServingLimits
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class ModelOptions:
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    attention_backend: str = "auto"  # auto | native (C kernels on CPU, torch ops elsewhere; alias torch) | triton | flashinfer
     context_length: int | None = None  # cap below the model's own
     num_threads: int | None = None  # torch CPU threads; None: all cores
     disable_cuda_graph: bool = False
@@ -51,8 +52,10 @@ class ConstraintOptions:
     disable_jump_forward: bool = False
     jump_forward_min_chars: int = 2
     grammar_whitespace_pattern: str | None = None
-    grammar_timeout_s: float = 30.0
-    grammar_cache_size: int = 64
+    grammar_timeout_s: float = 30.0  # a grammar build past it is stopped (its worker killed)
+    grammar_cache_size: int = 64  # compiled grammars kept, at most (entries)
+    grammar_cache_mb: int = 1024  # compiled grammars kept, at most (estimated memory)
+    grammar_memory_mb: int = 4096  # address-space cap of a grammar build worker process
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ class ServerOptions:
     host: str = "127.0.0.1"  # HTTP and ZeroMQ bind address; 0.0.0.0 exposes the server
     port: int = 30000  # HTTP (native + OpenAI-compatible API)
     zmq_port: int = 30001  # ZeroMQ ROUTER socket for DSL clients
-    api_key: str | None = None  # require "Authorization: Bearer <key>" on every HTTP route but /health
+    api_key: str | None = None  # required on every HTTP route but /health (Bearer) and in every ZeroMQ message
+    allow_unauthenticated_zmq: bool = False  # let the ZeroMQ port listen beyond loopback without --api-key
+    allowed_origins: str | None = None  # CORS: comma-separated origins (or *) browsers may call from; None: off
     max_request_bytes: int = 16 * 2**20  # larger HTTP bodies / ZeroMQ frames get 413
     served_model_name: str | None = None  # the name clients send as "model"; default: the model's file name
     health_timeout_s: float = 5.0  # /health: how long to wait for the scheduler's ping reply
@@ -117,11 +122,19 @@ class ServerOptions:
     startup_timeout_s: float = 600.0  # how long the launcher waits for the model to load
     throughput_log_s: float = 5.0  # period of the throughput log line while busy (0: off)
     parent_pid: int | None = None  # shut down when this process exits (for launchers like sl.Runtime)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # flags of their own (limits.py)
+    serving_limits: ServingLimits = field(default_factory=ServingLimits)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["api_key"] = "<set>" if self.api_key else None
+        out["request_limits"] = vars(self.request_limits)
+        out["serving_limits"] = vars(self.serving_limits)
         return out
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
 
 def known_options() -> list[str]:

@@ -224,7 +224,8 @@ async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dic
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=30) as http:
-        info = (await http.get("/model_info")).raise_for_status().json()
+        server = (await http.get("/server_info")).raise_for_status().json()
+        info = {**server["model"], "model_path": server["model_path"]}  # /model_info has no path
         tokenizer = load_tokenizer(info["model_path"])
         lengths = (args.input_len_min, args.input_len_max)
         prompts = synthetic_prompts(tokenizer, args.num_prompts, *lengths, args.prompt_seed)

@@ -1,5 +1,5 @@
-"""RequestOptions: how a caller wants a request's results (logprobs, streaming), as one
-record passed by name from every front end to the scheduler. Sampling and stopping live in
+"""RequestOptions: how a caller wants a request's results (logprobs, streaming, deadline), as
+one record passed by name from every front end to the scheduler. Sampling and stopping live in
 `SamplingParams`; this is the rest of a generate call's per-request options."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ class RequestOptions:
     logprob_start_len: int = -1  # first prompt position with a logprob; -1 = output only
     top_logprobs_num: int = 0  # alternatives per position, with return_logprob
     stream: bool = False
+    timeout_s: float | None = None  # deadline from arrival; the server aborts the request then
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -7,10 +7,15 @@ a clear `InvalidRequestError` for every value a user can get wrong.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.limits import INT64_MAX, RequestLimits
+
+MIN_TEMPERATURE = 1e-5  # below, logits / temperature overflow to inf (and sampling to NaN)
+MIN_REPETITION_PENALTY = 1e-5  # the same division
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,36 +78,88 @@ class SamplingParams:
     def has_constraint(self) -> bool:
         return self.regex is not None or self.json_schema is not None or self.choices is not None
 
-    def validate(self, prompt_len: int | None = None, context_len: int | None = None) -> None:
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
+    def validate(
+        self, prompt_len: int | None = None, context_len: int | None = None, limits: RequestLimits | None = None
+    ) -> None:
+        """Raises InvalidRequestError naming the field for any value the runtime refuses;
+        sizes are checked against `limits` (default: RequestLimits())."""
+        limits = limits or RequestLimits()
+        self._check_counts()
+        self._check_floats()
+        self._check_flags()
+        self._check_stops(limits)
+        self._check_constraint(limits)
+        cap = limits.max_new_tokens_limit
+        _check(cap is None or self.max_new_tokens <= cap, f"max_new_tokens must be at most {cap} on this server")
+        if prompt_len is not None and context_len is not None:
+            self.validate_length(prompt_len, context_len)
+
+    def _check_counts(self) -> None:
+        _check(_is_int64(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        _check(_is_int64(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
         _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must not exceed max_new_tokens")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0 (0 means greedy)")
+        _check(_is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
+        _check(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= INT64_MAX),
+            f"seed must be an integer in [0, {INT64_MAX}]",
+        )
+
+    def _check_floats(self) -> None:
+        temperature = self.temperature
+        _check(
+            _is_number(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature),
+            f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, and finite",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]")
         _check(
-            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-            "stop must be a string or a list of non-empty strings",
+            _is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]",
         )
-        _check(
-            isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be a list of token ids (ints >= 0)",
-        )
-        _check(self.choices is None or isinstance(self.choices, tuple), "choices must be a list of strings")
-        _check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+
+    def _check_flags(self) -> None:
         for name in ("ignore_eos", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+
+    def _check_stops(self, limits: RequestLimits) -> None:
+        stop, ids = self.stop, self.stop_token_ids
+        _check(
+            isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop),
+            "stop must be a string or a list of non-empty strings",
+        )
+        _check(len(stop) <= limits.max_stop_strings, f"stop has {len(stop)} strings; at most {limits.max_stop_strings}")
+        longest = max(map(len, stop), default=0)
+        _check(
+            longest <= limits.max_stop_string_chars,
+            f"a stop string has {longest} characters; at most {limits.max_stop_string_chars}",
+        )
+        _check(
+            isinstance(ids, tuple) and all(_is_int64(t) and t >= 0 for t in ids),
+            "stop_token_ids must be a list of token ids (ints >= 0)",
+        )
+        _check(
+            len(ids) <= limits.max_stop_token_ids,
+            f"stop_token_ids has {len(ids)} entries; at most {limits.max_stop_token_ids}",
+        )
+
+    def _check_constraint(self, limits: RequestLimits) -> None:
         for name in ("regex", "json_schema"):
-            _check(getattr(self, name) is None or isinstance(getattr(self, name), str), f"{name} must be a string")
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"{name} must be a string")
+            _check_size(name, len(value or ""), limits.max_constraint_chars)
+        choices = self.choices
+        _check(
+            choices is None or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices)),
+            "choices must be a list of strings",
+        )
+        if choices is not None:
+            _check(len(choices) <= limits.max_choices, f"choices has {len(choices)} entries; at most {limits.max_choices}")
+            _check_size("choices", sum(map(len, choices)), limits.max_constraint_chars)
         constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
         _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
-        if prompt_len is not None and context_len is not None:
-            self.validate_length(prompt_len, context_len)
 
     def validate_length(self, prompt_len: int, context_len: int) -> None:
         _check(prompt_len > 0, "the prompt is empty")
@@ -139,7 +196,7 @@ def _schema_text(schema: Any) -> str:
         schema = schema.model_json_schema()
     try:
         return json.dumps(schema)
-    except TypeError as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(f"json_schema must be a dict, a JSON string or a pydantic model: {e}") from None
 
 
@@ -147,8 +204,22 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_int64(value: Any) -> bool:
+    return _is_int(value) and -INT64_MAX - 1 <= value <= INT64_MAX
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (NaN and infinities are refused; an int too large for a float too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_size(name: str, size: int, limit: int) -> None:
+    _check(size <= limit, f"{name} has {size} characters; at most {limit} (--max-constraint-chars)")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -8,7 +8,8 @@ call into `ValidRequest`s here, once; the scheduler trusts what it gets (asserts
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from spruce.constrained import errors as constrained_errors
@@ -16,6 +17,7 @@ from spruce.constrained.spec import ConstraintSpec, make_spec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.errors import InvalidRequestError, constraint_error
+from spruce.runtime.limits import INT64_MAX, RequestLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,7 @@ class ModelLimits:
     vocab_size: int
     context_length: int
     whitespace_pattern: str = ""  # JSON schemas: allowed whitespace between tokens
+    request: RequestLimits = field(default_factory=RequestLimits)  # what one call may ask for
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,20 +48,39 @@ def validate_request(
     InvalidRequestError (ConstraintError for a bad constraint) saying what to change."""
     if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequestError(f"input_ids must be token ids in [0, {limits.vocab_size})")
-    sampling.validate(len(ids), limits.context_length)
-    check_options(options)
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError("sampling_params must be a JSON object (a dict) or a SamplingParams")
+    sampling.validate(len(ids), limits.context_length, limits.request)
+    bad_stop = [t for t in sampling.stop_token_ids if t >= limits.vocab_size]
+    if bad_stop:
+        raise InvalidRequestError(f"stop_token_ids {bad_stop[:5]} are not token ids (vocabulary: {limits.vocab_size})")
+    check_options(options, limits.request)
+    if options.logprob_start_len >= len(ids):
+        raise InvalidRequestError(f"logprob_start_len must be -1 or a prompt position (< {len(ids)})")
     return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits.whitespace_pattern))
 
 
-def check_options(options: RequestOptions) -> None:
+def check_options(options: RequestOptions, limits: RequestLimits | None = None) -> None:
+    most = (limits or RequestLimits()).max_top_logprobs
     if not isinstance(options.return_logprob, bool):
         raise InvalidRequestError("return_logprob must be true or false")
-    if not _is_int(options.logprob_start_len) or options.logprob_start_len < -1:
+    if not _is_int(options.logprob_start_len) or not -1 <= options.logprob_start_len <= INT64_MAX:
         raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
-    if not _is_int(options.top_logprobs_num) or options.top_logprobs_num < 0:
-        raise InvalidRequestError("top_logprobs_num must be an integer >= 0")
+    if not _is_int(options.top_logprobs_num) or not 0 <= options.top_logprobs_num <= most:
+        raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {most}]")
     if not isinstance(options.stream, bool):
         raise InvalidRequestError("stream must be true or false")
+    timeout = options.timeout_s
+    if timeout is not None and not (_is_finite(timeout) and timeout > 0):
+        raise InvalidRequestError("timeout_s must be a number of seconds > 0 (or null: the server's default)")
+
+
+def check_batch_size(count: int, limits: RequestLimits) -> None:
+    """A call's requests (prompts x n) against --max-batch-size."""
+    if count > limits.max_batch_size:
+        raise InvalidRequestError(
+            f"the call has {count} requests (prompts x n); at most {limits.max_batch_size} (--max-batch-size)"
+        )
 
 
 def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> ConstraintSpec | None:
@@ -71,8 +93,16 @@ def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> Constraint
         raise constraint_error(e) from None
 
 
-def batch_inputs(text: Any, input_ids: Any, text_name: str = "prompt") -> tuple[list, bool]:
+def batch_inputs(
+    text: Any, input_ids: Any, text_name: str = "prompt", limits: RequestLimits | None = None
+) -> tuple[list, bool]:
     """(the prompts, each a string or a list of ids; whether a single prompt was given)."""
+    prompts, single = _prompts(text, input_ids, text_name)
+    check_batch_size(len(prompts), limits or RequestLimits())
+    return prompts, single
+
+
+def _prompts(text: Any, input_ids: Any, text_name: str) -> tuple[list, bool]:
     if (text is None) == (input_ids is None):
         raise InvalidRequestError(f"give exactly one of {text_name} or input_ids")
     if text is not None:
@@ -110,3 +140,12 @@ def sampling_from(params: Any) -> SamplingParams:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

@@ -6,7 +6,7 @@ Transport: the client opens a DEALER socket to the server's ROUTER socket
 
 Client -> server, one message per call:
   {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...},
-   "return_logprob", "logprob_start_len", "top_logprobs_num", "stream"}
+   "return_logprob", "logprob_start_len", "top_logprobs_num", "stream", "timeout_s"}
       text / input_ids may be a list (a batch); a batch is answered by one "final"
       message whose "results" holds one result per input (streaming a batch is an error).
       For a batch, sampling_params may also be a list (one dict per input).
@@ -20,6 +20,15 @@ Server -> client, tagged with the request's rid:
   {"type": "info", "rid", ...}                                   (model_info / flush_cache)
   {"type": "error", "rid", "message", "status"}                  (status: an HTTP-like code)
 
+Authentication: when the server runs with --api-key, every client message carries the key
+as a top-level "api_key" string (`encode(msg, api_key=...)`; sl.RuntimeEndpoint(address,
+api_key=...) does it). There is no handshake: each message stands alone, so a client that
+reconnects (a new ZeroMQ identity) needs no new hello. A missing or wrong key is answered by
+an error with status 401 (the key is compared in constant time). Without --api-key the
+server only binds its ZeroMQ port to a loopback address, unless it is started with
+--allow-unauthenticated-zmq. The key travels in clear text: beyond one machine, run the
+port through a tunnel or a private network.
+
 Details:
   - A streamed request gets chunks, then one final message (whole text, all output ids,
     full meta_info). A chunk's "text" / "output_ids" are what is new; its meta_info has the
@@ -29,9 +38,18 @@ Details:
     meta_info.finish_reason.type == "abort".
   - rids belong to the client (its DEALER identity): two clients may use the same rid, one
     client may not reuse a rid that is still in flight.
-  - error status: 400 bad request (the message says what to change), 413 message too large,
-    503 shutting down or the scheduler is gone, 500 an internal error. The server keeps
-    serving after any of them.
+  - rids are namespaced per client (the server runs them as "z<identity>:<rid>"), so one
+    client's rid never collides with another's.
+  - error status: 400 bad request (the message says what to change), 401 missing or wrong
+    api_key, 413 message too large, 429 too many requests in flight for this client, 503
+    the server is full (retry later), shutting down or the scheduler is gone, 500 an
+    internal error. The server keeps serving after any of them. A frame that is not a JSON
+    object with a string "rid" cannot be answered: it is dropped (and counted in /metrics,
+    spruce_zmq_dropped_frames_total).
+  - timeout_s: a deadline in seconds from arrival (default: the server's
+    --request-timeout-s); past it the request is aborted (its final message says so).
+  - A streamed request whose reader falls more than --max-stream-backlog messages behind
+    is aborted with an error (the server does not buffer without bound).
 
 The message classes below are the one definition of these shapes; `encode` / `decode`
 are the only (de)serializers.
@@ -59,6 +77,7 @@ class GenerateMsg:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    timeout_s: float | None = None
     type: str = "generate"
 
 
@@ -120,28 +139,62 @@ MESSAGE_TYPES = {
 }
 
 
-def encode(msg) -> bytes:
-    return orjson.dumps(asdict(msg))
+CLIENT_TYPES = ("generate", "abort", "model_info", "flush_cache")
+
+
+def encode(msg, api_key: str | None = None) -> bytes:
+    data = asdict(msg)
+    if api_key is not None:
+        data["api_key"] = api_key
+    return orjson.dumps(data)
 
 
 def decode(frame: bytes):
-    """bytes -> message object; malformed input raises InvalidRequestError."""
+    """bytes -> message object; malformed input raises InvalidRequestError (never another
+    error, whatever the bytes)."""
+    return decode_request(frame)[0]
+
+
+def decode_request(frame: bytes) -> tuple[Any, str | None]:
+    """(the message, its "api_key" or None); malformed input raises InvalidRequestError."""
+    data = _json_object(frame)
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise InvalidRequestError(f"unknown message type; known: {', '.join(MESSAGE_TYPES)}")
+    if not isinstance(data.get("rid"), str):
+        raise InvalidRequestError("every message needs a string 'rid'")
+    api_key = data.pop("api_key", None)
+    if api_key is not None and not isinstance(api_key, str):
+        raise InvalidRequestError("api_key must be a string")
+    cls = MESSAGE_TYPES[kind]
+    unknown = set(data) - {f.name for f in fields(cls)}
+    if unknown:
+        raise InvalidRequestError(f"unknown field(s) {sorted(unknown)} in a {kind} message")
+    try:
+        return cls(**data), api_key
+    except TypeError as e:
+        raise InvalidRequestError(f"bad {kind} message: {e}") from None
+
+
+def rid_of(frame: bytes) -> str | None:
+    """The rid of a frame that could not be decoded, if it has a readable one."""
+    try:
+        data = orjson.loads(frame)
+    except orjson.JSONDecodeError:
+        return None
+    rid = data.get("rid") if isinstance(data, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def _json_object(frame: bytes) -> dict[str, Any]:
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise InvalidRequestError("a message is one frame of bytes")
     if len(frame) > MAX_MESSAGE_BYTES:
         raise InvalidRequestError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
     try:
         data = orjson.loads(frame)
     except orjson.JSONDecodeError as e:
         raise InvalidRequestError(f"message is not valid JSON: {e}") from None
-    if not isinstance(data, dict) or data.get("type") not in MESSAGE_TYPES:
-        raise InvalidRequestError(f"unknown message type; known: {', '.join(MESSAGE_TYPES)}")
-    cls = MESSAGE_TYPES[data["type"]]
-    names = {f.name for f in fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise InvalidRequestError(f"unknown field(s) {sorted(unknown)} in a {data['type']} message")
-    if not isinstance(data.get("rid"), str):
-        raise InvalidRequestError("every message needs a string 'rid'")
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise InvalidRequestError(f"bad {data['type']} message: {e}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("a message is a JSON object")
+    return data

@@ -11,12 +11,12 @@ from fastapi.responses import Response
 
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
-from spruce.runtime.server.http.common import ApiError, ServerState, error_response, validation_message
+from spruce.runtime.server.http.common import ApiError, ServerState, error_response, server_of, validation_message
 from spruce.runtime.server.http.native_routes import native_routes
-from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.openai.routes import router as openai_router
+from spruce.runtime.server.request_manager import Refused
 
 logger = logging.getLogger("spruce.server")
 
@@ -24,7 +24,6 @@ logger = logging.getLogger("spruce.server")
 def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:
     app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(launcher, model, metrics, ready)
-    app.include_router(sglang_routes())  # SGLang's route names; first: it wraps POST /abort_request
     app.include_router(native_routes())
     app.include_router(openai_router)
     _add_error_handlers(app)
@@ -35,6 +34,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> Response:
         return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, e: Refused) -> Response:
+        response = error_response(e.status, e.message)
+        if e.retry_after_s is not None:
+            server_of(request).metrics.refused.labels(str(e.status)).inc()
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError) -> Response:

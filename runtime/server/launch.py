@@ -6,9 +6,12 @@ Processes (multiprocessing, spawn context, daemon children):
   DSL clients on one asyncio loop; tokenization, validation and detokenization happen here;
 - the scheduler process: EngineCore (model, KV pool, radix cache, grammars).
 
-They exchange the typed messages of messages.py over ipc:// sockets in a private folder.
-A watchdog here notices a dead scheduler at once (its process sentinel); the scheduler
-exits by itself when this process disappears. SIGINT / SIGTERM: stop accepting, give
+They exchange the typed messages of protocol/ipc.py over ipc:// sockets in a private
+folder. A watchdog here notices a dead scheduler at once (its process sentinel); the
+scheduler exits by itself when this process disappears. The front end's own tasks run
+under a Supervisor (restarted when they fail; /health reports it; the server exits when
+one keeps failing). Without --api-key the ZeroMQ port only binds to a loopback address
+(unless --allow-unauthenticated-zmq). SIGINT / SIGTERM: stop accepting, give
 in-flight requests `--shutdown-timeout-s`, abort the rest, stop the scheduler, exit.
 """
 
@@ -37,11 +40,13 @@ from spruce.runtime.protocol.ipc import Ready, StartupFailed, decode
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.request_manager import RequestManager, SchedulerUnavailable
+from spruce.runtime.server.supervisor import Supervisor
 from spruce.runtime.server.zmq_frontend import ZmqFrontend
 
 logger = logging.getLogger("spruce.server")
 ABORT_FLUSH_S = 3.0  # after aborting what is left at shutdown: time for the aborts to land
 CHILD_EXIT_S = 5.0
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class StartupError(SpruceError):
@@ -84,7 +89,7 @@ class Launcher:
         self.guard = None  # the HTTP app's outer layer; serves 503 until the model is loaded
         self.zmq: ZmqFrontend | None = None
         self.manager: RequestManager | None = None
-        self.tasks: list[asyncio.Task] = []
+        self.supervisor = Supervisor(self._give_up)
 
     # -- start --------------------------------------------------------------------------------
 
@@ -104,11 +109,13 @@ class Launcher:
         finally:
             self.http.should_exit = True
             await http_task
-            for task in self.tasks[1:]:  # all but the receiver, which the shutdown reply needs
-                task.cancel()
+            tasks = self.supervisor.tasks
+            for name, task in tasks.items():  # all but the receiver, which the shutdown reply needs
+                if name != "receiver":
+                    task.cancel()
             await self._stop_scheduler()
-            for task in self.tasks[:1]:
-                task.cancel()
+            if "receiver" in tasks:
+                tasks["receiver"].cancel()
             self.zmq.close()
             http_socket.close()
             sender.close(linger=0)
@@ -120,9 +127,17 @@ class Launcher:
         from spruce.runtime.server.http.middleware import GuardMiddleware
 
         self.guard = GuardMiddleware(self.options, self)
+        app = self.guard
+        if self.options.origins:  # outside the guard: a CORS preflight carries no API key
+            from starlette.middleware.cors import CORSMiddleware
+
+            app = CORSMiddleware(
+                self.guard, allow_origins=self.options.origins, allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )  # fmt: skip
         grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
         config = uvicorn.Config(
-            self.guard, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace, access_log=False
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace, access_log=False
         )
         self.http = _Uvicorn(config)
         return asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
@@ -175,23 +190,25 @@ class Launcher:
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
         name = self.options.served_model_name or ready.model_name
         whitespace = ready.config["constraint"]["grammar_whitespace_pattern"] or ""
-        limits = ModelLimits(ready.vocab_size, ready.context_length, whitespace)
+        limits = ModelLimits(ready.vocab_size, ready.context_length, whitespace, self.options.request_limits)
         model = ModelContext(tokenizer, name, ready.model_path, limits)
         metrics = Metrics()
-        self.manager = RequestManager(sender, receiver, tokenizer, observer=metrics)
-        self.zmq.attach(self.manager, model)
-        self.tasks = [
-            asyncio.ensure_future(self.manager.receive_forever()),
-            asyncio.ensure_future(self.zmq.serve_forever()),
-        ]
+        max_running = ready.config["scheduler"]["max_running_requests"]
+        self.manager = RequestManager(
+            sender, receiver, tokenizer, observer=metrics, limits=self.options.serving_limits, max_running=max_running
+        )
+        self.zmq.attach(self.manager, model, metrics)
+        self.supervisor.on_restart = lambda name: metrics.task_restarts.labels(name).inc()
+        self.supervisor.start("receiver", self.manager.receive_forever)
+        self.supervisor.start("zmq", self.zmq.serve_forever)
         if self.options.throughput_log_s > 0:
             stats = lambda: self.manager.control("stats", self.options.health_timeout_s)  # noqa: E731
             in_flight = lambda: self.manager.in_flight  # noqa: E731
-            logging_task = metrics.log_throughput(self.options.throughput_log_s, stats, in_flight)
-            self.tasks.append(asyncio.ensure_future(logging_task))
+            period = self.options.throughput_log_s
+            self.supervisor.start("throughput-log", lambda: metrics.log_throughput(period, stats, in_flight))
         self._watch_scheduler()
         if self.options.parent_pid:
-            self.tasks.append(asyncio.ensure_future(self._watch_parent(self.options.parent_pid)))
+            self.supervisor.start("parent-watch", lambda: self._watch_parent(self.options.parent_pid))
         self.guard.app = build_app(self, model, metrics, ready)
         self._announce(ready, name)
         await self.stopping.wait()  # set once in-flight requests are done or aborted
@@ -204,8 +221,8 @@ class Launcher:
             f"  ZeroMQ  {self.zmq.address}",
             flush=True,
         )
-        if self.options.api_key and _zmq_host(host) not in ("127.0.0.1", "localhost", "::1"):
-            logger.warning("the ZeroMQ socket has no authentication and listens on %s", host)
+        if not self.options.api_key and host not in LOOPBACK_HOSTS:
+            logger.warning("no --api-key: HTTP and ZeroMQ on %s accept any client", host)
 
     # -- watchdog ---------------------------------------------------------------------------
 
@@ -218,6 +235,12 @@ class Launcher:
         while _alive(pid):
             await asyncio.sleep(0.5)
         logger.error("the launching process %d is gone; the server shuts down", pid)
+        self.request_shutdown(None, grace_s=0.0)
+
+    def _give_up(self, reason: str) -> None:
+        """A front-end task keeps failing: the server exits rather than half-serve."""
+        logger.error("%s; the server shuts down", reason)
+        self.exit_code = 1
         self.request_shutdown(None, grace_s=0.0)
 
     def _on_scheduler_exit(self) -> None:
@@ -314,9 +337,15 @@ def _bind_http(host: str, port: int) -> socket.socket:
 
 
 def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFrontend:
+    if options.host not in LOOPBACK_HOSTS and not options.api_key and not options.allow_unauthenticated_zmq:
+        raise StartupError(
+            f"refusing to open the ZeroMQ port on {options.host} without authentication: set --api-key "
+            "(DSL clients then send it: sl.RuntimeEndpoint(address, api_key=...)), or pass "
+            "--allow-unauthenticated-zmq, or listen on 127.0.0.1"
+        )
     address = f"tcp://{_zmq_host(options.host)}:{options.zmq_port}"
     try:
-        return ZmqFrontend(context, address, options.max_request_bytes)
+        return ZmqFrontend(context, address, options.max_request_bytes, options.api_key)
     except zmq.ZMQError as e:
         raise StartupError(f"cannot listen on {address} ({e}); pick another port with --zmq-port") from None
 

@@ -53,6 +53,17 @@ class Metrics:
         self.kv_locked = Gauge(
             "spruce_kv_locked_tokens", "cached tokens held by running requests", registry=registry
         )
+        self.zmq_bad_frames = Counter(
+            "spruce_zmq_bad_frames", "malformed ZeroMQ frames, answered with an error or dropped (no rid)",
+            ["outcome"], registry=registry,
+        )  # fmt: skip
+        self.task_restarts = Counter(
+            "spruce_task_restarts", "front-end tasks restarted after a failure", ["task"], registry=registry
+        )
+        self.refused = Counter(
+            "spruce_refused_requests", "calls refused for load: 503 full, 429 per-client cap", ["status"],
+            registry=registry,
+        )  # fmt: skip
         self.window = Window()
 
     # -- feeding ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import (
     ModelLimits, ValidRequest, batch_inputs, check_options, sampling_list, validate_request,
 )  # fmt: skip
+from spruce.runtime.limits import RequestLimits
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
 from spruce.runtime.text.tokenizer import Tokenizer
@@ -39,8 +40,7 @@ class ModelContext:
 
     def info(self) -> dict[str, Any]:
         return {
-            "model": self.name,
-            "model_path": self.path,
+            "model": self.name,  # not the path: that is /server_info's (behind the API key)
             "context_length": self.limits.context_length,
             "vocab_size": self.limits.vocab_size,
             "chat_template": self.tokenizer.chat_template,
@@ -58,18 +58,19 @@ class ModelContext:
 
 def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
     """(one ValidRequest per prompt, whether the call was a single prompt)."""
-    prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text")
+    limits = model.limits.request
+    prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text", limits=limits)
     params = sampling_list(msg.sampling_params, len(prompts))
-    options = request_options(msg)
+    options = request_options(msg, limits)
     return [model.prepare(p, sp, options) for p, sp in zip(prompts, params)], single
 
 
-def request_options(msg: GenerateMsg) -> RequestOptions:
+def request_options(msg: GenerateMsg, limits: RequestLimits) -> RequestOptions:
     options = RequestOptions(
         return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-        top_logprobs_num=msg.top_logprobs_num, stream=msg.stream,
+        top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, timeout_s=msg.timeout_s,
     )  # fmt: skip
-    check_options(options)
+    check_options(options, limits)
     return options
 
 

@@ -14,6 +14,15 @@ the machine, and a thread would pay more in GIL and loop hand-offs than the work
             ...
     finally:
         call.close()                   # aborts whatever has not finished (client gone)
+
+Bounded queues (`limits.ServingLimits`): `submit` refuses a call that would put more than
+--max-running-requests + --max-waiting-requests requests in flight (503, retry later) or
+give one client more than --max-requests-per-client (429), counting every request of the
+call (prompts x n), and a request id already in flight (400); nothing is registered then.
+A streamed call whose reader leaves more than --max-stream-backlog events per request
+unread is aborted with an error (memory stays bounded however slowly a client reads). A
+request past its deadline (options.timeout_s, or --request-timeout-s) is aborted: its
+final event has finish_reason abort and says why.
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ from typing import Any, AsyncIterator
 import zmq
 import zmq.asyncio
 
-from spruce.runtime.text.detokenizer import OutputText
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.limits import ServingLimits
 from spruce.runtime.protocol.ipc import (
     AbortRequests,
     ControlReply,
@@ -45,6 +54,7 @@ from spruce.runtime.protocol.ipc import (
     decode,
     encode,
 )
+from spruce.runtime.text.detokenizer import OutputText
 from spruce.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce.server")
@@ -53,6 +63,15 @@ LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logp
 
 class SchedulerUnavailable(Exception):
     """The scheduler did not answer (dead, shutting down or too busy)."""
+
+
+class Refused(Exception):
+    """A call `submit` did not take: full queue (503), too many in flight for its client
+    (429), a request id already in flight (400). `retry_after_s` is set for 503 / 429."""
+
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.retry_after_s = status, message, retry_after_s
 
 
 @dataclass(slots=True)
@@ -74,16 +93,22 @@ class RequestState:
     """One request in flight: a shadow `Req` that mirrors the scheduler's output ids, and
     its incremental text (the detokenizer)."""
 
-    __slots__ = ("rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done", "aborted")
+    __slots__ = (
+        "rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done", "aborted", "error",
+        "client",
+    )  # fmt: skip
 
-    def __init__(self, rid: str, client_rid: str, index: int, call: "Call", valid: ValidRequest) -> None:
-        self.rid, self.client_rid, self.index, self.call = rid, client_rid, index, call
+    def __init__(
+        self, rid: str, client_rid: str, index: int, call: "Call", valid: ValidRequest, client: str = ""
+    ) -> None:
+        self.rid, self.client_rid, self.index, self.call, self.client = rid, client_rid, index, call, client
         self.shadow = Req(rid=rid, prompt_ids=valid.input_ids, sampling=valid.sampling)
         self.text = OutputText(call.tokenizer, self.shadow)
         self.stream = valid.options.stream
         self.cached = 0
         self.done = False
         self.aborted = False  # the front end asked for the abort (client gone, shutdown)
+        self.error: tuple[int, str] | None = None  # the front end aborted it as a failure: (status, message)
 
     def apply(self, u: ReqUpdate) -> Event:
         out = self.shadow.output_ids
@@ -93,6 +118,8 @@ class RequestState:
         if u.finish is not None:
             self.shadow.finish_reason = FinishReason(**u.finish)
             self.done = True
+            if u.finish["type"] == "abort" and self.error is not None:
+                return Event(self.index, error=self.error[1], status=self.error[0])
             if u.finish["type"] == "abort" and not self.aborted:
                 return self._refused(u.finish.get("message") or "the request was aborted")
         delta = self.text.update(self.shadow)
@@ -141,6 +168,7 @@ class Call:
         self.states: list[RequestState] = []
         self.pending = size
         self.started = time.perf_counter()
+        self.deadline: asyncio.TimerHandle | None = None  # aborts the call at its timeout_s
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
@@ -162,6 +190,8 @@ class Call:
 
     def close(self, message: str = "the client disconnected") -> None:
         """Aborts the requests that have not finished; idempotent."""
+        if self.deadline is not None:
+            self.deadline.cancel()
         rids = [s.rid for s in self.states if not s.done]
         if rids:
             self.manager.abort(rids, message)
@@ -176,7 +206,13 @@ class Load:
 
 
 class RequestManager:
-    def __init__(self, sender: zmq.Socket, receiver: zmq.asyncio.Socket, tokenizer: Tokenizer, observer=None) -> None:
+    def __init__(
+        self, sender: zmq.Socket, receiver: zmq.asyncio.Socket, tokenizer: Tokenizer, observer=None,
+        limits: ServingLimits | None = None, max_running: int = 128,
+    ) -> None:  # fmt: skip
+        self.limits = limits or ServingLimits()
+        self.capacity = max_running + self.limits.max_waiting_requests  # requests in flight at most
+        self.per_client: dict[str, int] = {}  # requests in flight by client (address / identity)
         self.sender = sender  # PUSH, a plain (blocking-API) socket with no high-water mark: never waits
         self.receiver = receiver  # PULL
         self.tokenizer = tokenizer
@@ -194,27 +230,58 @@ class RequestManager:
     # -- requests ---------------------------------------------------------------------------
 
     def submit(
-        self, items: list[ValidRequest], rids: list[str] | None = None, client_rids: list[str] | None = None
+        self, items: list[ValidRequest], rids: list[str] | None = None, client_rids: list[str] | None = None,
+        client: str = "",
     ) -> Call:
-        """Registers and sends the requests; their events arrive on the returned Call."""
-        call = Call(self, self.tokenizer, len(items))
+        """Registers and sends the requests; their events arrive on the returned Call.
+        Raises Refused (nothing registered) when the call does not fit (see the module doc)."""
         rids = rids or [uuid.uuid4().hex for _ in items]
+        self._admit(rids, client)
+        call = Call(self, self.tokenizer, len(items))
         client_rids = client_rids or rids
-        specs = []
         for i, (valid, rid) in enumerate(zip(items, rids)):
-            assert rid not in self.states, f"request id {rid} is already in flight"
-            state = RequestState(rid, client_rids[i], i, call, valid)
+            state = RequestState(rid, client_rids[i], i, call, valid, client)
             call.states.append(state)
             self.states[rid] = state
-            specs.append(_spec(rid, valid))
+        self.per_client[client] = self.per_client.get(client, 0) + len(items)
         try:
             if self.dead:
                 raise SchedulerUnavailable(self.dead)
-            self._send(NewRequests(specs))
+            self._send(NewRequests([_spec(s.rid, v) for s, v in zip(call.states, items)]))
         except SchedulerUnavailable as e:
             for state in call.states:
                 self._fail(state, str(e), 503)
+        self._set_deadline(call, items)
         return call
+
+    def _admit(self, rids: list[str], client: str) -> None:
+        busy = [r for r in rids if r in self.states]
+        if busy or len(set(rids)) != len(rids):
+            raise Refused(400, f"request id(s) already in flight or repeated: {(busy or rids)[:5]}; use new ids")
+        retry = self.limits.retry_after_s
+        if len(self.states) + len(rids) > self.capacity:
+            message = (
+                f"the server is full ({len(self.states)} requests in flight, at most {self.capacity}: "
+                "--max-running-requests + --max-waiting-requests); retry later"
+            )
+            raise Refused(503, message, retry)
+        mine, most = self.per_client.get(client, 0), self.limits.max_requests_per_client
+        if mine + len(rids) > most:
+            message = (
+                f"this client has {mine} requests in flight and asked for {len(rids)} more; at most {most} "
+                "(--max-requests-per-client; prompts x n count each)"
+            )
+            raise Refused(429, message, retry)
+
+    def _set_deadline(self, call: Call, items: list[ValidRequest]) -> None:
+        timeouts = [v.options.timeout_s for v in items if v.options.timeout_s is not None]
+        timeout = min(timeouts) if timeouts else self.limits.request_timeout_s
+        if timeout is not None and call.pending:
+            call.deadline = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
+
+    def _expire(self, call: Call, timeout: float) -> None:
+        rids = [s.rid for s in call.states if not s.done]
+        self.abort(rids, f"the request passed its deadline (timeout_s {timeout:g} s)")
 
     def abort(self, rids: list[str], message: str = "aborted by the client") -> None:
         live = [rid for rid in rids if rid in self.states]
@@ -228,9 +295,6 @@ class RequestManager:
         rids = list(self.states)
         self.abort(rids, message)
         return len(rids)
-
-    def is_in_flight(self, rid: str) -> bool:
-        return rid in self.states
 
     def in_flight_matching(self, rid: str) -> list[str]:
         """The request `rid` or, for a batch submitted under that rid, its `rid-<i>` items."""
@@ -281,16 +345,38 @@ class RequestManager:
                 continue
             event = state.apply(update)
             if state.done:
-                del self.states[update.rid]
+                self._forget(state)
                 if self.observer is not None and event.error is not None:
                     self.observer.on_failed(state, event.error, event.status)
                 elif self.observer is not None:
                     self.observer.on_finished(state, event, update)
             state.call.queue.put_nowait(event)
+            if state.stream and not state.done and state.error is None:
+                self._check_backlog(state.call)
+
+    def _check_backlog(self, call: Call) -> None:
+        """A streamed call whose reader fell too far behind is aborted as failed."""
+        most = self.limits.max_stream_backlog
+        if call.queue.qsize() <= most * len(call.states):
+            return
+        message = f"the stream was aborted: more than {most} unread chunks per request (--max-stream-backlog)"
+        live = [s for s in call.states if not s.done]
+        for state in live:
+            state.error = (503, message)
+        self.abort([s.rid for s in live], message)
+
+    def _forget(self, state: RequestState) -> None:
+        if self.states.pop(state.rid, None) is None:
+            return
+        left = self.per_client.get(state.client, 0) - 1
+        if left > 0:
+            self.per_client[state.client] = left
+        else:
+            self.per_client.pop(state.client, None)
 
     def _fail(self, state: RequestState, message: str, status: int) -> None:
         state.done = True
-        self.states.pop(state.rid, None)
+        self._forget(state)
         if self.observer is not None:
             self.observer.on_failed(state, message, status)
         state.call.queue.put_nowait(Event(state.index, error=message, status=status))

@@ -1,22 +1,28 @@
-"""The ZeroMQ ROUTER socket that DSL clients talk to (the protocol is protocol.py).
+"""The ZeroMQ ROUTER socket that DSL clients talk to (the protocol is protocol/dsl.py).
 
-Each DEALER client is told apart by its ZeroMQ identity, so two clients may use the same
-rids. A request is aborted when its client sends an abort, or when a reply cannot be
-routed to it any more (ROUTER_MANDATORY: the client is gone).
+Each DEALER client is told apart by its ZeroMQ identity: its rids run in the scheduler as
+"z<identity>:<rid>", so two clients may use the same rids. A request is aborted when its
+client sends an abort, or when a reply cannot be routed to it any more (ROUTER_MANDATORY:
+the client is gone).
+
+Nothing a client sends can stop this socket: every frame is decoded defensively (a
+malformed one gets an error reply when its rid can be read, else it is dropped; both are
+counted in /metrics), every handler runs in a task that turns an unexpected exception into
+a 500 error for that request only, and the launcher restarts `serve_forever` if it ever
+fails (server/supervisor.py). With an API key every message must carry it (401 otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
-import orjson
 import zmq
 import zmq.asyncio
 
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol import dsl as protocol
-from spruce.runtime.server.native import ModelContext, batch_error, flush_cache, prepare_generate, too_large
 from spruce.runtime.protocol.dsl import (
     AbortMsg,
     ChunkMsg,
@@ -27,13 +33,17 @@ from spruce.runtime.protocol.dsl import (
     InfoMsg,
     ModelInfoMsg,
 )
-from spruce.runtime.server.request_manager import Call, RequestManager
+from spruce.runtime.server.metrics import Metrics
+from spruce.runtime.server.native import ModelContext, batch_error, flush_cache, prepare_generate, too_large
+from spruce.runtime.server.request_manager import Call, Refused, RequestManager
 
 logger = logging.getLogger("spruce.server")
 
 
 class ZmqFrontend:
-    def __init__(self, context: zmq.asyncio.Context, address: str, max_request_bytes: int) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, address: str, max_request_bytes: int, api_key: str | None = None
+    ) -> None:
         """Binds at once (a port in use fails the start early); serves after `attach`, so
         messages sent while the model loads wait in the socket."""
         self.socket = context.socket(zmq.ROUTER)
@@ -43,8 +53,10 @@ class ZmqFrontend:
         self.socket.bind(address)
         self.address = address
         self.max_request_bytes = max_request_bytes
+        self.api_key = api_key.encode() if api_key else None
         self.manager: RequestManager | None = None
         self.model: ModelContext | None = None
+        self.metrics: Metrics | None = None
         self.calls: dict[tuple[bytes, str], Call] = {}
         self.tasks: set[asyncio.Task] = set()
         self.accepting = True
@@ -55,8 +67,8 @@ class ZmqFrontend:
             FlushCacheMsg: self._on_flush_cache,
         }
 
-    def attach(self, manager: RequestManager, model: ModelContext) -> None:
-        self.manager, self.model = manager, model
+    def attach(self, manager: RequestManager, model: ModelContext, metrics: Metrics) -> None:
+        self.manager, self.model, self.metrics = manager, model, metrics
 
     @property
     def in_flight(self) -> int:
@@ -66,46 +78,71 @@ class ZmqFrontend:
         while True:
             frames = await self.socket.recv_multipart()
             if len(frames) != 2:  # a DEALER sends exactly one frame per message
-                logger.warning("dropped a ZeroMQ message of %d frames (expected one)", len(frames) - 1)
+                self._bad_frame(None, f"a ZeroMQ message of {len(frames) - 1} frames (expected one)")
                 continue
-            self._dispatch(*frames)
+            try:
+                self._dispatch(*frames)
+            except Exception:  # a bug, not the client's doing: logged, and the socket serves on
+                logger.exception("the ZeroMQ front end failed on a message; it serves on")
 
     def _dispatch(self, identity: bytes, frame: bytes) -> None:
         if len(frame) > self.max_request_bytes:
-            self._spawn(self._send(identity, ErrorMsg(_rid_of(frame), too_large(self.max_request_bytes), 413)))
+            self._bad_frame(identity, too_large(self.max_request_bytes), protocol.rid_of(frame), 413)
             return
         try:
-            msg = protocol.decode(frame)
+            msg, key = protocol.decode_request(frame)
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise InvalidRequestError(f"{msg.type!r} is a server message; send one of {_client_types()}")
         except InvalidRequestError as e:
-            self._spawn(self._send(identity, ErrorMsg(_rid_of(frame), str(e), 400)))
+            self._bad_frame(identity, str(e), protocol.rid_of(frame))
+            return
+        if not self._authorized(key):
+            message = "missing or wrong API key: send the server's --api-key as the message's \"api_key\""
+            self._spawn(self._send(identity, ErrorMsg(msg.rid, message, 401)))
             return
         self._spawn(handler(identity, msg))
+
+    def _authorized(self, key: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        return key is not None and hmac.compare_digest(key.encode(), self.api_key)
+
+    def _bad_frame(self, identity: bytes | None, message: str, rid: str | None = None, status: int = 400) -> None:
+        """A frame that is not a valid message: an error reply if it has a rid, else dropped."""
+        answered = identity is not None and rid is not None
+        if self.metrics is not None:
+            self.metrics.zmq_bad_frames.labels("answered" if answered else "dropped").inc()
+        if answered:
+            self._spawn(self._send(identity, ErrorMsg(rid, message, status)))
+        else:
+            logger.warning("dropped a ZeroMQ frame: %s", message)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a ZeroMQ handler failed", exc_info=task.exception())
 
     # -- handlers ---------------------------------------------------------------------------
 
     async def _on_generate(self, identity: bytes, msg: GenerateMsg) -> None:
-        key = (identity, msg.rid)
-        error = self._refusal(key)
         try:
-            items, single = prepare_generate(msg, self.model)
-            if msg.stream and not single:
-                raise InvalidRequestError("streaming a batch is not supported; send one request per prompt")
-        except InvalidRequestError as e:
-            error = error or ErrorMsg(msg.rid, str(e), 400)
-        if error is not None:
-            await self._send(identity, error)
+            call, single = self._submit(identity, msg)
+        except Refused as e:
+            if e.retry_after_s is not None:
+                self.metrics.refused.labels(str(e.status)).inc()
+            await self._send(identity, ErrorMsg(msg.rid, e.message, e.status))
             return
-        base = f"z{identity.hex()}:{msg.rid}"
-        rids = [base] if single else [f"{base}/{i}" for i in range(len(items))]
-        call = self.manager.submit(items, rids, client_rids=[msg.rid] * len(items))
+        except Exception as e:  # a bug, not the client's doing: its own 500, the socket serves on
+            logger.exception("internal error on a ZeroMQ generate")
+            await self._send(identity, ErrorMsg(msg.rid, f"internal server error: {type(e).__name__}", 500))
+            return
+        key = (identity, msg.rid)
         self.calls[key] = call
         try:
             if msg.stream:
@@ -116,12 +153,22 @@ class ZmqFrontend:
             del self.calls[key]
             call.close()
 
-    def _refusal(self, key: tuple[bytes, str]) -> ErrorMsg | None:
+    def _submit(self, identity: bytes, msg: GenerateMsg) -> tuple[Call, bool]:
+        """Validates and submits; raises Refused saying why not."""
         if not self.accepting:
-            return ErrorMsg(key[1], "the server is shutting down", 503)
-        if key in self.calls:
-            return ErrorMsg(key[1], f"request {key[1]!r} is already in flight; use a new rid", 400)
-        return None
+            raise Refused(503, "the server is shutting down")
+        if (identity, msg.rid) in self.calls:
+            raise Refused(400, f"request {msg.rid!r} is already in flight; use a new rid")
+        try:
+            items, single = prepare_generate(msg, self.model)
+            if msg.stream and not single:
+                raise InvalidRequestError("streaming a batch is not supported; send one request per prompt")
+        except InvalidRequestError as e:
+            raise Refused(400, str(e)) from None
+        client = f"z{identity.hex()}"
+        base = f"{client}:{msg.rid}"
+        rids = [base] if single else [f"{base}/{i}" for i in range(len(items))]
+        return self.manager.submit(items, rids, client_rids=[msg.rid] * len(items), client=client), single
 
     async def _stream(self, identity: bytes, rid: str, call: Call) -> None:
         async for event in call:
@@ -181,15 +228,5 @@ class ZmqFrontend:
         self.socket.close(linger=0)
 
 
-def _rid_of(frame: bytes) -> str:
-    """The rid of a message that could not be decoded, if it has one (for the error reply)."""
-    try:
-        data = orjson.loads(frame)
-    except orjson.JSONDecodeError:
-        return ""
-    rid = data.get("rid") if isinstance(data, dict) else None
-    return rid if isinstance(rid, str) else ""
-
-
 def _client_types() -> str:
-    return "generate, abort, model_info, flush_cache"
+    return ", ".join(protocol.CLIENT_TYPES)

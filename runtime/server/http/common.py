@@ -26,6 +26,8 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
     422: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -104,6 +106,11 @@ async def json_body(request: Request) -> dict:
 
 def server_of(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def client_key(request: Request) -> str:
+    """Whose requests these are, for --max-requests-per-client: the client's address."""
+    return "h" + (request.client.host if request.client else "")
 
 
 async def until_done_or_disconnect(request: Request, call: Call, work) -> Any:

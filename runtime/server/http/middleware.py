@@ -9,8 +9,11 @@ from spruce.runtime.server.native import too_large
 
 class GuardMiddleware:
     """The outer ASGI layer: 503 while the model loads (`app` is None) and while the server
-    drains; the API key on every route but /health (401); the body size limit (413). The
-    body is read here (bounded) and replayed to the app."""
+    drains; the API key on every route but /health (401); the body size limit (413); a POST
+    body must be JSON, declared as `Content-Type: application/json` (415): that keeps a web
+    page in another origin from posting to the server with a "simple" cross-site request
+    (form or text/plain), which a browser sends without asking. The body is read here
+    (bounded) and replayed to the app. CORS (--allowed-origins) is a layer outside this one."""
 
     def __init__(self, options, launcher) -> None:
         self.app = None  # set once the model is loaded
@@ -37,8 +40,18 @@ class GuardMiddleware:
             body = await _read_body(receive, self.max_bytes)
             if body is None:
                 return await _send_error(send, 413, too_large(self.max_bytes))
+            if not _declared_json(headers.get(b"content-type"), body):
+                message = "send the request body as JSON with the header 'Content-Type: application/json'"
+                return await _send_error(send, 415, message, code="unsupported_media_type")
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+def _declared_json(content_type: bytes | None, body: bytes) -> bool:
+    """An empty body may come without a type (POST /flush_cache); anything else is JSON."""
+    if content_type is None:
+        return not body
+    return content_type.split(b";")[0].strip().lower() == b"application/json"
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

@@ -11,13 +11,14 @@ from fastapi.responses import Response
 
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.http.common import (
-    SSE_DONE, ApiError, ServerState, all_results, error_response, json_body, json_response,
+    SSE_DONE, ApiError, ServerState, all_results, client_key, error_response, json_body, json_response,
     server_of, sse, stream_error, stream_response,
 )  # fmt: skip
 from spruce.runtime.server.native import batch_error, flush_cache, prepare_generate
 from spruce.runtime.server.request_manager import Call, SchedulerUnavailable
 
 STATS_TIMEOUT_S = 5.0
+HTTP_RID_PREFIX = "h:"  # native HTTP rids run as "h:<rid>" (ZeroMQ's as "z<identity>:<rid>")
 
 
 def native_routes() -> APIRouter:
@@ -28,6 +29,9 @@ def native_routes() -> APIRouter:
         server = server_of(request)
         if server.draining:
             return error_response(503, "the server is shutting down")
+        problem = server.launcher.supervisor.problem()
+        if problem is not None:
+            return error_response(503, problem)
         try:
             await server.manager.control("ping", server.options.health_timeout_s)
         except SchedulerUnavailable as e:
@@ -44,6 +48,7 @@ def native_routes() -> APIRouter:
         stats = await _stats(server)
         return json_response({
             "model": server.model.info(),
+            "model_path": server.model.path,
             "engine_config": server.ready.config,
             "server_options": server.options.to_dict(),
             "kv_slots_total": server.ready.kv_slots,
@@ -65,7 +70,7 @@ def native_routes() -> APIRouter:
         if not isinstance(rid, str):
             raise ApiError(400, "give the request id to abort as {\"rid\": \"...\"}", param="rid")
         manager = server_of(request).manager
-        rids = manager.in_flight_matching(rid)
+        rids = manager.in_flight_matching(HTTP_RID_PREFIX + rid)
         manager.abort(rids)
         return json_response({"aborted": len(rids)})
 
@@ -83,8 +88,9 @@ def native_routes() -> APIRouter:
         server = server_of(request)
         msg, rids = _generate_msg(await json_body(request))
         items, single = prepare_generate(msg, server.model)
-        rids = _request_ids(rids, len(items), single, server)
-        call = server.manager.submit(items, rids)
+        client_rids = _request_ids(rids, len(items), single)
+        rids = [HTTP_RID_PREFIX + r for r in client_rids]  # apart from ZeroMQ clients' rids
+        call = server.manager.submit(items, rids, client_rids, client=client_key(request))
         if msg.stream:
             return await stream_response(request, call, _generate_stream(call))
         events = await all_results(request, call)
@@ -118,16 +124,13 @@ def _generate_msg(data: dict) -> tuple[GenerateMsg, Any]:
     return msg, rids
 
 
-def _request_ids(rids: Any, n: int, single: bool, server: ServerState) -> list[str]:
+def _request_ids(rids: Any, n: int, single: bool) -> list[str]:
     if rids is None:
         return [uuid.uuid4().hex for _ in range(n)]
     if isinstance(rids, str):
         rids = [rids] if single else [f"{rids}-{i}" for i in range(n)]
     if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
         raise ApiError(400, f"rid must be a string or a list of {n} strings", param="rid")
-    busy = [r for r in rids if server.manager.is_in_flight(r)]
-    if busy or len(set(rids)) != n:
-        raise ApiError(400, f"request id(s) already in flight or repeated: {busy or rids}; use new ids", param="rid")
     return rids
 
 

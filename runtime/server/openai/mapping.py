@@ -9,12 +9,12 @@ from typing import Any
 
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.core.validation import ValidRequest, sampling_from
+from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
 from spruce.runtime.server.openai.schemas import (
-    MAX_N, MAX_TOP_LOGPROBS, ChatRequest, ResponseFormat, SamplingRequest,
+    MAX_TOP_LOGPROBS, ChatRequest, ResponseFormat, SamplingRequest,
 )  # fmt: skip
 
 def check_model(server: ServerState, name: str) -> None:
@@ -35,8 +35,6 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_schema: dict
     if req.stop is not None:
         fields["stop"] = req.stop
     add_constraint(fields, req.response_format, tool_schema)
-    if not 1 <= req.n <= MAX_N:
-        raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
     try:
         return sampling_from(fields)
     except InvalidRequestError as e:
@@ -66,9 +64,10 @@ def choices(
     echo: bool = False,
 ) -> list[ValidRequest]:  # fmt: skip
     """The `n` validated requests of one prompt (seeds n, n+1, ... when a seed is given)."""
+    check_n(server, req.n)
     options = RequestOptions(
         return_logprob=logprobs, logprob_start_len=0 if echo and logprobs else -1, top_logprobs_num=top,
-        stream=req.stream,
+        stream=req.stream, timeout_s=req.timeout_s,
     )  # fmt: skip
     out = []
     for i in range(req.n):
@@ -78,6 +77,12 @@ def choices(
         except InvalidRequestError as e:
             raise ApiError(400, openai_names(str(e))) from None
     return out
+
+
+def check_n(server: ServerState, n: int) -> None:
+    most = server.model.limits.request.max_n
+    if not 1 <= n <= most:
+        raise ApiError(400, f"n must be between 1 and {most}", param="n")
 
 
 def openai_names(message: str) -> str:
@@ -100,7 +105,8 @@ def chat_top_logprobs(req: ChatRequest) -> int:
     return req.top_logprobs
 
 
-def completion_prompts(prompt: Any, server: ServerState) -> list[list[int]]:
+def completion_prompts(prompt: Any, server: ServerState, n: int = 1) -> list[list[int]]:
+    """The prompts' token ids; prompts x n must fit --max-batch-size."""
     if isinstance(prompt, str):
         prompts: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -109,5 +115,10 @@ def completion_prompts(prompt: Any, server: ServerState) -> list[list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    check_n(server, n)
+    try:
+        check_batch_size(len(prompts) * n, server.model.limits.request)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="prompt") from None
     tokenizer = server.model.tokenizer
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

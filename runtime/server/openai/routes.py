@@ -7,7 +7,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from spruce.runtime.server.http.common import ApiError, all_results, json_response, server_of, stream_response
+from spruce.runtime.server.http.common import (
+    ApiError, all_results, client_key, json_response, server_of, stream_response,
+)  # fmt: skip
 from spruce.runtime.server.native import batch_error
 from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt_ids
 from spruce.runtime.server.openai.mapping import (
@@ -30,7 +32,7 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": int(server.started),
         "owned_by": "spruce",
-        "root": server.model.path,
+        "root": server.model.name,
         "max_model_len": server.model.context_length,
     }
     return json_response({"object": "list", "data": [card]})
@@ -44,13 +46,13 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     top = completion_top_logprobs(req.logprobs)
-    prompts = completion_prompts(req.prompt, server)
+    prompts = completion_prompts(req.prompt, server, req.n)
     items = []
     for ids in prompts:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         base = sampling_params(req, max_tokens)
         items += choices(server, ids, base, req, req.logprobs is not None, top, echo=req.echo)
-    call = server.manager.submit(items)
+    call = server.manager.submit(items, client=client_key(request))
     view = CompletionView(server, req, prompts, top)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
@@ -70,7 +72,7 @@ async def chat_completions(request: Request) -> Response:
         max_tokens = max(server.model.context_length - len(ids), 0)
     base = sampling_params(req, max_tokens, tools.schema)
     items = choices(server, ids, base, req, req.logprobs, top)
-    call = server.manager.submit(items)
+    call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, len(ids), tools)
     if req.stream:
         return await stream_response(request, call, view.stream(call))

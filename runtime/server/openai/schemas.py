@@ -10,8 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, validation_message
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's; the server's --max-top-logprobs may be lower
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "logit_bias", "best_of"}
@@ -56,6 +55,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    timeout_s: float | None = None  # Spruce's: the request's deadline (default: --request-timeout-s)
 
     def extensions(self) -> dict[str, Any]:
         """The extra fields that are SamplingParams fields; anything unknown is a 400."""

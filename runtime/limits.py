@@ -1,0 +1,40 @@
+"""The limits that keep one client from hurting the others, with their defaults, in one place.
+
+`RequestLimits`: what one request (one API call) may ask for. Checked at the validation
+boundary (`core.validation`) by every front end: the offline Engine (with these defaults),
+HTTP and ZeroMQ (from the server's flags).
+
+`ServingLimits`: queues and fairness in the server's front end (`server.request_manager`):
+how many requests may wait, how many one client may have in flight, how far a streaming
+reader may fall behind, and the default request deadline.
+
+Each field is a `spruce serve` flag of the same name (`--max-stop-strings 8`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_new_tokens_limit: int | None = None  # cap on max_new_tokens; None: the context length
+    max_n: int = 128  # choices per prompt (OpenAI's n)
+    max_batch_size: int = 256  # requests in one call: prompts x n
+    max_top_logprobs: int = 20  # top_logprobs_num / top_logprobs / logprobs
+    max_stop_strings: int = 32  # entries of stop
+    max_stop_string_chars: int = 512  # characters of one stop string
+    max_stop_token_ids: int = 256  # entries of stop_token_ids
+    max_constraint_chars: int = 200_000  # characters of a regex, a JSON schema or all choices
+    max_choices: int = 4096  # entries of choices
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    max_waiting_requests: int = 1024  # beyond --max-running-requests; then 503 + Retry-After
+    max_requests_per_client: int = 512  # in flight per HTTP address / ZeroMQ identity; then 429
+    max_stream_backlog: int = 2048  # unread events per streamed request; beyond: aborted
+    request_timeout_s: float | None = None  # a request's default timeout_s; None: no deadline
+    retry_after_s: int = 1  # the Retry-After header of a 503 / 429
