@@ -87,8 +87,18 @@ def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     }[arch]
     kwargs = dict(TINY_SHAPE, vocab_size=vocab_size, bos_token_id=None, eos_token_id=2)
+    if arch not in ("llama", "qwen2"):  # the other families' defaults: head_dim, pad id in range
+        kwargs.update(head_dim=TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"], pad_token_id=None)
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

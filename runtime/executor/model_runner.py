@@ -55,10 +55,11 @@ class ModelRunner:
         self.pool = KVPool(shape, num_slots, self.device)
         self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)
         self.backend = create_backend(
-            attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim
+            attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim,
+            options=self.model.attention_options,
         )
         self.graphs = None
-        if cuda_graph and self.device.type == "cuda" and attention_backend == "triton":
+        if cuda_graph and self.device.type == "cuda" and attention_backend == "triton" and self.model.capturable:
             from spruce.runtime.executor.cuda_graph import CudaGraphRunner
 
             padding_row = self.req_to_token.alloc_row()  # a spare row for padded graph batches

@@ -52,6 +52,22 @@ class ForwardContext:
         return starts
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """The model's attention variants; a backend implements each or refuses it at creation.
+
+    `layer_windows[layer]` = W: that layer's query at position p reads only the keys at
+    positions p - W + 1 .. p (sliding window); None (or an empty tuple) = every key.
+    `logit_softcap` = c: scores become c * tanh(scores / c) before the softmax."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    layer_windows: tuple[int | None, ...] = ()
+    logit_softcap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the pool, then attends over the cached prefix plus
     the new tokens (causal among the new tokens). One instance serves every layer.
@@ -60,12 +76,20 @@ class AttentionBackend(ABC):
     store precomputed indices in `ctx.backend_state`; `forward` must not change `ctx`.
     """
 
-    def __init__(self, pool: KVPool, req_to_token: ReqToTokenTable, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        req_to_token: ReqToTokenTable,
+        num_heads: int,
+        head_dim: int,
+        options: AttentionOptions | None = None,
+    ) -> None:
         self.pool = pool
         self.req_to_token = req_to_token
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.options = options or AttentionOptions()
+        self.scale = self.options.scale or head_dim**-0.5
 
     @abstractmethod
     def prepare(self, ctx: ForwardContext) -> None: ...

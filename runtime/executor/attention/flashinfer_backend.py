@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from spruce.runtime.executor.attention.base import AttentionBackend, ForwardContext
+from spruce.runtime.errors import SpruceError
+from spruce.runtime.executor.attention.base import AttentionBackend, AttentionOptions, ForwardContext
 
 WORKSPACE_BYTES = 256 * 2**20
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    def __init__(self, pool, req_to_token, num_heads: int, head_dim: int) -> None:
-        super().__init__(pool, req_to_token, num_heads, head_dim)
+    def __init__(self, pool, req_to_token, num_heads: int, head_dim: int, options=None) -> None:
+        super().__init__(pool, req_to_token, num_heads, head_dim, options)
+        refuse_unsupported(self.options)
         import flashinfer
 
         device = pool.device
@@ -62,6 +64,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         cache = (self.pool.k[layer][:, None], self.pool.v[layer][:, None])  # [slots, page=1, heads, dim]
         wrapper = self.decode if ctx.backend_state == "decode" else self.paged_prefill
         return wrapper.run(q, cache)
+
+
+def refuse_unsupported(options: AttentionOptions) -> None:
+    """Sliding windows and soft-capping are not wired to FlashInfer's plans yet (untested
+    without a GPU): such models are refused here rather than attended wrongly."""
+    if any(w is not None for w in options.layer_windows) or options.logit_softcap is not None:
+        raise SpruceError(
+            "attention backend 'flashinfer' does not implement sliding-window attention or logit "
+            "soft-capping yet; use --attention-backend triton for this model"
+        )
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ from spruce.runtime.executor.kernels.cpu_library import load_library
 
 
 class CpuDecodeAttention:
-    """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv) -> out [B, H, D].
+    """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv, window) -> out [B, H, D].
 
     q [B, H, D] (rows may be strided; computed in float32, returned in q's dtype); the
     caches float32 or float16 (half the memory traffic); all CPU tensors. `new_kv = (k, v,
     slots)`, when given, is each request's new K/V [B, KH, D] (rows may be strided), stored
-    at `slots` before attending."""
+    at `slots` before attending. `window` = W attends to each request's last W tokens only
+    (a sliding-window layer); None, every token."""
 
     def __init__(self) -> None:
         self.lib = load_library()
@@ -27,7 +28,9 @@ class CpuDecodeAttention:
     def available(self) -> bool:
         return self.lib is not None
 
-    def __call__(self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None) -> torch.Tensor:
+    def __call__(
+        self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None, window: int | None = None
+    ) -> torch.Tensor:
         assert table.dtype == torch.int32
         assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
         dtype, q = q.dtype, _rows_strided(q)
@@ -47,7 +50,7 @@ class CpuDecodeAttention:
         failed = fn(
             q.data_ptr(), q.stride(0), *new, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
             table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            batch, heads, k_cache.shape[1], dim, scale,
+            batch, heads, k_cache.shape[1], dim, scale, window or 0,
         )  # fmt: skip
         if failed:
             raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")

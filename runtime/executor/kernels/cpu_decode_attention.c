@@ -14,6 +14,9 @@
  * kernel shares torch's libgomp thread pool (same SONAME), so the two never fight over
  * the cores.
  *
+ * With window W > 0 (sliding-window layers), request b reads only its last W tokens:
+ * slots req_to_token[rows[b], seq_len - W .. seq_len).
+ *
  * Layouts: q [B, H, D] with row stride q_stride; k_new, v_new [B, KH, D] with row stride
  * new_stride; out [B, H, D] contiguous; k_cache, v_cache [S, KH, D]; req_to_token int32
  * [R, table_stride]; rows, seq_lens, new_slots int64 [B].

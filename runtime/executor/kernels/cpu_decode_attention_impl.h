@@ -114,7 +114,7 @@ int NAME(spruce_decode_attention)(const float *q, int64_t q_stride, const float 
                                 int64_t new_stride, const int64_t *new_slots, CACHE_T *k_cache,
                                 CACHE_T *v_cache, const int32_t *req_to_token, int64_t table_stride,
                                 const int64_t *rows, const int64_t *seq_lens, float *out, int64_t batch,
-                                int64_t heads, int64_t kv_heads, int64_t dim, float scale) {
+                                int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window) {
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % LANES != 0 || dim / LANES > MAX_CHUNKS)
         return 1;
     int64_t row_len = kv_heads * dim;
@@ -124,8 +124,10 @@ int NAME(spruce_decode_attention)(const float *q, int64_t q_stride, const float 
             NAME(store)(k_cache + new_slots[b] * row_len, k_new + b * new_stride, row_len);
             NAME(store)(v_cache + new_slots[b] * row_len, v_new + b * new_stride, row_len);
         }
-        NAME(attend)(q + b * q_stride, k_cache, v_cache, req_to_token + rows[b] * table_stride, seq_lens[b],
-               out + b * heads * dim, heads, kv_heads, dim, scale);
+        /* a sliding window reads only the last `window` tokens: the tail of the row */
+        int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+        NAME(attend)(q + b * q_stride, k_cache, v_cache, req_to_token + rows[b] * table_stride + first,
+               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale);
     }
     return 0;
 }

@@ -30,8 +30,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     # q, q_stride, k_new, v_new, new_stride, new_slots, k_cache, v_cache, table, table_stride,
-    # rows, seq_lens, out, batch, heads, kv_heads, dim, scale
-    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P] + [_I64] * 4 + [_F32],
+    # rows, seq_lens, out, batch, heads, kv_heads, dim, scale, window (0: none)
+    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
+    + [_I64] * 4
+    + [_F32, _I64],
     "spruce_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32],  # x, residual, weight, out, rows, dim, eps
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
     "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin

@@ -22,6 +22,12 @@ Contract for callers (the triton attention backend):
   keeps its own dtype. fp32 inputs use 3xTF32 dot products (about fp32 accuracy), not plain tf32.
 - nothing here synchronises with the device, except `extend_attention` called without its
   `max_extend_len` hint (it then reads `extend_lens.max()`).
+
+Variants (both kernels): `window` = W attends each query at position p to keys p - W + 1 ..
+p only (sliding-window layers; the decode kernel splits only those W keys, the extend kernel
+starts at the first key block a query of the block can see); `softcap` = c maps scores to
+c * tanh(scores / c) before the softmax (Gemma 2). Both are compile-time switches, so the
+plain kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _MAX_KV_SPLITS = 64
+_NO_WINDOW = 1 << 30  # a window no sequence reaches
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,29 @@ def _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, WIDEN_DOT:
 
 
 @triton.jit
+def _softmax_update_masked(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr):
+    """`_softmax_update` for blocks in which a row may see no key at all (sliding windows)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, WIDEN_DOT)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _scaled(s, qk_scale, SOFTCAP: tl.constexpr):
+    """Raw dot products -> scores in the log2 domain. With SOFTCAP = c the caller passes
+    qk_scale = sm_scale / c, and the score is c * tanh(sm_scale * s / c) * log2(e)."""
+    if SOFTCAP > 0:
+        x = s * qk_scale
+        out = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
+    else:
+        out = s * qk_scale
+    return out
+
+
+@triton.jit
 def _split_len(seq_len, num_kv_splits, BLOCK_N: tl.constexpr):
     """Keys per split: an even share of the sequence rounded up to whole key blocks (>= 1)."""
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N), 1) * BLOCK_N
@@ -130,11 +160,11 @@ def _split_len(seq_len, num_kv_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, Mid_O, Mid_LSE, Req_to_token, Req_pool_indices, Seq_lens,
-    qk_scale, num_kv_splits, group, head_dim, head_blocks,
+    qk_scale, num_kv_splits, group, head_dim, head_blocks, window,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // head_blocks
@@ -146,8 +176,9 @@ def _decode_split_kernel(
     mask_d = offs_d < head_dim
 
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    split_len = _split_len(seq_len, num_kv_splits, BLOCK_N)
-    start = split * split_len
+    first = tl.maximum(seq_len - window, 0)  # 0 unless a sliding window cuts the context
+    split_len = _split_len(seq_len - first, num_kv_splits, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:  # splits past the sequence write nothing; stage 2 skips them
         q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -164,7 +195,7 @@ def _decode_split_kernel(
             slots = tl.load(Req_to_token + row * stride_rt + offs_n, mask=mask_n, other=0)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k, v = _load_kv(K, V, slots, kv_mask, offs_d, stride_kn, stride_vn)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT) * qk_scale
+            s = _scaled(_dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT), qk_scale, SOFTCAP)
             s = tl.where(mask_n[None, :], s, float("-inf"))
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
         mid = b * stride_mb + heads * stride_mh + split * stride_ms
@@ -176,13 +207,14 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_O, Mid_LSE, O, Seq_lens, num_kv_splits, head_dim,
+    Mid_O, Mid_LSE, O, Seq_lens, num_kv_splits, head_dim, window,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    seq_len = seq_len - tl.maximum(seq_len - window, 0)  # the keys actually read
     active = tl.cdiv(seq_len, _split_len(seq_len, num_kv_splits, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < active
@@ -202,11 +234,11 @@ def _decode_merge_kernel(
 @triton.jit
 def _extend_kernel(
     Q, O, K, V, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start_loc,
-    qk_scale, group, head_dim,
+    qk_scale, group, head_dim, window,
     stride_qn, stride_qh, stride_on, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_rt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
 ):
     # Heads vary fastest so the heads of one kv group run together and share K/V in L2.
     head = tl.program_id(0)
@@ -234,23 +266,37 @@ def _extend_kernel(
         # key blocks in that range need no mask. The key blocks after it, up to the block's
         # last query, are masked causally. Key 0 is in the first block visited, so every
         # row's running max is finite from then on.
-        unmasked_end = (prefix_len + q_start + 1) // BLOCK_N * BLOCK_N
         kv_end = prefix_len + tl.minimum(q_start + BLOCK_M, extend_len)
-        for n in range(0, unmasked_end, BLOCK_N):
-            slots = tl.load(Req_to_token + n + tl.arange(0, BLOCK_N))
-            k, v = _load_kv(K, V, slots, mask_d[None, :], offs_d, stride_kn, stride_vn)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT) * qk_scale
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
-        for n in range(unmasked_end, kv_end, BLOCK_N):
-            offs_n = n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < kv_end
-            slots = tl.load(Req_to_token + offs_n, mask=mask_n, other=0)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k, v = _load_kv(K, V, slots, kv_mask, offs_d, stride_kn, stride_vn)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT) * qk_scale
-            visible = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
+        if SLIDING:  # from the first key block the block's first query sees, all masked
+            lo = tl.maximum(prefix_len + q_start - window + 1, 0) // BLOCK_N * BLOCK_N
+            for n in range(lo, kv_end, BLOCK_N):
+                offs_n = n + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < kv_end
+                slots = tl.load(Req_to_token + offs_n, mask=mask_n, other=0)
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k, v = _load_kv(K, V, slots, kv_mask, offs_d, stride_kn, stride_vn)
+                s = _scaled(_dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT), qk_scale, SOFTCAP)
+                key, query = offs_n[None, :], pos_m[:, None]
+                visible = mask_n[None, :] & (key <= query) & (key > query - window)
+                s = tl.where(visible, s, float("-inf"))
+                acc, m_i, l_i = _softmax_update_masked(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
+        else:
+            unmasked_end = (prefix_len + q_start + 1) // BLOCK_N * BLOCK_N
+            for n in range(0, unmasked_end, BLOCK_N):
+                slots = tl.load(Req_to_token + n + tl.arange(0, BLOCK_N))
+                k, v = _load_kv(K, V, slots, mask_d[None, :], offs_d, stride_kn, stride_vn)
+                s = _scaled(_dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT), qk_scale, SOFTCAP)
+                acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
+            for n in range(unmasked_end, kv_end, BLOCK_N):
+                offs_n = n + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < kv_end
+                slots = tl.load(Req_to_token + offs_n, mask=mask_n, other=0)
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k, v = _load_kv(K, V, slots, kv_mask, offs_d, stride_kn, stride_vn)
+                s = _scaled(_dot(q, tl.trans(k), DOT_PRECISION, WIDEN_DOT), qk_scale, SOFTCAP)
+                visible = mask_n[None, :] & (offs_n[None, :] <= pos_m[:, None])
+                s = tl.where(visible, s, float("-inf"))
+                acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
         o_ptrs = O + (token0 + offs_m[:, None]) * stride_on + head * stride_oh + offs_d[None, :]
         out = (acc / l_i[:, None]).to(O.dtype.element_ty)
         tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_d[None, :])
@@ -262,6 +308,11 @@ def _extend_kernel(
 def _dot_precision(dtype: torch.dtype) -> str:
     # Only fp32 inputs look at it: 3xTF32 is about as exact as fp32 and still on tensor cores.
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _qk_scale(sm_scale: float, softcap: float | None) -> float:
+    """The factor raw dot products are multiplied by in the kernels (see `_scaled`)."""
+    return sm_scale / softcap if softcap else sm_scale * _LOG2E
 
 
 def _check(q: torch.Tensor, o: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -287,6 +338,8 @@ def decode_attention(
     sm_scale: float,
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attention of one new token per request over its whole context; writes `o`.
 
@@ -295,7 +348,7 @@ def decode_attention(
     gives zeros). `num_kv_splits` bounds the chunks a sequence is cut into (default:
     `_default_num_kv_splits`, from the batch shape only, so CUDA-graph safe). `max_seq_len`,
     an optional host-side bound on seq_lens, only caps that default (a graph captured with it
-    is valid for shorter sequences only).
+    is valid for shorter sequences only). `window` / `softcap`: see the module docstring.
     """
     group = _check(q, o, k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
@@ -315,16 +368,16 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
         q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
-        sm_scale * _LOG2E, num_kv_splits, group, head_dim, head_blocks,
+        _qk_scale(sm_scale, softcap), num_kv_splits, group, head_dim, head_blocks, window or _NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_H=block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), WIDEN_DOT=q.device.type != "cuda",
+        DOT_PRECISION=_dot_precision(q.dtype), WIDEN_DOT=q.device.type != "cuda", SOFTCAP=softcap or 0.0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, o, seq_lens, num_kv_splits, head_dim,
+        mid_o, mid_lse, o, seq_lens, num_kv_splits, head_dim, window or _NO_WINDOW,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1),
         BLOCK_N=config.block_n, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
@@ -344,6 +397,8 @@ def extend_attention(
     extend_start_loc: torch.Tensor,
     sm_scale: float,
     max_extend_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of packed new tokens over their cached prefix and themselves;
     writes `o`.
@@ -353,7 +408,7 @@ def extend_attention(
     positions 0 .. its own, read from the cache via row `req_pool_indices[b]` of
     `req_to_token`. Rows of o that belong to no request are left untouched.
     `max_extend_len` (host int >= max(extend_lens)) sizes the grid; without it this reads
-    `extend_lens.max()`, a device sync.
+    `extend_lens.max()`, a device sync. `window` / `softcap`: see the module docstring.
     """
     group = _check(q, o, k_cache, v_cache)
     batch = extend_lens.shape[0]
@@ -366,10 +421,11 @@ def extend_attention(
     grid = (num_heads, triton.cdiv(max_extend_len, config.block_m), batch)
     _extend_kernel[grid](
         q, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, sm_scale * _LOG2E, group, head_dim,
+        extend_start_loc, _qk_scale(sm_scale, softcap), group, head_dim, window or _NO_WINDOW,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=_dot_precision(q.dtype), WIDEN_DOT=q.device.type != "cuda",
+        SOFTCAP=softcap or 0.0, SLIDING=window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

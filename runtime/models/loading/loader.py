@@ -108,7 +108,7 @@ def _build(config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, 
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary.build(device)  # the rotary table is computed, not loaded
+    model.build_rotary(device)  # the rotary tables are computed, not loaded
     try:
         model.load_hf_weights(state_dict)
     except (KeyError, ValueError) as e:

@@ -1,4 +1,4 @@
-"""Backend selection, and the triton backend equal to the torch one inside the model
+"""Backend selection, and the triton backend equal to the native one inside the model
 (on the CPU under TRITON_INTERPRET=1, set by conftest)."""
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
-def test_auto_picks_torch_on_cpu():
-    assert resolve_backend("auto", "cpu") == "torch"
+def test_auto_picks_native_on_cpu():
+    assert resolve_backend("auto", "cpu") == "native"
+
+
+def test_torch_is_an_alias_of_native():
+    assert resolve_backend("torch", "cpu") == "native"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -28,7 +32,7 @@ def test_auto_picks_a_gpu_backend():
 
 
 def test_unknown_backend_lists_known_ones():
-    with pytest.raises(SpruceError, match="unknown attention backend 'flash'.*auto, flashinfer, torch, triton"):
+    with pytest.raises(SpruceError, match="unknown attention backend 'flash'.*auto, flashinfer, native, triton, torch"):
         resolve_backend("flash", "cpu")
 
 
@@ -57,19 +61,19 @@ def run_mixed_batch(loaded, backend: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="CPU interpreter test")
-def test_triton_backend_equals_torch_in_the_model(tiny_llama_dir):
+def test_triton_backend_equals_native_in_the_model(tiny_llama_dir):
     assert os.environ.get("TRITON_INTERPRET") == "1"
     loaded = load_model(str(tiny_llama_dir))
-    for got, want in zip(run_mixed_batch(loaded, "triton"), run_mixed_batch(loaded, "torch")):
+    for got, want in zip(run_mixed_batch(loaded, "triton"), run_mixed_batch(loaded, "native")):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_gpu_backends_equal_torch(tiny_llama_dir, backend):
+def test_gpu_backends_equal_native(tiny_llama_dir, backend):
     if backend == "flashinfer" and not HAS_FLASHINFER:
         pytest.skip("flashinfer not installed")
     loaded = load_model(str(tiny_llama_dir), dtype="bfloat16", device="cuda")
-    for got, want in zip(run_mixed_batch(loaded, backend), run_mixed_batch(loaded, "torch")):
+    for got, want in zip(run_mixed_batch(loaded, backend), run_mixed_batch(loaded, "native")):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

@@ -168,7 +168,7 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unknown architecture 'GPTNeoXForCausalLM'.*supported: LlamaForCausalLM"):
+    with pytest.raises(ModelLoadError, match="unknown architecture 'GPTNeoXForCausalLM'.*supported: Gemma2ForCausalLM.*LlamaForCausalLM.*SmolLM3ForCausalLM"):
         load_model(str(tmp_path))
 
 

@@ -1,0 +1,170 @@
+"""The native attention backend: C kernels on the CPU, torch operators on any device
+(registered as "native"; "torch", its former name, is an alias).
+
+Decode requests (one new token) are attended together. On a CPU with float32 or float16
+K/V they go through a small C kernel that reads the pool in place and, in an all-decode
+batch, also stores the new K/V (executor/kernels/cpu_attention.py); otherwise their
+context slots are gathered into a padded [B, L] index matrix once per forward pass (shared
+by every layer) and run through one scaled_dot_product_attention call with a padding mask.
+Extend requests are attended one by one; a request with no cached prefix uses its fresh K/V
+directly.
+
+Sliding windows: each distinct window of the model gets its own masks, built once per
+forward pass in `prepare`; the C kernel takes the window as an argument. Logit soft-capping
+(Gemma 2) runs the scores through explicit torch operators (SDPA cannot cap them), on
+every path, so the C decode kernel is not used for such models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spruce.runtime.executor.attention.base import AttentionBackend, ForwardContext
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    rows: torch.Tensor  # [Bd] rows of q that are decode tokens
+    table_rows: torch.Tensor  # [Bd] their rows in the request-to-token table
+    seq_lens: torch.Tensor  # [Bd] context lengths including the new token
+    slots: torch.Tensor | None = None  # [Bd, L] context slots padded with slot 0 (torch path)
+    masks: dict | None = None  # window -> [Bd, 1, 1, L] True = attend, or None (no padding)
+
+
+@dataclass(slots=True)
+class _Extend:
+    start: int
+    length: int
+    prefix_len: int
+    slots: torch.Tensor | None  # [prefix + length] slots, None when prefix_len == 0
+    masks: dict  # window -> [length, prefix + length] mask, or None for plain causal
+
+
+@dataclass(slots=True)
+class _NativeState:
+    decode: _DecodeGroup | None
+    extends: list[_Extend]
+    all_decode: bool
+
+
+class NativeAttentionBackend(AttentionBackend):
+    def __init__(self, pool, req_to_token, num_heads: int, head_dim: int, options=None) -> None:
+        super().__init__(pool, req_to_token, num_heads, head_dim, options)
+        self.softcap = self.options.logit_softcap
+        self.windows = [self.options.window(layer) for layer in range(pool.shape.num_layers)]
+        self.distinct_windows = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
+        self.cpu_kernel = None
+        if pool.device.type == "cpu" and pool.shape.dtype in (torch.float32, torch.float16) and self.softcap is None:
+            from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
+
+            kernel = CpuDecodeAttention()
+            self.cpu_kernel = kernel if kernel.available else None
+
+    def prepare(self, ctx: ForwardContext) -> None:
+        starts = ctx.extend_start_loc_cpu
+        decode_ids = [b for b, n in enumerate(ctx.extend_lens_cpu) if n == 1]
+        extends = [
+            self._extend(ctx, b, starts[b]) for b, n in enumerate(ctx.extend_lens_cpu) if n != 1
+        ]
+        decode = self._decode_group(ctx, decode_ids, starts) if decode_ids else None
+        ctx.backend_state = _NativeState(decode, extends, all_decode=not extends)
+
+    def _decode_group(self, ctx: ForwardContext, ids: list[int], starts: list[int]) -> _DecodeGroup:
+        device = ctx.positions.device
+        seq_lens = [ctx.prefix_lens_cpu[b] + 1 for b in ids]
+        table_rows = ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
+        rows = torch.tensor([starts[b] for b in ids], device=device)
+        group = _DecodeGroup(rows, table_rows, torch.tensor(seq_lens, device=device))
+        if self.cpu_kernel is None:
+            self._pad_slots(group, seq_lens)
+        return group
+
+    def _pad_slots(self, group: _DecodeGroup, seq_lens: list[int]) -> None:
+        max_len = max(seq_lens)
+        slots = self.req_to_token.table[group.table_rows, :max_len].to(torch.int64)
+        key_pos = torch.arange(max_len, device=slots.device)[None, :]
+        keep = key_pos < group.seq_lens[:, None]
+        if min(seq_lens) != max_len:
+            slots = slots.masked_fill(~keep, 0)
+        group.masks = {}
+        for w in self.distinct_windows:
+            mask = keep if w is None else keep & (key_pos >= group.seq_lens[:, None] - w)
+            needed = min(seq_lens) != max_len or (w is not None and max_len > w)
+            group.masks[w] = mask[:, None, None, :] if needed else None
+        group.slots = slots
+
+    def _extend(self, ctx: ForwardContext, b: int, start: int) -> _Extend:
+        prefix, length = ctx.prefix_lens_cpu[b], ctx.extend_lens_cpu[b]
+        device = ctx.positions.device
+        q_pos = torch.arange(length, device=device)[:, None] + prefix
+        key_pos = torch.arange(prefix + length, device=device)[None, :]
+        causal = key_pos <= q_pos
+        masks = {}
+        for w in self.distinct_windows:
+            if w is not None and prefix + length > w:
+                masks[w] = causal & (key_pos > q_pos - w)
+            else:  # the window covers everything: plain causal (is_causal without a prefix)
+                masks[w] = causal if prefix else None
+        if prefix == 0:
+            return _Extend(start, length, 0, None, masks)
+        row = int(ctx.req_pool_indices[b])
+        slots = self.req_to_token.table[row, : prefix + length].to(torch.int64)
+        return _Extend(start, length, prefix, slots, masks)
+
+    def forward(self, q, k, v, layer, ctx):
+        state: _NativeState = ctx.backend_state
+        window = self.windows[layer]
+        if state.all_decode and self.cpu_kernel is not None:  # the kernel stores the new K/V itself
+            return self._attend_decode(q, layer, window, state.decode, new_kv=(k, v, ctx.out_slots))
+        self.pool.write(layer, ctx.out_slots, k, v)
+        if state.all_decode:
+            return self._attend_decode(q, layer, window, state.decode)
+        o = torch.empty_like(q)
+        if state.decode is not None:
+            o[state.decode.rows] = self._attend_decode(q[state.decode.rows], layer, window, state.decode)
+        for ext in state.extends:
+            span = slice(ext.start, ext.start + ext.length)
+            o[span] = self._attend_extend(q[span], k[span], v[span], layer, window, ext)
+        return o
+
+    def _attend_decode(self, q, layer: int, window, group: _DecodeGroup, new_kv=None) -> torch.Tensor:
+        if self.cpu_kernel is not None:
+            k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+            table = self.req_to_token.table
+            return self.cpu_kernel(
+                q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale, new_kv, window
+            )
+        batch, length = group.slots.shape
+        flat = group.slots.flatten()
+        k = self.pool.k[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        v = self.pool.v[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        o = self._attention(q[:, :, None, :], k, v, group.masks[window], False)
+        return o[:, :, 0, :]
+
+    def _attend_extend(self, q, k, v, layer: int, window, ext: _Extend) -> torch.Tensor:
+        if ext.slots is not None:
+            k, v = self.pool.k[layer][ext.slots].to(q.dtype), self.pool.v[layer][ext.slots].to(q.dtype)
+        mask = ext.masks[window]
+        o = self._attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None
+        )
+        return o[0].transpose(0, 1)
+
+    def _attention(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        """q [B, H, Lq, D], k/v [B, KH, Lk, D]; mask True = attend."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, enable_gqa=True
+            )
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+        scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        if is_causal:
+            lq, lk = scores.shape[-2:]
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1) @ v).to(q.dtype)

@@ -1,0 +1,277 @@
+"""The decoder every supported family is built from, in torch.
+
+`DecoderModel` is the Llama-shaped decoder (Llama 2/3, SmolLM2/3, Mistral, Qwen2, Phi-3):
+Q/K/V and gate/up projections fused into one matmul each, attention through the configured
+backend (which reads and writes the token-granular KV pool), the residual stream added
+inside each norm (norm(x + residual) returns the new residual too). A family changes it by
+class attributes and small overrides (`attention_cls`, `layer_cls`, `make_mlp`, `embed`,
+`cap_logits`), never by flags tested in the per-layer loop. On the CPU in float32, the
+residual add + norm, SiLU * up and rotary run as C kernels (executor/kernels/cpu_layer_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spruce.runtime.executor.attention.base import AttentionBackend, AttentionOptions, ForwardContext
+from spruce.runtime.executor.kernels import cpu_layer_ops
+from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
+from spruce.runtime.models.weights import load_hf_state_dict
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose batch-1 decode (a few rows) on the CPU streams the weights in C."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_layer_ops.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if cpu_layer_ops.usable(x):
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotate-half rotary embedding with a precomputed cos/sin table over positions (the
+    first `rotary_dim` dims of each head when partial)."""
+
+    def __init__(self, config: ModelConfig, rope: RopeConfig) -> None:
+        super().__init__()
+        check_rope(rope, config.head_dim)
+        self.config, self.rope = config, rope
+        self.dim = rotary_dim(rope, config.head_dim)
+        self.cos = self.sin = None  # built by build(device) after the weights are placed
+
+    def build(self, device: torch.device) -> None:
+        # float32, the way transformers computes it; plain attributes, not buffers, so they
+        # stay float32 when the model moves to bf16.
+        self.cos, self.sin = rope_tables(self.rope, self.config.head_dim, self.config.max_position_embeddings, device)
+
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor):
+        """qkv [N, q_size + 2 * kv_size] -> q, k (rotated), v as [N, heads, head_dim] views."""
+        c = self.config
+        in_c = self.dim == c.head_dim and cpu_layer_ops.usable(qkv)
+        if in_c:
+            cpu_layer_ops.rotary_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, positions, self.cos, self.sin)
+        q, k, v = split_heads(c, qkv)
+        if not in_c:
+            q, k = self._rotate_torch(positions, q, k)
+        return q, k, v
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotates contiguous q [N, heads, D] and k [N, kv_heads, D]; returns them."""
+        if self.dim == self.config.head_dim and cpu_layer_ops.usable(q):
+            for x in (q, k):
+                cpu_layer_ops.rotary_(x.view(x.shape[0], -1), x.shape[1], x.shape[2], positions, self.cos, self.sin)
+            return q, k
+        return self._rotate_torch(positions, q, k)
+
+    def _rotate_torch(self, positions, q, k):
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        if self.dim == self.config.head_dim:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        d = self.dim
+        rotated = [torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1) for x in (q, k)]
+        return rotated[0], rotated[1]
+
+
+class NoRotary(Rotary):
+    """A layer without position rotation (SmolLM3's no-rope layers)."""
+
+    def build(self, device: torch.device) -> None:
+        pass
+
+    def forward(self, positions, qkv):
+        return split_heads(self.config, qkv)
+
+    def rotate(self, positions, q, k):
+        return q, k
+
+
+def split_heads(c: ModelConfig, qkv: torch.Tensor):
+    q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+    return (
+        q.view(-1, c.num_heads, c.head_dim),
+        k.view(-1, c.num_kv_heads, c.head_dim),
+        v.view(-1, c.num_kv_heads, c.head_dim),
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.rotary = rotary  # shared by the layers of one rope kind; holds no weights
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
+
+    def forward(self, x, positions, backend: AttentionBackend, ctx: ForwardContext):
+        q, k, v = self.rotary(positions, self.qkv_proj(x))
+        o = backend.forward(q, k, v, self.layer, ctx)
+        return self.o_proj(o.reshape(-1, self.config.q_size))
+
+
+class QKNormAttention(Attention):
+    """RMSNorm over each head of q and k before the rotation (Qwen3, Gemma 3)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__(config, layer, rotary)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, positions, backend, ctx):
+        q, k, v = split_heads(self.config, self.qkv_proj(x))
+        q, k = self.rotary.rotate(positions, self.q_norm(q)[0], self.k_norm(k)[0])
+        o = backend.forward(q, k, v, self.layer, ctx)
+        return self.o_proj(o.reshape(-1, self.config.q_size))
+
+
+class MLP(nn.Module):
+    """down(silu(gate) * up)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if cpu_layer_ops.usable(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class GeluTanhMLP(MLP):
+    """down(gelu_tanh(gate) * up) (Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+MLPS = {"silu": MLP, "gelu_tanh": GeluTanhMLP}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, residual, positions, backend, ctx):
+        """(this layer's MLP output, the residual stream before it)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, backend, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """forward(input_ids [N], ctx, backend, logits_rows) -> logits [len(logits_rows), vocab].
+
+    The model holds weights only; the attention backend (and its KV pool) is passed per
+    call, so engines can share one model. `attention_options` is what the backend must
+    implement for this model; `capturable` says whether a decode step may be captured in a
+    CUDA graph (no host synchronisation inside)."""
+
+    attention_cls: type[Attention] = Attention
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    capturable = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.attention_options = AttentionOptions(
+            config.attention_scale, config.layer_windows, config.attn_logit_softcap
+        )
+        self.rotaries = nn.ModuleDict(self._rotaries(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, self.attention_cls(config, i, self._rotary_of(i)), self.make_mlp(config, i))
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def _rotaries(config: ModelConfig) -> dict[str, Rotary]:
+        rotaries = {"global": Rotary(config, config.rope)}
+        if config.local_rope is not None and config.layer_windows:
+            rotaries["local"] = Rotary(config, config.local_rope)
+        if config.rope_layers and not all(config.rope_layers):
+            rotaries["none"] = NoRotary(config, config.rope)
+        return rotaries
+
+    def _rotary_of(self, layer: int) -> Rotary:
+        c = self.config
+        if c.rope_layers and not c.rope_layers[layer]:
+            return self.rotaries["none"]
+        if "local" in self.rotaries and c.window(layer) is not None:
+            return self.rotaries["local"]
+        return self.rotaries["global"]
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return MLPS[config.hidden_act](config, config.intermediate_size)
+
+    def build_rotary(self, device: torch.device) -> None:
+        """Computes the rotary tables (not loaded) once the model is on its device."""
+        for rotary in self.rotaries.values():
+            rotary.build(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        backend: AttentionBackend,
+        logits_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        backend.prepare(ctx)
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx.positions, backend, ctx)
+        if logits_rows is not None:
+            x, residual = x[logits_rows], residual[logits_rows]
+        x, _ = self.norm(x, residual)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.cap_logits(cpu_layer_ops.linear(x, weight))
+
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face parameter names (split or fused q/k/v and gate/up, experts one
+        by one or stacked); strict."""
+        load_hf_state_dict(self, state_dict)

@@ -1,0 +1,164 @@
+"""Every supported family equals transformers on tiny random models (fp32): logits for one
+prompt, a batch of different lengths, an extend after a cached prefix and 20 decode steps,
+under the C kernels, the torch per-layer operators and the triton backend (interpreter);
+greedy tokens through the Engine equal `generate`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from conftest import write_tiny_model
+from spruce.runtime import Engine
+from spruce.runtime.executor.kernels import cpu_layer_ops
+from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.models.loading.loader import load_model
+
+ATOL = 5e-5
+WINDOW = 8  # smaller than every prompt below, so windows slide
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,  # Phi-4-mini rotates 3/4 of each head
+    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+    "original_max_position_embeddings": 256,
+}
+FAMILIES = {
+    "mistral-sliding": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen3": ("qwen3", {}),
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": (
+        "gemma2",
+        dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3": (
+        "gemma3",
+        dict(
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
+    "phi3-longrope": ("phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=256)),
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0], num_hidden_layers=2)),
+}
+HF_CLASSES = {
+    "mistral": transformers.MistralForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+    "smollm3": transformers.SmolLM3ForCausalLM,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    arch, overrides = FAMILIES[request.param]
+    folder = write_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=7, **overrides)
+    hf = HF_CLASSES[arch].from_pretrained(folder, attn_implementation="eager").eval()
+    return request.param, folder, load_model(str(folder)), hf
+
+
+def make_runner(loaded, backend="native"):
+    return ModelRunner(loaded, num_slots=1024, max_requests=8, max_context_len=256, attention_backend=backend)
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def prompt(seed: int, length: int, vocab: int = 384) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def item(runner, ids, prefix_len=0, row=None, all_logits=True):
+    row = runner.req_to_token.alloc_row() if row is None else row
+    return ForwardItem(row, prefix_len, ids, runner.pool.alloc(len(ids)), all_logits)
+
+
+def test_prompt_batch_and_extend_equal_transformers(family):
+    _, _, loaded, hf = family
+    runner = make_runner(loaded)
+    prompts = [prompt(s, n) for s, n in [(1, 5), (2, 31), (3, 1), (4, 17)]]
+    out = runner.forward([item(runner, p) for p in prompts])
+    for i, p in enumerate(prompts):
+        got = out.logits[out.offsets[i] : out.offsets[i + 1]]
+        torch.testing.assert_close(got, hf_logits(hf, p), atol=ATOL, rtol=0)
+    ids = prompt(5, 40)
+    first = item(runner, ids[:20], all_logits=False)
+    runner.forward([first])
+    logits = runner.forward([item(runner, ids[20:], prefix_len=20, row=first.row)]).logits
+    torch.testing.assert_close(logits, hf_logits(hf, ids)[20:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch-layer-ops"])
+def test_decode_steps_equal_transformers(family, kernels, monkeypatch):
+    if kernels == "torch-layer-ops":
+        monkeypatch.setattr(cpu_layer_ops, "usable", lambda x: False)
+    _, _, loaded, hf = family
+    runner = make_runner(loaded)
+    seqs = [prompt(10 + i, n) for i, n in enumerate([3, 9, 14, 30])]
+    items = [item(runner, s, all_logits=False) for s in seqs]
+    last = runner.forward(items).logits.argmax(-1).tolist()
+    for _ in range(20):
+        step = []
+        for i, s in enumerate(seqs):
+            s.append(last[i])
+            step.append(item(runner, [last[i]], prefix_len=len(s) - 1, row=items[i].row))
+        out = runner.forward(step)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(out.logits[i], hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
+        last = out.logits.argmax(-1).tolist()
+
+
+def test_engine_greedy_equals_generate(family):
+    _, folder, loaded, hf = family
+    engine = Engine(loaded=loaded, kv_memory_gb=0.02, num_threads=1, kv_cache_dtype="float32")
+    batch = [prompt(20 + i, n) for i, n in enumerate([4, 13, 27])]
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    got = [r["output_ids"] for r in engine.generate(input_ids=batch, sampling_params=greedy)]
+    engine.shutdown()
+    with torch.no_grad():
+        for p, ids in zip(batch, got):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+            assert ids == ref[0, len(p) :].tolist()
+
+
+TRITON_FAMILIES = ("gemma2", "gemma3", "mistral-sliding", "qwen3-moe")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1", reason="CPU interpreter")
+def test_triton_backend_equals_transformers(family):
+    name, _, loaded, hf = family
+    if name not in TRITON_FAMILIES:
+        pytest.skip("the triton kernels' variants are covered by the families above")
+    pytest.importorskip("triton")
+    runner = make_runner(loaded, "triton")
+    a, b = prompt(30, 19), prompt(31, 12)
+    first = [item(runner, a), item(runner, b[:5])]
+    runner.forward(first)
+    mixed = [item(runner, b[5:], prefix_len=5, row=first[1].row), item(runner, [7], prefix_len=19, row=first[0].row)]
+    out = runner.forward(mixed)
+    torch.testing.assert_close(out.logits[: len(b) - 5], hf_logits(hf, b)[5:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logits[-1], hf_logits(hf, a + [7])[-1], atol=1e-4, rtol=0)
+    step = [item(runner, [9], prefix_len=len(b), row=first[1].row), item(runner, [3], prefix_len=20, row=first[0].row)]
+    out = runner.forward(step)
+    torch.testing.assert_close(out.logits[0], hf_logits(hf, b + [9])[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logits[1], hf_logits(hf, a + [7, 3])[-1], atol=1e-4, rtol=0)
