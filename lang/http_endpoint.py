@@ -20,7 +20,7 @@ import orjson
 import requests
 
 from spruce.lang.backend import Backend
-from spruce.lang.errors import RuntimeRequestError, RuntimeUnavailableError
+from spruce.lang.errors import RuntimeRequestError, RuntimeUnavailableError, UnsupportedFeatureError
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
 
 CONNECT_TIMEOUT_S = 3.0  # the model_info call when an endpoint is created
@@ -33,6 +33,7 @@ class HttpEndpoint(Backend):
     within `connect_timeout` seconds if nothing answers.
 
     api_key: sent as "Authorization: Bearer <key>" (the server's --api-key).
+    verify: TLS verification for https:// (requests' `verify`: a CA bundle path or False).
     request_timeout: the most seconds to wait for a request's next bytes (None: no limit).
     liveness_check: called before each request; raises to give up (as for the ZeroMQ
     endpoint: a launcher uses it to notice that its runtime process died)."""
@@ -42,15 +43,25 @@ class HttpEndpoint(Backend):
         address: str,
         *,
         api_key: str | None = None,
+        verify: bool | str | None = None,
+        chat_template_name: str | None = None,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         request_timeout: float | None = None,
         liveness_check: Callable[[], None] | None = None,
     ) -> None:
+        if chat_template_name is not None:
+            raise UnsupportedFeatureError(
+                f"RuntimeEndpoint(chat_template_name={chat_template_name!r}): Spruce uses the served "
+                "model's own chat template (model_info's chat_template); leave it None"
+            )
         self.address = address.rstrip("/")
         self.api_key = api_key
+        self.verify = verify
         self.request_timeout = request_timeout
         self._liveness_check = liveness_check
         self._local = threading.local()
+        self._sessions: list[requests.Session] = []  # every thread's, closed together
+        self._sessions_lock = threading.Lock()
         self._closed = False
         self._info = self._get("/model_info", connect_timeout)
 
@@ -99,9 +110,10 @@ class HttpEndpoint(Backend):
 
     def close(self) -> None:
         self._closed = True
-        session = getattr(self._local, "session", None)
-        if session is not None:
-            session.close()
+        with self._sessions_lock:
+            for session in self._sessions:
+                session.close()
+            self._sessions.clear()
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.address!r})"
@@ -141,6 +153,10 @@ class HttpEndpoint(Backend):
             session.headers["Content-Type"] = "application/json"
             if self.api_key:
                 session.headers["Authorization"] = f"Bearer {self.api_key}"
+            if self.verify is not None:
+                session.verify = self.verify
+            with self._sessions_lock:
+                self._sessions.append(session)
         return session
 
     def _abort(self, rid: str) -> None:

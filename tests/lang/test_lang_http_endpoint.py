@@ -143,3 +143,20 @@ def test_a_closed_endpoint_refuses_requests(url):
     endpoint.close()
     with pytest.raises(sl.RuntimeUnavailableError, match="closed"):
         endpoint.generate(msg("x"))
+
+
+def test_sglangs_chat_template_name_is_refused_by_name(url):
+    with pytest.raises(sl.UnsupportedFeatureError, match="chat_template_name='llama-2-chat'"):
+        sl.RuntimeEndpoint(url, api_key=KEY, chat_template_name="llama-2-chat")
+
+
+def test_close_releases_every_threads_session(url):
+    endpoint = sl.RuntimeEndpoint(url, api_key=KEY)
+    threads = [threading.Thread(target=endpoint.generate, args=(msg("ab"),)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(endpoint._sessions) == 4  # the creating thread's and three more
+    endpoint.close()
+    assert endpoint._sessions == []
