@@ -9,11 +9,12 @@ from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
 from spruce.runtime.executor.kernels.cpu_library import c_compiler
 
 
-def reference(q, k_cache, v_cache, table, rows, seq_lens, scale):
+def reference(q, k_cache, v_cache, table, rows, seq_lens, scale, window=None):
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[1]
     for b in range(q.shape[0]):
-        slots = table[rows[b], : seq_lens[b]].long()
+        first = 0 if window is None else max(0, int(seq_lens[b]) - window)
+        slots = table[rows[b], first : seq_lens[b]].long()
         k = k_cache[slots].repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_cache[slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b], k) * scale
@@ -102,3 +103,16 @@ def test_bfloat16_activations_are_computed_in_float32():
     assert torch.equal(k_cache[slots], k.half()) and torch.equal(v_cache[slots], v.half())
     want = reference(q.float(), k_cache.float(), v_cache.float(), table, rows, seq_lens, 0.125)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("window", [1, 16, 40, 500])
+def test_sliding_window_reads_the_last_tokens_only(window):
+    """Window 1 (the token itself), inside a block, across blocks, beyond every sequence."""
+    kernel = built_kernel()
+    g = torch.Generator().manual_seed(window)
+    k_cache, v_cache = torch.randn(400, 2, 64, generator=g), torch.randn(400, 2, 64, generator=g)
+    table = (torch.randperm(399, generator=g)[:300] + 1).int().reshape(3, 100)
+    rows, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([1, 45, 100])
+    q = torch.randn(3, 8, 64, generator=g)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window=window)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window), atol=1e-5, rtol=1e-5)

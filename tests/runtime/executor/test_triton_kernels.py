@@ -72,12 +72,14 @@ class PagedKV:
         return self.k_cache[slots], self.v_cache[slots]
 
 
-def attend(q, k, v, sm_scale, mask=None):
+def attend(q, k, v, sm_scale, mask=None, softcap=None):
     """q [M, H, D], k/v [L, KVH, D], mask [M, L] True = visible -> [M, H, D] in fp32."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,lhd->hml", q.float(), k) * sm_scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hml,lhd->mhd", scores.softmax(-1), v)
@@ -143,6 +145,50 @@ def run_extend(prefix_lens, extend_lens, kv_heads, group, head_dim, dtype, **hin
 def assert_close(actual, expected, dtype):
     assert not actual.isnan().any(), "the kernel read outside the context or left rows unset"
     torch.testing.assert_close(actual.float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def visible(positions, length, window):
+    """[M, L] mask: causal, and within the last `window` keys of each query."""
+    keys = torch.arange(length, device=positions.device)[None, :]
+    mask = keys <= positions[:, None]
+    return mask if window is None else mask & (keys > positions[:, None] - window)
+
+
+@pytest.mark.parametrize("window, softcap", [(4, None), (20, 3.0), (None, 2.0)])
+def test_sliding_window_and_softcap_match_reference(window, softcap):
+    """Window 4 < the 16-query block: the block's last queries see no key of the first
+    key block visited (the masked online softmax); window 20 spans several key blocks."""
+    dtype, kv_heads, group, head_dim = torch.float32, 2, 2, 32
+    prefix_lens, extend_lens = [0, 9, 30], [37, 20, 1]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    kv = PagedKV(seq_lens, kv_heads, head_dim, dtype)
+    q = packed_q(sum(extend_lens), kv_heads * group, kv_heads, head_dim, dtype)
+    o = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    starts = [0] + torch.tensor(extend_lens).cumsum(0).tolist()[:-1]
+    scale = head_dim**-0.5
+    attention.extend_attention(
+        q, o, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens_tensor(prefix_lens),
+        lens_tensor(extend_lens), lens_tensor(starts), scale, window=window, softcap=softcap,
+    )  # fmt: skip
+    expected = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+    for b, (prefix, new) in enumerate(zip(prefix_lens, extend_lens)):
+        rows = slice(starts[b], starts[b] + new)
+        mask = visible(torch.arange(prefix, prefix + new, device=DEVICE), prefix + new, window)
+        expected[rows] = attend(q[rows], *kv.context(b, prefix + new), scale, mask, softcap)
+    assert_close(o, expected, dtype)
+    q = q[: len(seq_lens)]
+    o = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    attention.decode_attention(
+        q, kv.k_cache, kv.v_cache, o, kv.req_to_token, kv.req_pool_indices, lens_tensor(seq_lens), scale,
+        num_kv_splits=2, window=window, softcap=softcap,
+    )  # fmt: skip
+    for b, length in enumerate(seq_lens):
+        mask = visible(torch.tensor([length - 1], device=DEVICE), length, window)
+        expected[b] = attend(q[b : b + 1], *kv.context(b, length), scale, mask, softcap)[0]
+    assert_close(o, expected[: len(seq_lens)], dtype)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -162,3 +162,79 @@ def test_triton_backend_equals_transformers(family):
     out = runner.forward(step)
     torch.testing.assert_close(out.logits[0], hf_logits(hf, b + [9])[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(out.logits[1], hf_logits(hf, a + [7, 3])[-1], atol=1e-4, rtol=0)
+
+
+# -- checkpoint layouts and bad configs ---------------------------------------------------
+
+
+def copy_folder(src, dst, config_changes=None, weights=None):
+    """src's tokenizer and config (with `config_changes`) and `weights` (default: src's)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_changes or {})
+    (dst / "config.json").write_text(json.dumps(config))
+    state = load_file(str(src / "model.safetensors"))
+    save_file(weights(state) if weights else state, str(dst / "model.safetensors"))
+    return dst
+
+
+def mixtral_hub_layout(state, drop_expert=None):
+    """transformers >= 5 stacks experts; Mixtral on the Hub stores block_sparse_moe.experts.{e}.w1/w2/w3."""
+    out = {}
+    for name, tensor in state.items():
+        prefix, _, leaf = name.rpartition(".mlp.")
+        if leaf == "gate.weight":
+            out[f"{prefix}.block_sparse_moe.gate.weight"] = tensor
+        elif leaf == "experts.gate_up_proj":
+            for e, gate_up in enumerate(tensor):
+                gate, up = gate_up.chunk(2)
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = gate
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = up
+        elif leaf == "experts.down_proj":
+            for e, down in enumerate(tensor):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.w2.weight"] = down
+        else:
+            out[name] = tensor
+    if drop_expert is not None:
+        out.pop(f"model.layers.1.block_sparse_moe.experts.{drop_expert}.w1.weight")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    arch, overrides = FAMILIES["mixtral"]
+    return write_tiny_model(tmp_path_factory.mktemp("mixtral"), arch, seed=7, **overrides)
+
+
+def test_experts_stored_one_by_one_load_the_same(mixtral_dir, tmp_path):
+    hub = copy_folder(mixtral_dir, tmp_path / "hub", weights=mixtral_hub_layout)
+    ids = prompt(40, 15)
+    runners = [make_runner(load_model(str(f))) for f in (mixtral_dir, hub)]
+    logits = [r.forward([item(r, ids)]).logits for r in runners]
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+
+
+def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
+    from spruce.runtime.errors import ModelLoadError
+
+    cases = [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, None, "rope scaling type 'yarn' is not supported"),
+        ({"sliding_window": 4096}, None, r"sliding_window 4096 must be an integer in 1..max_position_embeddings \(1024\)"),
+        ({}, lambda s: mixtral_hub_layout(s, drop_expert=2), r"layers.1.mlp.experts lacks gate_proj of experts \[2\]"),
+        ({"num_local_experts": 8}, None, r"mlp.gate.weight: checkpoint shape \(4, 64\) != model \(8, 64\)"),
+        ({"num_experts_per_tok": 5}, None, "num_experts_per_tok 5 must be in 1..4"),
+        ({"num_local_experts": None}, None, "lacks experts"),
+        ({"hidden_act": "relu"}, None, "activation 'relu' is not supported"),
+    ]
+    for i, (changes, weights, message) in enumerate(cases):
+        folder = copy_folder(mixtral_dir, tmp_path / str(i), changes, weights)
+        with pytest.raises(ModelLoadError, match=message) as failure:
+            load_model(str(folder))
+        assert "\n" not in str(failure.value)
