@@ -16,7 +16,7 @@ from spruce.constrained import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec, make_spec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.errors import InvalidRequestError, constraint_error
+from spruce.runtime.errors import ConstraintError, InvalidRequestError, constraint_error
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
 
@@ -91,6 +91,8 @@ def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> Constraint
         )  # fmt: skip
     except constrained_errors.ConstraintError as e:
         raise constraint_error(e) from None
+    except RecursionError:  # a schema nested deeper than the converter's recursion allows
+        raise ConstraintError("json_schema is nested too deeply; flatten it or use $defs") from None
 
 
 def batch_inputs(

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger("spruce.server")
 RESTART_DELAY_S = 0.2
