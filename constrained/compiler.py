@@ -1,34 +1,45 @@
-"""Compiles constraint specs into shared CompiledGrammars, on worker threads, with an LRU
-cache keyed by the spec."""
+"""Compiles constraint specs into shared CompiledGrammars: builds run in worker processes
+(build_worker.py) under a deadline and a memory cap, results are cached by spec in an LRU
+bounded in bytes."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from typing import NamedTuple
 
-import outlines_core
-
+from spruce.constrained.build_worker import BuildRequest, WorkerPool
+from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
-from spruce.constrained.jump_forward import CharAutomaton
 from spruce.constrained.patterns import index_regex
 from spruce.constrained.spec import ConstraintSpec
 from spruce.constrained.vocab import TokenVocabulary
-from spruce.constrained.errors import ConstraintError
 
 NUM_WORKERS = 2  # a slow build (tens of seconds) does not hold up every other constraint
+# In memory, outlines-core's index (Rust hash maps) takes about this many times its binary
+# form (measured 2.3x-3.1x), and the character automaton (Python dicts of ints) this many
+# times its pickle (measured 9x-46x: pickle shares the small ints).
+INDEX_MEMORY_FACTOR = 3
+AUTOMATON_MEMORY_FACTOR = 30
+
+
+class _Built(NamedTuple):
+    grammar: CompiledGrammar
+    nbytes: int  # estimated memory (see estimated_bytes)
 
 
 class GrammarCompiler:
     """One per model. `compile` blocks; `submit` never does: it returns a Future resolved
-    by a worker thread (ConstraintError on failure or after `timeout_s`). A spec being
+    by a build thread (ConstraintError on failure or after `timeout_s`). A spec being
     compiled is compiled once, whoever asks. Thread-safe.
 
-    The outlines-core index build releases the GIL; the character automaton (interegular,
-    pure Python) does not, so a worker slows the caller's thread while it builds one.
-    A build that overruns its timeout keeps running (it cannot be interrupted) and its
-    result is still cached."""
+    Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
+    space; at `timeout_s` the worker is killed, so a pathological constraint fails its own
+    requests and costs nothing after. The character automaton (for jump-forward) is built
+    in the same worker; if it is not ready `timeout_s / 2` after the index, the grammar goes
+    without it. The cache keeps the most recently used grammars within `cache_bytes`
+    (estimated, see `estimated_bytes`) and `cache_size` entries."""
 
     def __init__(
         self,
@@ -36,19 +47,28 @@ class GrammarCompiler:
         vocab_size: int | None = None,
         cache_size: int = 64,
         timeout_s: float = 30,
+        cache_bytes: int = 1 << 30,
+        memory_mb: int = 4096,
     ) -> None:
         self.vocab = TokenVocabulary(tokenizer, vocab_size)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.timeout_s = timeout_s
-        self._cache: OrderedDict[ConstraintSpec, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[ConstraintSpec, _Built] = OrderedDict()
+        self._cached_bytes = 0
         self._builds: dict[ConstraintSpec, Future] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
-        self._automaton_executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-automaton")
+        self._workers = WorkerPool(self.vocab.vocabulary, memory_mb, NUM_WORKERS)
 
     @property
     def vocab_size(self) -> int:
         return self.vocab.vocab_size
+
+    @property
+    def cached_bytes(self) -> int:
+        """Estimated memory of the cached grammars."""
+        return self._cached_bytes
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         return self.submit(spec).result()
@@ -57,10 +77,10 @@ class GrammarCompiler:
         """Future[CompiledGrammar]; already resolved on a cache hit."""
         result: Future = Future()
         with self._lock:
-            grammar = self._cache.get(spec)
-            if grammar is not None:
+            built = self._cache.get(spec)
+            if built is not None:
                 self._cache.move_to_end(spec)
-                result.set_result(grammar)
+                result.set_result(built.grammar)
                 return result
             build = self._builds.get(spec)
             if build is None:
@@ -74,41 +94,29 @@ class GrammarCompiler:
 
     def cached(self, spec: ConstraintSpec) -> CompiledGrammar | None:
         with self._lock:
-            return self._cache.get(spec)
+            built = self._cache.get(spec)
+            return None if built is None else built.grammar
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._automaton_executor.shutdown(wait=False, cancel_futures=True)
+        self._workers.close()
 
-    def _build(self, spec: ConstraintSpec) -> CompiledGrammar:
-        regex = spec.regex
-        # The character automaton (pure Python) builds on another thread while the index
-        # (Rust, GIL released) builds here: a compile takes the longer of the two, not both.
-        automaton = self._automaton_executor.submit(_char_automaton, regex)
-        try:
-            index = outlines_core.Index(index_regex(regex), self.vocab.vocabulary)
-        except Exception as e:  # outlines-core raises ValueError with the regex engine's message
-            automaton.cancel()
-            raise ConstraintError(f"cannot compile constraint: {e}") from None
-        try:  # past half the timeout, go without it: no jump-forward for this grammar
-            char_automaton = automaton.result(timeout=self.timeout_s / 2)
-        except FutureTimeout:
-            char_automaton = None
-        return CompiledGrammar(spec, regex, index, self.vocab, char_automaton)
+    def _build(self, spec: ConstraintSpec) -> _Built:
+        request = BuildRequest(index_regex(spec.regex), spec.regex, self.timeout_s / 2)
+        result = self._workers.build(request, self.timeout_s)
+        grammar = CompiledGrammar(spec, spec.regex, result.index, self.vocab, result.char_automaton)
+        nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
+        return _Built(grammar, nbytes)
 
-    def _finish(
-        self, spec: ConstraintSpec, build: Future, result: Future, timer: threading.Timer
-    ) -> None:
+    def _finish(self, spec: ConstraintSpec, build: Future, result: Future, timer: threading.Timer) -> None:
         timer.cancel()
         error = build.exception()
         if error is None:
+            built = build.result()
             with self._lock:
-                self._cache[spec] = build.result()
-                self._cache.move_to_end(spec)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                self._store(spec, built)
                 self._builds.pop(spec, None)
-            _resolve(result, value=build.result())
+            _resolve(result, value=built.grammar)
         else:
             with self._lock:
                 self._builds.pop(spec, None)
@@ -116,12 +124,25 @@ class GrammarCompiler:
                 error = ConstraintError(f"cannot compile constraint: {error!r}")
             _resolve(result, error=error)
 
+    def _store(self, spec: ConstraintSpec, built: _Built) -> None:
+        """Caches a grammar, evicting least recently used ones beyond the bounds (one larger
+        than the whole byte budget is used, but not kept)."""
+        if spec in self._cache:
+            return
+        self._cache[spec] = built
+        self._cached_bytes += built.nbytes
+        while self._cache and (len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes):
+            _, evicted = self._cache.popitem(last=False)
+            self._cached_bytes -= evicted.nbytes
 
-def _char_automaton(regex: str) -> CharAutomaton | None:
-    try:
-        return CharAutomaton(regex)
-    except Exception:  # a regex interegular cannot handle: jump-forward off for it
-        return None
+
+def estimated_bytes(index_bytes: int, automaton_bytes: int, spec: ConstraintSpec) -> int:
+    """A compiled grammar's memory: the index and the character automaton, from the sizes
+    of their serialized forms (factors measured, see the module constants), plus the spec's
+    text. The state masks CompiledGrammar computes lazily for visited states are not
+    counted (4 bytes per 32 vocabulary ids per visited state)."""
+    text = len(spec.value) + len(spec.regex)
+    return INDEX_MEMORY_FACTOR * index_bytes + AUTOMATON_MEMORY_FACTOR * automaton_bytes + text
 
 
 def _expire(result: Future, spec: ConstraintSpec, timeout_s: float) -> None:

@@ -76,7 +76,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.cache_manager, stops, config.constraint, release)
         self.grammar_mask = GrammarMask(self.vocab_size, config.scheduler.max_running_requests, self.runner.device)
         c = config.constraint
-        self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, c.grammar_cache_size, c.grammar_timeout_s)
+        self.compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, cache_size=c.grammar_cache_size, timeout_s=c.grammar_timeout_s,
+            cache_bytes=c.grammar_cache_mb * 2**20, memory_mb=c.grammar_memory_mb,
+        )  # fmt: skip
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
         logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
 
@@ -134,14 +137,23 @@ class EngineCore:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """One scheduling step and forward pass; returns requests with new tokens or finished."""
+        """One scheduling step and forward pass; returns requests with new tokens or finished.
+
+        Never raises for a failure that belongs to requests: one request's failing row
+        aborts that request; a failing forward pass is rolled back and its requests retried
+        (see scheduler/faults.py). What escapes is a bug in the bookkeeping itself."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         changed = self.scheduler.pop_finished_outside_step()
         if not out:
             self._wait_for_grammars()
             return changed
-        changed += self.scheduler.update(out, self._run(out))
+        try:
+            result = self._run(out)
+        except Exception as e:  # the pass as a whole: no request named yet
+            logger.exception("a forward pass over %d request(s) failed; rolling the step back", len(out.reqs))
+            return changed + self.scheduler.step_failed(out, e)
+        changed += self.scheduler.update(out, result)
         if self.step_log is not None:
             all_decode = all(n == 1 for n in out.extend_lens)
             self.step_log.append(StepInfo(time.perf_counter() - start, len(out.reqs), out.num_tokens, all_decode))
@@ -151,14 +163,13 @@ class EngineCore:
     def _run(self, out: ScheduleOutput) -> StepResult:
         items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
         forward = self.runner.forward(items)
+        errors: list[str | None] = [None] * len(out.reqs)
         # prompt logprobs first: the sampler below changes the logits in place
         prompt_lps = [
-            prompt_logprobs(r, forward.logits[forward.offsets[i] : forward.offsets[i + 1]], r.computed_len)
-            if items[i].all_logits
-            else None
+            self._prompt_logprobs(r, forward, i, errors) if items[i].all_logits else None
             for i, r in enumerate(out.reqs)
         ]
-        samples = out.samples
+        samples = [s and errors[i] is None for i, s in enumerate(out.samples)]
         last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
         sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
         next_ids: list[int | None] = [None] * len(out.reqs)
@@ -166,11 +177,21 @@ class EngineCore:
         if sampling_reqs:
             every_row = len(last_rows) == forward.logits.shape[0]  # a decode batch: no gather (12 MB copy)
             logits = forward.logits if every_row else forward.logits[last_rows]
-            ids, lps = self.sampler.sample(logits, sampling_reqs, self.grammar_mask)
+            sampled = self.sampler.sample(logits, sampling_reqs, self.grammar_mask)
             sampled_at = [i for i, s in enumerate(samples) if s]
             for j, i in enumerate(sampled_at):
-                next_ids[i], token_lps[i] = ids[j], lps[j]
-        return StepResult(next_ids, token_lps, prompt_lps)
+                next_ids[i], token_lps[i] = sampled.ids[j], sampled.logprobs[j]
+                errors[i] = sampled.errors.get(j)
+        return StepResult(next_ids, token_lps, prompt_lps, errors)
+
+    def _prompt_logprobs(self, req: Req, forward, i: int, errors: list[str | None]):
+        try:
+            rows = forward.logits[forward.offsets[i] : forward.offsets[i + 1]]
+            return prompt_logprobs(req, rows, req.computed_len)
+        except Exception as e:  # this request's row only
+            logger.exception("prompt logprobs of request %s failed", req.rid)
+            errors[i] = f"computing prompt logprobs failed: {e!r}"
+            return None
 
     def _wait_for_grammars(self) -> None:
         """Nothing to compute but grammars compiling: wait for one instead of spinning."""
@@ -189,6 +210,11 @@ class EngineCore:
 
     def close(self) -> None:
         self.compiler.close()
+
+    def check_integrity(self) -> None:
+        """Debug check (tests call it after failures): used KV slots == slots referenced by
+        the prefix cache + those owned by running requests; rows held by running ones only."""
+        self.scheduler.check_integrity()
 
     def flush_cache(self) -> None:
         if self.scheduler.running or self.scheduler.waiting:

@@ -48,7 +48,11 @@ class Engine:
     ):
         """Returns one result dict (a list for list input), or an iterator of chunks when
         `stream=True`. Every request is validated before any runs: one bad request raises
-        InvalidRequestError and nothing is computed."""
+        InvalidRequestError and nothing is computed. A request the runtime fails later (its
+        constraint does not compile, a failure of its own in a step) fails this call only:
+        its error is raised (ConstraintError, scheduler.faults.RequestFault), or when
+        streamed, its last chunk has finish_reason {"type": "abort", "message": ...}. Other
+        requests, of this call or others, go on."""
         prompts, single = batch_inputs(prompt, input_ids)
         params = sampling_list(sampling_params, len(prompts))
         options = RequestOptions(

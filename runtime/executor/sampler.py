@@ -5,13 +5,34 @@ Per step: penalties from per-request token counts, suppression of EOS / stop ids
 temperature, top-k, top-p and min-p filtering, all as [batch, vocab] tensor ops. A request
 with a seed samples from its own generator, so its output does not depend on the batch.
 Logprobs are of the model's own distribution (raw logits).
+
+Failures stay per row: a row whose logits are NaN or allow no token, whose grammar mask
+or logprobs raise, or whose draw fails, gets an error message (the caller aborts that
+request) and the other rows are sampled as usual. Temperatures below `MIN_TEMPERATURE` are
+argmax (at 1e-5 the distribution already is), so a tiny temperature cannot overflow.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import torch
 
 from spruce.runtime.core.request import Req, TokenLogprobs
+
+logger = logging.getLogger("spruce.sampler")
+MIN_TEMPERATURE = 1e-5  # below: sampled by argmax (logits / temperature would overflow)
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """Aligned with the rows: the chosen ids (None for a failed row), logprobs when asked,
+    and the error message of each failed row."""
+
+    ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -22,17 +43,19 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
-    def sample(
-        self, logits: torch.Tensor, reqs: list[Req], apply_mask=None
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], apply_mask=None) -> SampleOutput:
         """logits [len(reqs), vocab] float32 (modified in place) -> next ids and logprobs.
         `apply_mask(logits, reqs)`, when given, masks constrained rows' disallowed tokens."""
         raw_logprobs = self._raw_logprobs(logits, reqs)
         self.process_logits(logits, reqs)
+        errors: dict[int, str] = {}
         if apply_mask is not None:
-            apply_mask(logits, reqs)
-        ids = self._choose(logits, reqs)
-        return ids, self._token_logprobs(raw_logprobs, ids, reqs)
+            self._mask(apply_mask, logits, reqs, errors)
+        self._check_rows(logits, errors)
+        ids: list[int | None] = self._choose(logits, reqs, errors)
+        for i in errors:
+            ids[i] = None
+        return SampleOutput(ids, self._token_logprobs(raw_logprobs, ids, reqs, errors), errors)
 
     def process_logits(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """In place: penalties, and EOS / stop ids suppressed before min_new_tokens."""
@@ -87,21 +110,45 @@ class Sampler:
                 ids = [*self.eos_token_ids, *(t for t in r.sampling.stop_token_ids if t < self.vocab_size)]
                 logits[i, ids] = float("-inf")
 
+    def _mask(self, apply_mask, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> None:
+        """The grammar masks of the batch; if that raises, each constrained row alone."""
+        try:
+            apply_mask(logits, reqs)
+            return
+        except Exception:  # one request's cursor, presumably: find which below
+            logger.exception("the batch's grammar mask failed; masking row by row")
+        for i, req in enumerate(reqs):
+            if req.cursor is None:
+                continue
+            try:
+                apply_mask(logits[i : i + 1], [req])
+            except Exception as e:
+                errors[i] = f"the grammar mask failed: {e!r}"
+
+    def _check_rows(self, logits: torch.Tensor, errors: dict[int, str]) -> None:
+        """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled (one
+        reduction: the row maximum is non-finite exactly then)."""
+        bad = ~torch.isfinite(logits.amax(dim=-1))
+        for i in torch.nonzero(bad).flatten().tolist():
+            errors.setdefault(i, "the logits allow no token (NaN, or every token masked)")
+
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
 
     # -- choosing tokens -----------------------------------------------------------------
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    def _choose(self, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> list[int]:
         ids = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        sampled = [i for i, r in enumerate(reqs) if _is_sampled(r) and i not in errors]
         if sampled:
             probs = self._filtered_probs(logits[sampled], [reqs[i].sampling for i in sampled])
-            ids[sampled] = self._draw(probs, [reqs[i] for i in sampled])
+            ids[sampled] = self._draw(probs, [reqs[i] for i in sampled], sampled, errors)
         return ids.tolist()
 
     def _filtered_probs(self, logits: torch.Tensor, params) -> torch.Tensor:
-        probs = torch.softmax(logits / self._column([p.temperature for p in params]), dim=-1)
+        # the row maximum first: (logits - max) / temperature never overflows to NaN
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(shifted / self._column([p.temperature for p in params]), dim=-1)
         if all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
             return probs
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -114,15 +161,28 @@ class Sampler:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        out = torch.empty(len(reqs), dtype=torch.int64, device=self.device)
-        shared = [i for i, r in enumerate(reqs) if r.sampling.seed is None]
+    def _draw(self, probs: torch.Tensor, reqs: list[Req], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
+        """Draws one id per row of `probs` (rows[j]: its batch row, for errors)."""
+        out = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
+        shared = [j for j, r in enumerate(reqs) if r.sampling.seed is None]
         if shared:
-            out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
-        for i, r in enumerate(reqs):
-            if r.sampling.seed is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=self._generator_of(r))[0]
+            try:
+                out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+            except RuntimeError:  # checked rows cannot fail here; should one, find it alone
+                logger.exception("batched sampling failed; drawing row by row")
+                self._draw_each(probs, reqs, [rows[j] for j in shared], errors, out, shared, shared_generator=True)
+        seeded = [j for j, r in enumerate(reqs) if r.sampling.seed is not None]
+        self._draw_each(probs, reqs, [rows[j] for j in seeded], errors, out, seeded)
         return out
+
+    def _draw_each(self, probs, reqs, batch_rows, errors, out, which, shared_generator=False) -> None:
+        """Draws rows `which` of `probs` one at a time; a failure is its row's error."""
+        for j, batch_row in zip(which, batch_rows):
+            try:
+                gen = self.generator if shared_generator else self._generator_of(reqs[j])
+                out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            except Exception as e:
+                errors[batch_row] = f"sampling failed: {e!r}"
 
     def _generator_of(self, req: Req) -> torch.Generator:
         gen = self._request_generators.get(req.rid)
@@ -133,14 +193,24 @@ class Sampler:
 
     # -- logprobs -----------------------------------------------------------------------
 
-    def _token_logprobs(self, raw: torch.Tensor | None, ids: list[int], reqs: list[Req]):
+    def _token_logprobs(self, raw: torch.Tensor | None, ids: list[int | None], reqs: list[Req], errors):
         out: list[TokenLogprobs | None] = [None] * len(reqs)
         if raw is None:
             return out
         rows = [i for i, r in enumerate(reqs) if r.options.return_logprob]
         for j, i in enumerate(rows):
-            out[i] = TokenLogprobs(float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num))
+            if i in errors:
+                continue
+            try:
+                out[i] = TokenLogprobs(float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num))
+            except Exception as e:
+                errors[i] = f"computing logprobs failed: {e!r}"
         return out
+
+
+def _is_sampled(req: Req) -> bool:
+    """Not argmax: a positive temperature (at least MIN_TEMPERATURE) and top_k != 1."""
+    return not req.sampling.is_greedy and req.sampling.temperature >= MIN_TEMPERATURE
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:

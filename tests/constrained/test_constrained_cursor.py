@@ -1,5 +1,5 @@
 """Cursor semantics, the outlines-core traps, bitmask packing / application, the compiler's
-cache and worker threads."""
+cache, build workers (processes) and their deadline, memory cap and byte budget."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from spruce.constrained import (
     unpack_bitmask,
 )
 from spruce.constrained.bitmask import pack_token_ids
+from spruce.constrained.patterns import index_regex
 from spruce.constrained import ConstraintError
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -221,7 +222,7 @@ def test_apply_bitmask_checks_its_inputs():
         apply_bitmask(logits, torch.zeros(3, 2, dtype=torch.int32))
 
 
-# -- compiler: cache and worker threads ------------------------------------------------------
+# -- compiler: cache, build threads and worker processes ---------------------------------------
 
 
 def test_cache_hit_returns_the_same_object(tiny_compiler):
@@ -269,15 +270,54 @@ def test_a_bad_spec_fails_its_future_with_constraint_error(tiny_compiler, spec):
         tiny_compiler.submit(spec).result(10)
 
 
-def test_a_build_past_the_timeout_fails_the_future_and_is_cached_later(tiny_tokenizer):
-    compiler = GrammarCompiler(tiny_tokenizer, timeout_s=0.05)
-    build = compiler._build
-    compiler._build = lambda spec: (time.sleep(0.3), build(spec))[1]
-    spec = make_spec(regex="late")
-    with pytest.raises(ConstraintError, match="not compiled within"):
-        compiler.submit(spec).result(5)
-    deadline = time.monotonic() + 5
-    while compiler.cached(spec) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert compiler.cached(spec) is not None
+def test_a_build_past_its_deadline_is_stopped_and_fails_its_own_future_only(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer, timeout_s=2)
+    compiler.compile(make_spec(regex="warm[0-9]"))  # the worker is up
+    start = time.monotonic()
+    pathological = compiler.submit(make_spec(regex="(a|b)*a(a|b){24}"))  # 2^24 DFA states
+    others = [compiler.submit(make_spec(regex=f"other{i}[a-z]+")) for i in range(3)]
+    assert all(f.result(10) is not None for f in others)  # built meanwhile, on the other worker
+    assert time.monotonic() - start < 2
+    with pytest.raises(ConstraintError, match="not compiled within 2 s"):
+        pathological.result(10)
+    assert time.monotonic() - start < 4
+    assert compiler.cached(make_spec(regex="(a|b)*a(a|b){24}")) is None
+    cursor = compiler.compile(make_spec(regex="after[0-9]")).cursor()  # a fresh worker
+    assert cursor.accept_token(tiny_tokenizer.encode("after")[0])
+    compiler.close()
+
+
+def test_a_build_over_its_memory_cap_fails_with_a_clear_error(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer, timeout_s=60, memory_mb=200)
+    with pytest.raises(ConstraintError, match="200 MB memory cap"):
+        compiler.compile(make_spec(regex="(a|b)*a(a|b){24}"))
+    assert compiler.compile(make_spec(regex="small[0-9]")) is not None  # the next worker is fine
+    compiler.close()
+
+
+def test_the_cache_is_bounded_in_bytes(tiny_tokenizer):
+    probe = GrammarCompiler(tiny_tokenizer)
+    probe.compile(make_spec(regex="[a-z]{40}"))
+    one = probe.cached_bytes
+    probe.close()
+    assert one > 0
+    compiler = GrammarCompiler(tiny_tokenizer, cache_bytes=int(2.5 * one))
+    specs = [make_spec(regex=f"[a-z]{{40}}{c}") for c in "xyz"]
+    for spec in specs:
+        compiler.compile(spec)
+    assert compiler.cached(specs[0]) is None and compiler.cached(specs[2]) is not None
+    assert 0 < compiler.cached_bytes <= 2.5 * one
+    compiler.close()
+
+
+def test_index_and_automaton_cross_the_process_boundary_intact(tiny_tokenizer):
+    """The worker's pickled index equals an index built here; the automaton still sees
+    interegular's anything_else (a character outside the regex's alphabet)."""
+    compiler = GrammarCompiler(tiny_tokenizer)
+    grammar = compiler.compile(make_spec(regex='"[^"]{0,5}" ok'))
+    local = outlines_core.Index(index_regex(grammar.regex), compiler.vocab.vocabulary)
+    assert grammar.index.get_transitions() == local.get_transitions()
+    automaton = grammar.char_automaton
+    assert automaton.walk(automaton.initial, '"q') is not None  # q: only via anything_else
+    assert automaton.forced_text(automaton.walk(automaton.initial, '"q"')) == " ok"
     compiler.close()

@@ -1,0 +1,292 @@
+"""Grammar builds in a child process that can be stopped: the outlines-core index and the
+interegular character automaton of a regex are built in a worker process with a memory cap
+(RLIMIT_AS); a build past its deadline is ended by killing the worker, and the next build
+starts a fresh one. The scheduler's process never runs a build, so a pathological regex
+(`(a|b)*a(a|b){24}` determinizes to millions of states) can cost a worker, not the server.
+
+Why a `subprocess` (`python -m spruce.constrained.build_worker`) and not multiprocessing:
+the server's scheduler runs in a daemonic multiprocessing child, which multiprocessing does
+not let start children, and a fresh interpreter imports only this module's few dependencies
+(no torch, no re-import of the parent's `__main__`).
+
+The results come back pickled: `outlines_core.Index` pickles through its own binary form
+(`Index.__reduce__` -> `Index.from_binary`), so the parent gets the very index the worker
+built and never builds it again. interegular's `anything_else` sentinel is not a singleton
+after unpickling, so it travels as a persistent id and comes back as the parent's object.
+
+Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
+outlines `Vocabulary` once, then one `BuildRequest` per build; the worker answers each with a
+`BuildResult` or an error message.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from interegular.fsm import anything_else
+
+from spruce.constrained.errors import ConstraintError
+
+_ANYTHING_ELSE_ID = "interegular.anything_else"
+STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing outlines-core on a loaded machine
+
+
+@dataclass(frozen=True, slots=True)
+class BuildRequest:
+    regex: str  # the index regex (patterns.index_regex of the constraint's regex)
+    automaton_regex: str  # the constraint's own regex, for the character automaton
+    automaton_wait_s: float  # how long to wait for the automaton once the index is built
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    index: object  # outlines_core.Index
+    char_automaton: object | None  # jump_forward.CharAutomaton; None: jump-forward off
+    index_bytes: int  # size of the index's binary form (for the cache's byte budget)
+    automaton_bytes: int
+
+
+# -- pickling with interegular's sentinel ---------------------------------------------------------
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return _ANYTHING_ELSE_ID if obj is anything_else else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        if pid != _ANYTHING_ELSE_ID:
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        return anything_else
+
+
+def dumps(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def loads(data: bytes) -> object:
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+# -- the parent's handle on one worker --------------------------------------------------------------
+
+
+class BuildWorker:
+    """One worker process. `build` sends a request and waits until the deadline; past it
+    (or if the worker dies, e.g. on its memory cap) the worker is killed and a
+    ConstraintError raised. Not thread-safe: one build at a time (see WorkerPool)."""
+
+    def __init__(self, vocabulary: object, memory_mb: int) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        cmd = [sys.executable, "-m", "spruce.constrained.build_worker", str(to_child_r), str(from_child_w), str(memory_mb)]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._send = Connection(to_child_w, readable=False)
+        self._recv = Connection(from_child_r, writable=False)
+        self.memory_mb = memory_mb
+        self._send.send_bytes(dumps(vocabulary))
+        self.ready = False  # the worker says when its imports are done
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def build(self, request: BuildRequest, timeout_s: float) -> BuildResult:
+        """Raises WorkerGone if the worker was dead before the build started."""
+        self._wait_ready()
+        start = time.monotonic()
+        try:
+            self._send.send_bytes(dumps(request))
+        except OSError:
+            self.kill()
+            raise WorkerGone from None
+        if not self._recv.poll(timeout_s):
+            self.kill()
+            raise ConstraintError(
+                f"constraint not compiled within {timeout_s:g} s (the build was stopped): "
+                f"{_short(request.automaton_regex)}"
+            )
+        try:
+            kind, payload = loads(self._recv.recv_bytes())
+        except (EOFError, OSError):
+            self.kill()
+            raise ConstraintError(
+                f"the grammar build stopped after {time.monotonic() - start:.1f} s (out of its "
+                f"{self.memory_mb} MB memory cap, or crashed): {_short(request.automaton_regex)}; "
+                "simplify the constraint"
+            ) from None
+        self.ready = True
+        if kind == "error":
+            raise ConstraintError(payload)
+        return payload
+
+    def _wait_ready(self) -> None:
+        """A fresh worker first imports outlines-core: that time is not the build's."""
+        if self.ready:
+            return
+        try:
+            ready = self._recv.poll(STARTUP_TIMEOUT_S) and self._recv.recv_bytes() == b"ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            raise WorkerGone
+        self.ready = True
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        self.proc.wait()
+        self._send.close()
+        self._recv.close()
+
+
+class WorkerGone(Exception):
+    """The worker process died before a build started (the pool starts another)."""
+
+
+class WorkerPool:
+    """Idle workers kept for reuse (at most `size`); a killed or dead one is dropped and the
+    next build starts a fresh process. Thread-safe."""
+
+    def __init__(self, vocabulary: object, memory_mb: int, size: int) -> None:
+        self.vocabulary = vocabulary
+        self.memory_mb = memory_mb
+        self.size = size
+        self._idle: list[BuildWorker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def build(self, request: BuildRequest, timeout_s: float) -> BuildResult:
+        for _ in range(2):  # an idle worker may have died meanwhile: once more, fresh
+            worker = self._take()
+            try:
+                return worker.build(request, timeout_s)
+            except WorkerGone:
+                continue
+            finally:
+                self._give_back(worker)
+        raise ConstraintError("the grammar build worker could not be started (see the log)")
+
+    def _take(self) -> BuildWorker:
+        with self._lock:
+            if self._closed:
+                raise ConstraintError("the grammar compiler is closed")
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.alive:
+                    return worker
+        return BuildWorker(self.vocabulary, self.memory_mb)
+
+    def _give_back(self, worker: BuildWorker) -> None:
+        with self._lock:
+            if worker.alive and not self._closed and len(self._idle) < self.size:
+                self._idle.append(worker)
+                return
+        worker.kill()
+
+    def start(self, count: int = 1) -> None:
+        """Starts workers ahead of the first build (their imports take a moment)."""
+        workers = [BuildWorker(self.vocabulary, self.memory_mb) for _ in range(count)]
+        for worker in workers:
+            self._give_back(worker)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+
+
+def _short(regex: str, limit: int = 80) -> str:
+    return repr(regex if len(regex) <= limit else regex[:limit] + "...")
+
+
+# -- the worker process ------------------------------------------------------------------------------
+
+
+def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
+    if memory_mb > 0:
+        cap = memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    import outlines_core  # after the cap: its allocations count
+
+    vocabulary = loads(receive.recv_bytes())
+    send.send_bytes(b"ready")
+    while True:
+        try:
+            request = loads(receive.recv_bytes())
+        except EOFError:  # the parent is gone or closed us
+            return
+        reply, stray_thread = _build(outlines_core, vocabulary, request)
+        send.send_bytes(dumps(reply))
+        if stray_thread:  # an automaton still building holds a core: start afresh
+            os._exit(0)
+
+
+def _build(outlines_core, vocabulary, request: BuildRequest) -> tuple[tuple[str, object], bool]:
+    from spruce.constrained.jump_forward import CharAutomaton
+
+    automaton: list = []
+
+    def build_automaton() -> None:
+        try:
+            automaton.append(CharAutomaton(request.automaton_regex))
+        except Exception:  # a regex interegular cannot handle (or out of memory): no jump-forward
+            automaton.append(None)
+
+    thread = threading.Thread(target=build_automaton, daemon=True)
+    thread.start()  # pure Python, while the index build below releases the GIL
+    try:
+        index = outlines_core.Index(request.regex, vocabulary)
+    except MemoryError:
+        return ("error", "the grammar build ran out of its memory cap; simplify the constraint"), True
+    except Exception as e:  # outlines-core raises ValueError with the regex engine's message
+        return ("error", f"cannot compile constraint: {e}"), thread.is_alive()
+    thread.join(request.automaton_wait_s)
+    char_automaton = automaton[0] if automaton else None
+    index_bytes = len(index.__reduce__()[1][0])
+    automaton_bytes = len(dumps(char_automaton))
+    return ("ok", BuildResult(index, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Ends this worker when its parent is gone (a build can run long after)."""
+
+    def check() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=check, daemon=True).start()
+
+
+def main(argv: list[str]) -> None:
+    """The worker's entry point: `python -m spruce.constrained.build_worker READ_FD WRITE_FD MEMORY_MB`."""
+    _watch_parent(os.getppid())
+    read_fd, write_fd, memory = (int(a) for a in argv[:3])
+    _serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False), memory)
+
+
+if __name__ == "__main__":
+    # Run as the package module, not as __main__, so pickled classes name their real module.
+    from spruce.constrained import build_worker
+
+    build_worker.main(sys.argv[1:])
