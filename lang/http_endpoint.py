@@ -13,12 +13,12 @@ own (and so its own keep-alive connection).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import orjson
 import requests
-
 from spruce.lang.backend import Backend
 from spruce.lang.errors import RuntimeRequestError, RuntimeUnavailableError, UnsupportedFeatureError
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
@@ -80,7 +80,9 @@ class HttpEndpoint(Backend):
 
     def generate_stream(self, msg: GenerateMsg) -> Iterator[ChunkMsg | FinalMsg]:
         msg.stream = True
-        response = self._send("POST", "/generate", _request_body(msg), self.request_timeout, stream=True)
+        response = self._send(
+            "POST", "/generate", _request_body(msg), self.request_timeout, stream=True
+        )
         finished = False
         try:
             final = FinalMsg(msg.rid, text="", output_ids=[], meta_info={})
@@ -95,7 +97,9 @@ class HttpEndpoint(Backend):
                     finished = True
                     yield final
                     return
-            raise RuntimeUnavailableError(self.address, f"the stream from {self.address} ended before its request")
+            raise RuntimeUnavailableError(
+                self.address, f"the stream from {self.address} ended before its request"
+            )
         finally:
             response.close()
             if not finished:  # the consumer stopped early, or an error: free the runtime's slots
@@ -126,20 +130,30 @@ class HttpEndpoint(Backend):
     def _post(self, path: str, body: dict, timeout: float | None) -> Any:
         return self._send("POST", path, body, timeout).json()
 
-    def _send(self, method: str, path: str, body: dict | None, timeout: float | None, stream: bool = False):
+    def _send(
+        self, method: str, path: str, body: dict | None, timeout: float | None, stream: bool = False
+    ):
         """One HTTP call; a refusal (status >= 400) raises RuntimeRequestError."""
         if self._closed:
-            raise RuntimeUnavailableError(self.address, f"the connection to {self.address} is closed")
+            raise RuntimeUnavailableError(
+                self.address, f"the connection to {self.address} is closed"
+            )
         if self._liveness_check is not None:
             self._liveness_check()
         url = self.address + path
         data = None if body is None else orjson.dumps(body)
         try:
-            response = self._session().request(method, url, data=data, timeout=(CONNECT_TIMEOUT_S, timeout), stream=stream)
+            response = self._session().request(
+                method, url, data=data, timeout=(CONNECT_TIMEOUT_S, timeout), stream=stream
+            )
         except requests.ConnectionError as e:
-            raise RuntimeUnavailableError(self.address, _unreachable_message(self.address, e)) from None
+            raise RuntimeUnavailableError(
+                self.address, _unreachable_message(self.address, e)
+            ) from None
         except requests.Timeout:
-            raise RuntimeUnavailableError(self.address, _silence_message(self.address, timeout)) from None
+            raise RuntimeUnavailableError(
+                self.address, _silence_message(self.address, timeout)
+            ) from None
         if response.status_code >= 400:
             error = _error_object(response)
             response.close()
@@ -171,7 +185,11 @@ def _request_body(msg: GenerateMsg) -> dict[str, Any]:
 
 
 def _result_fields(result: dict[str, Any]) -> dict[str, Any]:
-    return {"text": result.get("text"), "output_ids": result.get("output_ids"), "meta_info": result.get("meta_info")}
+    return {
+        "text": result.get("text"),
+        "output_ids": result.get("output_ids"),
+        "meta_info": result.get("meta_info"),
+    }
 
 
 def _sse_events(response: requests.Response) -> Iterator[dict[str, Any]]:
@@ -207,14 +225,18 @@ def _error_object(response: requests.Response) -> dict[str, Any]:
     return error if isinstance(error, dict) else {"message": str(body)}
 
 
-def _request_error(error: dict[str, Any], address: str, status: int | None = None) -> RuntimeRequestError:
+def _request_error(
+    error: dict[str, Any], address: str, status: int | None = None
+) -> RuntimeRequestError:
     status = status or error.get("status") or _status_of(error.get("type"))
     return RuntimeRequestError(str(error.get("message")), status, address)
 
 
 def _status_of(error_type: str | None) -> int:
     """The status of an error event inside a stream (the event carries only its type)."""
-    return {"service_unavailable_error": 503, "internal_server_error": 500}.get(error_type or "", 400)
+    return {"service_unavailable_error": 503, "internal_server_error": 500}.get(
+        error_type or "", 400
+    )
 
 
 def _unreachable_message(address: str, error: Exception) -> str:

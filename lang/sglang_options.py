@@ -28,7 +28,12 @@ VALUE_ALIASES = {
     "attention_backend": {"torch_native": "torch"},
 }
 
-HARMLESS_VALUES = {"tp_size": 1, "dp_size": 1, "trust_remote_code": False, "skip_tokenizer_init": False}
+HARMLESS_VALUES = {
+    "tp_size": 1,
+    "dp_size": 1,
+    "trust_remote_code": False,
+    "skip_tokenizer_init": False,
+}
 
 NO_EQUIVALENT = {
     "tp_size": "Spruce runs a model on one device (no tensor parallelism)",
@@ -57,7 +62,9 @@ def translate_sglang_options(options: dict[str, Any]) -> dict[str, Any]:
         name = RENAMED.get(key, key)
         if name in out:
             raise ProgramError(f"runtime option {name!r} given twice (as {key!r} too)")
-        out[name] = VALUE_ALIASES.get(name, {}).get(value, value) if isinstance(value, str) else value
+        out[name] = (
+            VALUE_ALIASES.get(name, {}).get(value, value) if isinstance(value, str) else value
+        )
     _check_kv_cache_dtype(out.get("kv_cache_dtype"))
     return out
 
@@ -65,7 +72,9 @@ def translate_sglang_options(options: dict[str, Any]) -> dict[str, Any]:
 def _check_harmless(key: str, value: Any) -> None:
     if key in HARMLESS_VALUES and value == HARMLESS_VALUES[key]:
         return
-    raise ProgramError(f"SGLang option {key}={value!r} has no Spruce equivalent: {NO_EQUIVALENT[key]}")
+    raise ProgramError(
+        f"SGLang option {key}={value!r} has no Spruce equivalent: {NO_EQUIVALENT[key]}"
+    )
 
 
 def _check_kv_cache_dtype(value: Any) -> None:

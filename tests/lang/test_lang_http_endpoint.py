@@ -9,9 +9,9 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
-
 import spruce.lang as sl
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
 
@@ -22,7 +22,7 @@ class FakeNativeApi(BaseHTTPRequestHandler):
     """/model_info, /flush_cache, /abort_request, and /generate: the prompt reversed, one SSE
     event per character when streamed; the prompt "fail midway" errors after one event."""
 
-    aborted: list[str] = []
+    aborted: ClassVar[list[str]] = []  # rids of /abort_request calls, for the tests
 
     def do_GET(self) -> None:
         if self._authorized():
@@ -49,10 +49,26 @@ class FakeNativeApi(BaseHTTPRequestHandler):
         text = body["text"]
         for i, char in enumerate(text[::-1]):
             if text == "fail midway" and i == 1:
-                self._event({"index": 0, "error": {"message": "the scheduler is gone", "type": "service_unavailable_error"}})
+                self._event(
+                    {
+                        "index": 0,
+                        "error": {
+                            "message": "the scheduler is gone",
+                            "type": "service_unavailable_error",
+                        },
+                    }
+                )
                 break
             meta = {"completion_tokens": i + 1, "output_token_logprobs": [[-0.5, i]]}
-            self._event({"index": 0, "text": char, "output_ids": [i], "finished": i == len(text) - 1, "meta_info": meta})
+            self._event(
+                {
+                    "index": 0,
+                    "text": char,
+                    "output_ids": [i],
+                    "finished": i == len(text) - 1,
+                    "meta_info": meta,
+                }
+            )
             time.sleep(0.01)
         self.wfile.write(b"data: [DONE]\n\n")
 
@@ -66,7 +82,9 @@ class FakeNativeApi(BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {KEY}":
             return True
-        self._json(401, {"error": {"message": "missing or wrong API key", "type": "authentication_error"}})
+        self._json(
+            401, {"error": {"message": "missing or wrong API key", "type": "authentication_error"}}
+        )
         return False
 
     def _json(self, status: int, data) -> None:
@@ -116,10 +134,18 @@ def test_a_refusal_carries_the_servers_message_and_status(url):
 def test_a_stream_gives_chunks_then_the_whole_result(url):
     events = list(sl.RuntimeEndpoint(url, api_key=KEY).generate_stream(msg("hello")))
     chunks, final = events[:-1], events[-1]
-    assert all(isinstance(c, ChunkMsg) for c in chunks) and "".join(c.text for c in chunks) == "olleh"
-    assert isinstance(final, FinalMsg) and final.text == "olleh" and final.output_ids == [0, 1, 2, 3, 4]
+    assert (
+        all(isinstance(c, ChunkMsg) for c in chunks) and "".join(c.text for c in chunks) == "olleh"
+    )
+    assert (
+        isinstance(final, FinalMsg)
+        and final.text == "olleh"
+        and final.output_ids == [0, 1, 2, 3, 4]
+    )
     assert final.meta_info["completion_tokens"] == 5  # counters: the latest chunk's
-    assert [lp for lp, _ in final.meta_info["output_token_logprobs"]] == [-0.5] * 5  # logprobs: concatenated
+    assert [lp for lp, _ in final.meta_info["output_token_logprobs"]] == [
+        -0.5
+    ] * 5  # logprobs: concatenated
 
 
 def test_an_error_inside_a_stream_is_raised_with_its_status(url):

@@ -16,12 +16,12 @@ import re
 
 import pytest
 import requests
-
 import spruce.lang as sgl
 from spruce.lang.sglang_options import translate_sglang_options
 
 needs_server = pytest.mark.skipif(
-    importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="spruce serve is not available"
+    importlib.util.find_spec("spruce.runtime.server.launch") is None,
+    reason="spruce serve is not available",
 )
 # SGLang's own definitions (sglang/lang/ir.py), the reference for language equality.
 SGLANG_REGEXES = {
@@ -122,7 +122,10 @@ PERSON_SCHEMA = {
 
 @sgl.function
 def character_gen(s, name):
-    s += name + " is a character in a story. Please fill in the following information about this character.\n"
+    s += (
+        name
+        + " is a character in a story. Please fill in the following information about this character.\n"
+    )
     s += sgl.gen("json_output", max_tokens=48, json_schema=json.dumps(PERSON_SCHEMA))
 
 
@@ -140,7 +143,12 @@ def pick_answer(s, question):
 
 @sgl.function(num_api_spec_tokens=64)
 def spec_program(s, topic):
-    s += "Write about " + topic + ":" + sgl.gen("first", max_tokens=6, min_tokens=3, stop_token_ids=BYTE_TOKENS)
+    s += (
+        "Write about "
+        + topic
+        + ":"
+        + sgl.gen("first", max_tokens=6, min_tokens=3, stop_token_ids=BYTE_TOKENS)
+    )
     s += sgl.gen("second", max_tokens=3)
 
 
@@ -164,14 +172,25 @@ def test_few_shot_qa(default_backend):
     assert state.ok, state.error()
     assert "\n" not in state["answer"]
     assert state.text().endswith("A:" + state["answer"])
-    assert few_shot_qa.run(question="What is the capital of the United States?")["answer"] == state["answer"]
+    assert (
+        few_shot_qa.run(question="What is the capital of the United States?")["answer"]
+        == state["answer"]
+    )
 
 
 @needs_server
 def test_multi_turn_question_keeps_the_messages(default_backend):
-    state = multi_turn_question.run(question_1="What is 1 + 1?", question_2="And 2 + 2?", temperature=0)
+    state = multi_turn_question.run(
+        question_1="What is 1 + 1?", question_2="And 2 + 2?", temperature=0
+    )
     assert state.ok, state.error()
-    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in state.messages()] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert state.messages()[2]["content"] == state["answer_1"]
 
 
@@ -198,7 +217,9 @@ def test_gen_with_n_gives_a_list_sharing_the_prompt(default_backend):
     answers, metas = state["answer"], state.get_meta_info("answer")
     assert isinstance(answers, list) and len(answers) == 3 and len(metas) == 3
     assert state.text().endswith("Answer:" + answers[0])  # as SGLang: the first sample continues
-    assert all(m["cached_tokens"] >= m["prompt_tokens"] - 1 for m in metas)  # committed first: all cached
+    assert all(
+        m["cached_tokens"] >= m["prompt_tokens"] - 1 for m in metas
+    )  # committed first: all cached
 
 
 @needs_server
@@ -232,7 +253,9 @@ def test_text_async_iter_with_meta_data(default_backend):
     state = multi_turn_question.run(question_1="Hi?", question_2="Bye?", temperature=0, stream=True)
 
     async def collect():
-        return [item async for item in state.text_async_iter(var_name="answer_1", return_meta_data=True)]
+        return [
+            item async for item in state.text_async_iter(var_name="answer_1", return_meta_data=True)
+        ]
 
     pairs = asyncio.run(collect())
     assert "".join(chunk for chunk, _ in pairs) == state["answer_1"]
@@ -241,8 +264,14 @@ def test_text_async_iter_with_meta_data(default_backend):
 
 @needs_server
 def test_run_batch_with_progress_bar_dicts_tuples_and_a_generator(default_backend, capsys):
-    questions = ["What is the capital of the United Kingdom?", "What is the capital of France?", "Who is Alan?"]
-    states = text_qa.run_batch([{"question": q} for q in questions], progress_bar=True, temperature=0)
+    questions = [
+        "What is the capital of the United Kingdom?",
+        "What is the capital of France?",
+        "Who is Alan?",
+    ]
+    states = text_qa.run_batch(
+        [{"question": q} for q in questions], progress_bar=True, temperature=0
+    )
     assert [s.ok for s in states] == [True] * 3
     assert "3/3" in capsys.readouterr().err
     as_tuples = text_qa.run_batch([(q,) for q in questions], temperature=0)
@@ -256,7 +285,9 @@ def test_run_batch_with_progress_bar_dicts_tuples_and_a_generator(default_backen
 def test_gen_choices_is_a_select_with_its_method(default_backend):
     state = pick_answer.run(question="Is the sky blue?")
     assert state.ok, state.error()
-    assert state["answer"] in ("yes", "no") and "greedy_logprob_matrix" in state.get_meta_info("answer")
+    assert state["answer"] in ("yes", "no") and "greedy_logprob_matrix" in state.get_meta_info(
+        "answer"
+    )
 
 
 @needs_server
@@ -264,7 +295,9 @@ def test_min_tokens_and_num_api_spec_tokens(default_backend):
     state = spec_program.run(topic="trees", temperature=0)
     assert state.ok, state.error()
     assert spec_program.num_api_spec_tokens == 64
-    assert state.get_meta_info("first")["completion_tokens"] >= 3  # byte tokens could not stop it before
+    assert (
+        state.get_meta_info("first")["completion_tokens"] >= 3
+    )  # byte tokens could not stop it before
 
 
 @needs_server
@@ -273,7 +306,9 @@ def test_copy_logprobs_and_run_without_threads(default_backend):
     inline = copy_and_logprobs.run(temperature=0, use_thread=False)
     for state in (threaded, inline):
         assert state.ok, state.error()
-        assert isinstance(state["aside"], list) and len(state["aside"]) == 1  # joined: gather_variable
+        assert (
+            isinstance(state["aside"], list) and len(state["aside"]) == 1
+        )  # joined: gather_variable
         meta = state.get_meta_info("next")
         assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
     assert inline.text() == threaded.text()
@@ -285,7 +320,9 @@ def test_copy_logprobs_and_run_without_threads(default_backend):
 def test_bad_gen_arguments_get_clear_errors():
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_length'"):
         sgl.gen("x", max_length=3)
-    with pytest.raises(sgl.ProgramError, match="n=...\\) must be an integer from 1 to 128; got 129"):
+    with pytest.raises(
+        sgl.ProgramError, match="n=...\\) must be an integer from 1 to 128; got 129"
+    ):
         sgl.gen("x", n=129)
     with pytest.raises(sgl.UnsupportedFeatureError, match="stop_regex"):
         sgl.gen("x", stop_regex=r"\d+")
@@ -352,7 +389,9 @@ def test_sglang_options_without_a_spruce_meaning_are_refused():
         sgl.Runtime(tp_size=2)
     with pytest.raises(sgl.ProgramError, match="no fp8"):
         sgl.Runtime(kv_cache_dtype="fp8_e5m2")
-    with pytest.raises(sgl.ProgramError, match="unknown runtime option.*'mem_fraction'.*known: .*kv_memory_gb"):
+    with pytest.raises(
+        sgl.ProgramError, match="unknown runtime option.*'mem_fraction'.*known: .*kv_memory_gb"
+    ):
         sgl.Runtime(mem_fraction=0.5)
 
 
@@ -361,14 +400,23 @@ def test_sglang_options_without_a_spruce_meaning_are_refused():
 
 @needs_server
 def test_runtime_generate_methods(runtime):
-    out = json.loads(runtime.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0}))
-    assert set(out) == {"text", "output_ids", "meta_info"} and out["meta_info"]["completion_tokens"] <= 4
+    out = json.loads(
+        runtime.generate("The capital of France is", {"max_new_tokens": 4, "temperature": 0})
+    )
+    assert (
+        set(out) == {"text", "output_ids", "meta_info"}
+        and out["meta_info"]["completion_tokens"] <= 4
+    )
     batch = json.loads(runtime.generate(["a", "b"], {"max_new_tokens": 2}, return_logprob=True))
     assert len(batch) == 2 and "output_token_logprobs" in batch[0]["meta_info"]
 
     async def stream():
-        return [chunk async for chunk in runtime.async_generate("The capital of France is", {"max_new_tokens": 4,
-                                                                                           "temperature": 0})]
+        return [
+            chunk
+            async for chunk in runtime.async_generate(
+                "The capital of France is", {"max_new_tokens": 4, "temperature": 0}
+            )
+        ]
 
     assert "".join(asyncio.run(stream())) == out["text"]
     tokenizer = runtime.get_tokenizer()
@@ -392,7 +440,9 @@ def test_sglang_route_names(runtime, tiny_tokenizer):
     assert requests.post(url + "/abort_request", json={"abort_all": True}).json() == {"aborted": 0}
     assert requests.post(url + "/abort_request", json={"rid": "nothing"}).json() == {"aborted": 0}
     tokens = requests.post(url + "/v1/tokenize", json={"prompt": "Hello world"}).json()
-    assert tokens["tokens"] == tiny_tokenizer.encode("Hello world") and tokens["count"] == len(tokens["tokens"])
+    assert tokens["tokens"] == tiny_tokenizer.encode("Hello world") and tokens["count"] == len(
+        tokens["tokens"]
+    )
     assert tokens["max_model_len"] == runtime.endpoint.model_info()["context_length"]
     text = requests.post(url + "/v1/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text == {"text": "Hello world"}
@@ -428,7 +478,9 @@ def bundled_runtime():
 
 @pytest.mark.slow
 @needs_server
-@pytest.mark.skipif(not _bundled_model_installed(), reason="the bundled SmolLM2 model is not installed")
+@pytest.mark.skipif(
+    not _bundled_model_installed(), reason="the bundled SmolLM2 model is not installed"
+)
 @pytest.mark.parametrize("transport", ["zmq", "http"])
 def test_programs_on_the_bundled_model(bundled_runtime, transport):
     backend = bundled_runtime if transport == "zmq" else sgl.RuntimeEndpoint(bundled_runtime.url)

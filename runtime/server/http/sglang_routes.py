@@ -9,13 +9,19 @@ here first: it handles abort_all and hands anything else to the native handler.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-
-from spruce.runtime.server.http.common import ApiError, error_response, json_body, json_response, server_of
+from spruce.runtime.server.http.common import (
+    ApiError,
+    error_response,
+    json_body,
+    json_response,
+    server_of,
+)
 from spruce.runtime.server.http.native_routes import native_routes
 
 HEALTH_PROMPT = "Hi"  # /health_generate decodes one token after it
@@ -47,7 +53,9 @@ def sglang_routes() -> APIRouter:
             raise ApiError(400, "abort_all must be true or false", param="abort_all")
         if not abort_all:
             return await native["POST /abort_request"](request)
-        return json_response({"aborted": server_of(request).manager.abort_all("aborted by the client (abort_all)")})
+        return json_response(
+            {"aborted": server_of(request).manager.abort_all("aborted by the client (abort_all)")}
+        )
 
     for path in ("/v1/tokenize", "/tokenize"):
         router.add_api_route(path, tokenize, methods=["POST"])
@@ -82,8 +90,12 @@ async def detokenize(request: Request) -> Response:
     tokens = data.get("tokens")
     single = isinstance(tokens, list) and all(_is_token(t) for t in tokens)
     batch = [tokens] if single else tokens
-    if not isinstance(batch, list) or not all(isinstance(b, list) and all(_is_token(t) for t in b) for b in batch):
-        raise ApiError(400, "tokens must be a list of token ids or a list of such lists", param="tokens")
+    if not isinstance(batch, list) or not all(
+        isinstance(b, list) and all(_is_token(t) for t in b) for b in batch
+    ):
+        raise ApiError(
+            400, "tokens must be a list of token ids or a list of such lists", param="tokens"
+        )
     model = server_of(request).model
     vocab = model.limits.vocab_size
     if any(t >= vocab for b in batch for t in b):
@@ -97,8 +109,12 @@ def _is_token(value: Any) -> bool:
 
 
 def _native_handlers() -> dict[str, Callable]:
-    """"METHOD /path" -> the native route's handler."""
-    return {f"{method} {route.path}": route.endpoint for route in native_routes().routes for method in route.methods}
+    """ "METHOD /path" -> the native route's handler."""
+    return {
+        f"{method} {route.path}": route.endpoint
+        for route in native_routes().routes
+        for method in route.methods
+    }
 
 
 def _with_body(request: Request, body: dict) -> Request:
