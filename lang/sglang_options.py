@@ -20,6 +20,8 @@ RENAMED = {
     # memory (after the weights) for the KV pool. The same knob: how much KV to allocate.
     "mem_fraction_static": "gpu_memory_fraction",
     "random_seed": "seed",
+    "disable_regex_jump_forward": "disable_jump_forward",
+    "constrained_json_whitespace_pattern": "grammar_whitespace_pattern",
 }
 
 VALUE_ALIASES = {
@@ -48,6 +50,7 @@ NO_EQUIVALENT = {
     "chat_template": "the chat template is the model's own",
     "enable_torch_compile": "Spruce does not compile the model with torch.compile",
     "stream_interval": "Spruce streams every step's new text",
+    "schedule_conservativeness": "Spruce reserves room for future output tokens with decode_reserve_ratio",
 }
 
 
