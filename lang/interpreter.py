@@ -2,13 +2,15 @@
 
 Each state has an `Executor` with its own worker thread (as in SGLang): `s += node` queues
 the node and returns at once, so forked states run in parallel; reading a variable or the
-text waits until the queued nodes are done. The first error stops the state: later nodes
+text waits until the queued nodes are done. With use_thread=False a node runs at once, in
+the thread that appends it. The first error stops the state: later nodes
 are skipped and the error is kept (`state.error()`); reading a variable it did not produce
 raises it.
 
 How nodes become requests:
   Gen     the program text so far + the run's defaults overridden by the gen's own fields;
-          the runtime's radix cache makes the repeated prefix free.
+          the runtime's radix cache makes the repeated prefix free. With n > 1: the text
+          is committed, then n copies of it go as one batch (the variable is the list).
   Select  see spruce.lang.select (one batched logprob request).
   Fork    commits the parent text (a zero-output request) before the children start.
 """
