@@ -21,6 +21,7 @@ from test_server import API_KEY, AUTH, start_server, stop_server
 
 MAX_REQUEST_BYTES = 1024 * 1024
 JSON = {"content-type": "application/json"}
+ORIGIN = "https://app.example"
 STREAM = {"text": "A long story:", "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}}
 
 
@@ -75,6 +76,9 @@ CASES = [
     Case("generate", {"input_ids": [[1, 2]] * 300}, 400, "--max-batch-size"),
     Case("generate", {"input_ids": [1, 2**64]}, 400, "input_ids"),
     Case("generate", {"text": "word " * 5000}, 400, "context"),
+    Case("generate", {"input_ids": [[1, 2]] * 100}, 429, "--max-requests-per-client"),  # 100 > 64 per client
+    Case("generate", {"input_ids": [[1, 2]] * 200}, 503, "--max-waiting-requests"),  # 200 > 128 running + 0
+    Case("completions", {"prompt": "hi", "n": 100}, 429, "prompts x n count each"),
     Case("generate", {"text": "hi", "top_logprobs_num": 21}, 400, "top_logprobs_num"),
     Case("generate", {"text": "hi", "logprob_start_len": 10**30}, 400, "logprob_start_len"),
     Case("generate", {"text": "hi", "timeout_s": -1}, 400, "timeout_s"),
@@ -142,7 +146,11 @@ def case_id(case: Case) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("bad-inputs") / "server.log"
-    srv = start_server(tiny_llama_dir, log_path, "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    extra = (
+        "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-requests-per-client", "64",
+        "--max-waiting-requests", "0", "--allowed-origins", ORIGIN,
+    )  # fmt: skip
+    srv = start_server(tiny_llama_dir, log_path, *extra)
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -248,16 +256,21 @@ def test_bad_input(case, request, model_name):
 
 
 def post(case: Case, http, model_name: str) -> tuple[int, dict]:
-    if case.api == "http":
-        r = httpx.post(str(http.base_url) + "/generate", content=case.body, headers=case.headers, timeout=60)
-    elif case.api == "generate":
-        r = http.post("/generate", json=case.body)
-    elif case.api == "completions":
-        r = http.post("/v1/completions", json={"model": model_name, "max_tokens": 4, **case.body})
-    else:
-        body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **case.body}
-        r = http.post("/v1/chat/completions", json=body)
+    r = send(case, http, model_name)
+    if r.status_code in (429, 503):
+        assert r.headers["retry-after"] == "1"
     return r.status_code, r.json()["error"]
+
+
+def send(case: Case, http, model_name: str) -> httpx.Response:
+    if case.api == "http":
+        return httpx.post(str(http.base_url) + "/generate", content=case.body, headers=case.headers, timeout=60)
+    if case.api == "generate":
+        return http.post("/generate", json=case.body)
+    if case.api == "completions":
+        return http.post("/v1/completions", json={"model": model_name, "max_tokens": 4, **case.body})
+    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **case.body}
+    return http.post("/v1/chat/completions", json=body)
 
 
 def check_zmq(case: Case, dealer, http) -> None:
@@ -333,3 +346,39 @@ def test_the_issue_reproductions_hurt_only_the_offender(server, http):
     with pytest.raises(Exception, match="API key"):
         sl.RuntimeEndpoint(server.zmq_url, api_key="wrong", connect_timeout=5)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# -- web basics ----------------------------------------------------------------------------------
+
+
+def test_cors_only_for_the_allowed_origin(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    ok = httpx.options(server.url + "/generate", headers={"Origin": ORIGIN, **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    evil = httpx.options(server.url + "/generate", headers={"Origin": "https://evil.example", **preflight})
+    assert evil.status_code == 400 and "access-control-allow-origin" not in evil.headers
+    r = httpx.get(server.url + "/model_info", headers={"Origin": ORIGIN, **AUTH})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.get(server.url + "/model_info", headers={"Origin": "https://evil.example", **AUTH})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_model_info_names_the_model_and_server_info_has_the_path(server, http, tiny_llama_dir):
+    info = http.get("/model_info").json()
+    assert info["model"] == tiny_llama_dir.name and str(tiny_llama_dir) not in json.dumps(info)
+    [card] = http.get("/v1/models").json()["data"]
+    assert str(tiny_llama_dir) not in json.dumps(card)
+    assert http.get("/server_info").json()["model_path"] == str(tiny_llama_dir)
+    assert httpx.get(server.url + "/server_info").status_code == 401  # the path is behind the key
+    assert httpx.get(server.url + "/health").status_code == 200  # the one route without the key
+
+
+def test_request_deadline_aborts_and_frees(http):
+    body = {"text": "slow", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "timeout_s": 0.5}
+    started = time.monotonic()
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200 and time.monotonic() - started < 10
+    reason = r.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "deadline" in reason["message"]
+    assert r.json()["meta_info"]["completion_tokens"] < 900
+    assert http.get("/server_info").json()["in_flight_requests"] == 0
