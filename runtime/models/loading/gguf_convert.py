@@ -1,5 +1,6 @@
 """A GGUF file in Hugging Face terms: `gguf_to_hf(file, dtype)` -> (config.json dict, state
-dict with HF parameter names and layouts), for the llama.cpp architectures Spruce runs."""
+dict with HF parameter names and layouts), for the llama.cpp architectures Spruce runs
+(gguf_families.py says what differs per architecture)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,13 @@ if TYPE_CHECKING:
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.loading.gguf import GGUFFile
+from spruce.runtime.models.loading.gguf_families import GGUFArchitecture, architecture, longrope_scaling
 
 # ---------------------------------------------------------------------------------------
 # Hugging Face view: config.json dict + state dict
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Architecture:
-    hf_class: str
-    model_type: str
-    permuted_qk: bool  # llama.cpp's converter interleaves Q/K rows for rope (llama only)
-
-
-ARCHITECTURES = {
-    "llama": _Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
-    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
-}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -50,6 +41,8 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")
+_FOLDED = {_ROPE_FREQS, *_LONGROPE}  # tensors that become config, not weights
 _REQUIRED = object()
 
 
@@ -59,17 +52,12 @@ def gguf_to_hf(f: GGUFFile, dtype: torch.dtype) -> tuple[dict[str, Any], dict[st
     llama files get their Q/K rows un-permuted back to HF's rotate-half layout;
     `lm_head.weight` is present only when the file has `output.weight` (else tied)."""
     arch_name = f.metadata.get("general.architecture")
-    arch = ARCHITECTURES.get(arch_name)
-    if arch is None:
-        raise ModelLoadError(
-            f"{f.path}: GGUF architecture {arch_name!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
-        )
+    arch = architecture(arch_name, f.path)
     config = _hf_config(f, arch_name, arch, dtype)
     return config, _hf_state_dict(f, config, arch, dtype)
 
 
-def _hf_config(f: GGUFFile, arch_name: str, arch: _Architecture, dtype: torch.dtype) -> dict:
+def _hf_config(f: GGUFFile, arch_name: str, arch: GGUFArchitecture, dtype: torch.dtype) -> dict:
     meta, prefix = f.metadata, arch_name + "."
 
     def get(key: str, default: Any = _REQUIRED) -> Any:
@@ -102,6 +90,8 @@ def _hf_config(f: GGUFFile, arch_name: str, arch: _Architecture, dtype: torch.dt
     rope_scaling = _rope_scaling(f, get, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    if arch.config is not None:
+        config.update(arch.config(get, config))
     return config
 
 
@@ -120,6 +110,9 @@ def _vocab_size(f: GGUFFile, get: Callable[..., Any]) -> int:
 def _rope_scaling(f: GGUFFile, get: Callable[..., Any], config: dict) -> dict | None:
     """HF `rope_scaling` from `{arch}.rope.scaling.*` (linear, yarn) or, for llama3-style
     scaling, from the `rope_freqs.weight` tensor llama.cpp writes instead of metadata."""
+    if all(name in f.tensors for name in _LONGROPE):
+        short, long = (f.tensor(name).double().tolist() for name in _LONGROPE)
+        return longrope_scaling(short, long, get)
     kind = get("rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": _shortest(get("rope.scaling.factor"))}
@@ -181,31 +174,48 @@ def llama3_factors(scaling: dict, inv_wavelen: np.ndarray) -> np.ndarray:
 
 
 def _hf_state_dict(
-    f: GGUFFile, config: dict, arch: _Architecture, dtype: torch.dtype
+    f: GGUFFile, config: dict, arch: GGUFArchitecture, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    names = _LAYER_NAMES | arch.layer_names
     state = {}
     for name in f.tensor_names:
-        if name == _ROPE_FREQS:
+        if name in _FOLDED:
             continue  # folded into config["rope_scaling"]
-        hf_name, role = _hf_name(f.path, name)
+        hf_name, role = _hf_name(f.path, name, names, config["model_type"])
         tensor = f.tensor(name, dtype)
         if arch.permuted_qk and role in heads:
             tensor = unpermute_qk(tensor, heads[role])
+        if arch.norm_shift and role.endswith("norm"):
+            tensor = tensor - arch.norm_shift
         state[hf_name] = tensor
+    _merge_experts(state)
     return state
 
 
-def _hf_name(path: str, name: str) -> tuple[str, str]:
+def _merge_experts(state: dict[str, torch.Tensor]) -> None:
+    """Stacked gate and up experts -> transformers' `experts.gate_up_proj` [E, 2 * I, H]."""
+    import torch
+
+    for gate_name in [n for n in state if n.endswith(".experts.gate_proj.weight")]:
+        prefix = gate_name.removesuffix("gate_proj.weight")
+        up = state.pop(prefix + "up_proj.weight", None)
+        if up is None:
+            raise ModelLoadError(f"GGUF file has {gate_name} but no matching up experts")
+        state[prefix + "gate_up_proj"] = torch.cat([state.pop(gate_name), up], dim=1)
+        state[prefix + "down_proj"] = state.pop(prefix + "down_proj.weight")
+
+
+def _hf_name(path: str, name: str, layer_names: dict[str, str], model_type: str) -> tuple[str, str]:
     """GGUF tensor name -> (HF parameter name, GGUF role such as 'attn_q')."""
     base, _, suffix = name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight", base
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _LAYER_NAMES:
-        raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama-family model")
+    if match is None or match[2] not in layer_names:
+        raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a {model_type} model")
     layer, role, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[role]}.{suffix}", role
+    return f"model.layers.{layer}.{layer_names[role]}.{suffix}", role
 
 
 def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:

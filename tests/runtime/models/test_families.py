@@ -167,6 +167,12 @@ def test_triton_backend_equals_transformers(family):
 # -- checkpoint layouts and bad configs ---------------------------------------------------
 
 
+def load_file_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
 def copy_folder(src, dst, config_changes=None, weights=None):
     """src's tokenizer and config (with `config_changes`) and `weights` (default: src's)."""
     import json
@@ -185,26 +191,31 @@ def copy_folder(src, dst, config_changes=None, weights=None):
     return dst
 
 
-def mixtral_hub_layout(state, drop_expert=None):
-    """transformers >= 5 stacks experts; Mixtral on the Hub stores block_sparse_moe.experts.{e}.w1/w2/w3."""
-    out = {}
+def stacked_layout(state):
+    """transformers saves experts one by one (Hub layout: Mixtral's block_sparse_moe.experts.{e}.w1,
+    Qwen3-MoE's mlp.experts.{e}.gate_proj); transformers >= 5 holds them stacked in memory:
+    mlp.experts.gate_up_proj [E, 2 * I, H] and mlp.experts.down_proj [E, H, I]."""
+    import re
+
+    out, experts = {}, {}
+    pattern = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
     for name, tensor in state.items():
-        prefix, _, leaf = name.rpartition(".mlp.")
-        if leaf == "gate.weight":
-            out[f"{prefix}.block_sparse_moe.gate.weight"] = tensor
-        elif leaf == "experts.gate_up_proj":
-            for e, gate_up in enumerate(tensor):
-                gate, up = gate_up.chunk(2)
-                out[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = gate
-                out[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = up
-        elif leaf == "experts.down_proj":
-            for e, down in enumerate(tensor):
-                out[f"{prefix}.block_sparse_moe.experts.{e}.w2.weight"] = down
-        else:
-            out[name] = tensor
-    if drop_expert is not None:
-        out.pop(f"model.layers.1.block_sparse_moe.experts.{drop_expert}.w1.weight")
+        match = pattern.fullmatch(name)
+        if match is None:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            continue
+        prefix, e, proj = match.groups()
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(proj, proj)
+        experts.setdefault(prefix, {}).setdefault(proj, {})[int(e)] = tensor
+    for prefix, projs in experts.items():
+        stack = {p: torch.stack([t for _, t in sorted(projs[p].items())]) for p in projs}
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        out[f"{prefix}.mlp.experts.down_proj"] = stack["down_proj"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def without_expert(state, layer=1, expert=2):
+    return {k: v for k, v in state.items() if f"layers.{layer}.block_sparse_moe.experts.{expert}.w1." not in k}
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +224,9 @@ def mixtral_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("mixtral"), arch, seed=7, **overrides)
 
 
-def test_experts_stored_one_by_one_load_the_same(mixtral_dir, tmp_path):
-    hub = copy_folder(mixtral_dir, tmp_path / "hub", weights=mixtral_hub_layout)
+def test_experts_stored_stacked_load_the_same(mixtral_dir, tmp_path):
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in load_file_of(mixtral_dir)  # Hub layout
+    hub = copy_folder(mixtral_dir, tmp_path / "stacked", weights=stacked_layout)
     ids = prompt(40, 15)
     runners = [make_runner(load_model(str(f))) for f in (mixtral_dir, hub)]
     logits = [r.forward([item(r, ids)]).logits for r in runners]
@@ -227,7 +239,7 @@ def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
     cases = [
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, None, "rope scaling type 'yarn' is not supported"),
         ({"sliding_window": 4096}, None, r"sliding_window 4096 must be an integer in 1..max_position_embeddings \(1024\)"),
-        ({}, lambda s: mixtral_hub_layout(s, drop_expert=2), r"layers.1.mlp.experts lacks gate_proj of experts \[2\]"),
+        ({}, without_expert, r"layers.1.mlp.experts lacks gate_proj of experts \[2\]"),
         ({"num_local_experts": 8}, None, r"mlp.gate.weight: checkpoint shape \(4, 64\) != model \(8, 64\)"),
         ({"num_experts_per_tok": 5}, None, "num_experts_per_tok 5 must be in 1..4"),
         ({"num_local_experts": None}, None, "lacks experts"),
