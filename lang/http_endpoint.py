@@ -108,6 +108,10 @@ class HttpEndpoint(Backend):
     def flush_cache(self) -> None:
         self._post("/flush_cache", {}, CONTROL_TIMEOUT_S)
 
+    def ping(self, timeout: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+        """The model_info, read again: raises RuntimeUnavailableError if nothing answers."""
+        return self._get("/model_info", timeout)
+
     def get_server_info(self) -> dict[str, Any]:
         """The server's /server_info: model, engine configuration, options, scheduler stats."""
         return self._get("/server_info", CONTROL_TIMEOUT_S)

@@ -119,6 +119,7 @@ def msg(text, **kwargs) -> GenerateMsg:
 def test_the_api_key_is_sent_and_a_wrong_one_refused(url):
     endpoint = sl.RuntimeEndpoint(url, api_key=KEY)
     assert endpoint.model_info()["model"] == "fake" and endpoint.generate(msg("abc")).text == "cba"
+    assert endpoint.ping() == endpoint.model_info()
     with pytest.raises(sl.RuntimeRequestError, match="wrong API key") as info:
         sl.RuntimeEndpoint(url, api_key="nope")
     assert info.value.status == 401 and info.value.address == url
