@@ -23,13 +23,15 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def resolve_backend(name: str, device: str) -> str:
-    """`auto`: flashinfer if importable on a GPU, else triton on a GPU, native on a CPU.
-    A forced backend that cannot run here is a clear error."""
+def resolve_backend(name: str, device: str, options: AttentionOptions | None = None) -> str:
+    """`auto`: flashinfer if importable on a GPU (and the model's `options` need nothing it
+    lacks: sliding windows, soft-capping), else triton on a GPU, native on a CPU. A forced
+    backend that cannot run here is a clear error."""
     on_gpu = device.startswith("cuda")
     name = ALIASES.get(name, name)
     if name == "auto":
-        if on_gpu and _importable("flashinfer"):
+        plain = options is None or options == AttentionOptions(scale=options.scale)
+        if on_gpu and _importable("flashinfer") and plain:
             return "flashinfer"
         return "triton" if on_gpu and _importable("triton") else "native"
     if name not in ATTENTION_BACKENDS:

@@ -77,3 +77,21 @@ def test_gpu_backends_equal_native(tiny_llama_dir, backend):
     loaded = load_model(str(tiny_llama_dir), dtype="bfloat16", device="cuda")
     for got, want in zip(run_mixed_batch(loaded, backend), run_mixed_batch(loaded, "native")):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def test_auto_skips_flashinfer_for_models_it_cannot_attend(monkeypatch):
+    import spruce.runtime.executor.attention as attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: True)
+    assert resolve_backend("auto", "cuda", attention.AttentionOptions(scale=0.2)) == "flashinfer"
+    assert resolve_backend("auto", "cuda", attention.AttentionOptions(layer_windows=(8, None))) == "triton"
+    assert resolve_backend("auto", "cuda", attention.AttentionOptions(logit_softcap=50.0)) == "triton"
+
+
+def test_flashinfer_refuses_sliding_windows_in_one_line():
+    from spruce.runtime.executor.attention import AttentionOptions
+    from spruce.runtime.executor.attention.flashinfer_backend import refuse_unsupported
+
+    refuse_unsupported(AttentionOptions(scale=0.1))
+    with pytest.raises(SpruceError, match="'flashinfer' does not implement sliding-window attention"):
+        refuse_unsupported(AttentionOptions(layer_windows=(4096, None)))

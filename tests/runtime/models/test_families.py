@@ -51,7 +51,10 @@ FAMILIES = {
             },
         ),
     ),
-    "phi3-longrope": ("phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=256)),
+    "phi3-longrope": (  # Phi-3-mini-4k slides a window over every layer
+        "phi3",
+        dict(rope_parameters=LONGROPE, original_max_position_embeddings=256, sliding_window=WINDOW),
+    ),
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0], num_hidden_layers=2)),
 }
 HF_CLASSES = {

@@ -90,6 +90,7 @@ def metadata(arch: str, config: dict) -> dict:
         meta["rope.scaling.factor"] = (full["factor"], f32)
         meta["attention.sliding_window_pattern"] = (2, u32)
     if arch == "phi3":
+        meta["attention.sliding_window"] = (config["sliding_window"], u32)
         meta["rope.dimension_count"] = (int(config["head_dim"] * rope["partial_rotary_factor"]), u32)
         meta["rope.scaling.original_context_length"] = (rope["original_max_position_embeddings"], u32)
     return {f"{arch}.{key}": (value, kind, None) for key, (value, kind) in meta.items()}
