@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -135,7 +136,8 @@ class Runtime:
                 if event.text:
                     yield event.text
         finally:
-            events.close()
+            with contextlib.suppress(ValueError):  # cancelled while a thread is inside next(): GC closes it
+                events.close()
 
     add_request = async_generate
 
