@@ -13,7 +13,7 @@ import transformers
 
 from conftest import write_tiny_model
 from spruce.runtime import Engine
-from spruce.runtime.executor.kernels import cpu_layer_ops
+from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models.loading.loader import load_model
 
@@ -111,12 +111,19 @@ def test_prompt_batch_and_extend_equal_transformers(family):
     torch.testing.assert_close(logits, hf_logits(hf, ids)[20:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernels", ["c", "torch-layer-ops"])
+@pytest.mark.parametrize("kernels", ["c", "torch-layer-ops", "no-c-library"])
 def test_decode_steps_equal_transformers(family, kernels, monkeypatch):
+    """The C kernels (attention with its window argument), the torch per-layer operators,
+    and a machine without a C compiler (the native backend's torch attention: window masks)."""
     if kernels == "torch-layer-ops":
         monkeypatch.setattr(cpu_layer_ops, "usable", lambda x: False)
+    if kernels == "no-c-library":
+        monkeypatch.setattr(cpu_library, "_library", None)
+        monkeypatch.setattr(cpu_library, "_tried", True)
     _, _, loaded, hf = family
     runner = make_runner(loaded)
+    uses_c_attention = kernels != "no-c-library" and loaded.config.attn_logit_softcap is None
+    assert (runner.backend.cpu_kernel is not None) == uses_c_attention
     seqs = [prompt(10 + i, n) for i, n in enumerate([3, 9, 14, 30])]
     items = [item(runner, s, all_logits=False) for s in seqs]
     last = runner.forward(items).logits.argmax(-1).tolist()
