@@ -11,9 +11,9 @@ Sliding-window layers (Mistral v0.1, Gemma, Phi-3-mini-4k) read only the last W 
 row: the attention backends start at position seq_len - W. The pool still keeps every
 token's slot, for three reasons: one slot holds a token's K/V for all layers, and models
 that mix windowed and global layers (Gemma) need every token in their global layers; a
-prefix shared through the radix cache must stay whole, since a later request that matches
-it attends from its own end (its window can reach back into any part of the prefix, and its
-global layers read all of it); and freeing the middle of a row would break the rule that a
+prefix shared through the radix cache must stay whole, since a later request may match only
+part of it and then attend from a point in its middle (and global layers read all of it);
+and freeing the middle of a row would break the rule that a
 row's first `prefix_len` slots are all live. Freeing the slots that left every window is
 possible only for models whose layers all slide, for requests whose tokens are not shared
 through the radix cache; it is not done yet.
