@@ -106,9 +106,10 @@ class SamplingParams:
 
     def _check_floats(self) -> None:
         temperature = self.temperature
+        _check(_is_number(temperature) and temperature >= 0, "temperature must be >= 0 (0 means greedy) and finite")
         _check(
-            _is_number(temperature) and (temperature == 0 or MIN_TEMPERATURE <= temperature),
-            f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, and finite",
+            temperature == 0 or temperature >= MIN_TEMPERATURE,
+            f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows the logits",
         )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")

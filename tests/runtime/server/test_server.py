@@ -575,7 +575,7 @@ BAD_INPUT = [
     (CHAT, {"model": "{model}", "messages": []}, 400, "messages"),
     (CHAT, {"model": "gpt-9", "messages": MSG}, 404, "does not exist"),
     (CHAT, {"model": "{model}", "messages": MSG, "max_tokens": 5000}, 400, "lower max_tokens to at most"),
-    (CHAT, {"model": "{model}", "messages": MSG, "temperature": -1}, 400, "temperature must be 0"),
+    (CHAT, {"model": "{model}", "messages": MSG, "temperature": -1}, 400, "temperature must be >= 0"),
     (CHAT, {"model": "{model}", "messages": MSG, "n": 0}, 400, "n must be between"),
     (CHAT, {"model": "{model}", "messages": MSG, "frobnicate": 1}, 400, "unknown field"),
     (CHAT, {"model": "{model}", "messages": MSG, "top_logprobs": 2}, 400, "needs logprobs"),
