@@ -68,6 +68,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
+        config = _text_model(config)
         architecture = _architecture(config)
         try:
             num_heads = config["num_attention_heads"]
@@ -123,6 +124,34 @@ def _architecture(config: dict[str, Any]) -> str:
         return archs[0]
     model_type = config.get("model_type", "")
     return _MODEL_TYPES.get(model_type, model_type or "<none>")
+
+
+# Multimodal checkpoints served as text models: architecture -> (text architecture, the
+# defaults transformers fills into its text_config, which config.json files omit).
+_TEXT_MODELS = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3ForCausalLM",
+        {
+            "model_type": "gemma3_text", "vocab_size": 262208, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+            "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+}  # fmt: skip
+
+
+def _text_model(config: dict[str, Any]) -> dict[str, Any]:
+    """The text part of a multimodal config (images are not served); others unchanged."""
+    archs = config.get("architectures") or []
+    if not archs or archs[0] not in _TEXT_MODELS:
+        return config
+    text_arch, defaults = _TEXT_MODELS[archs[0]]
+    text = defaults | config.get("text_config", {}) | {"architectures": [text_arch]}
+    if "tie_word_embeddings" in config:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}

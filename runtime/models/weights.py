@@ -2,7 +2,8 @@
 
 The decoder fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and stores a
 layer's experts stacked (`experts.gate_up_proj` [E, 2 * I, H], `experts.down_proj` [E, H, I],
-transformers >= 5's layout). Checkpoints may hold either form: separate projections (Llama),
+transformers >= 5's layout). Multimodal checkpoints (Gemma 3 4B and up) keep the text model
+under `language_model.`; their image weights are skipped. Checkpoints may hold either form: separate projections (Llama),
 fused ones (Phi-3), experts one by one (`experts.{e}.gate_proj`, Qwen3-MoE on the Hub;
 `block_sparse_moe.experts.{e}.w1`, Mixtral) or stacked.
 """
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 _RENAMES = [
-    (re.compile(r"^model\."), ""),
+    (re.compile(r"^(language_model\.model|model\.language_model|model|language_model)\."), ""),
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
     (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
     (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
@@ -45,8 +46,12 @@ def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) ->
         raise KeyError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
 
 
+# The image side of multimodal checkpoints whose text model is served alone.
+_IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
 def spruce_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {_rename(name): tensor for name, tensor in state_dict.items()}
+    out = {_rename(name): tensor for name, tensor in state_dict.items() if not _IMAGE_PARTS.match(name)}
     _fuse(out, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
     _fuse(out, ("gate_proj", "up_proj"), "gate_up_proj")
     _stack_experts(out)

@@ -260,3 +260,34 @@ def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
         with pytest.raises(ModelLoadError, match=message) as failure:
             load_model(str(folder))
         assert "\n" not in str(failure.value)
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model under
+    language_model., image weights beside it, config defaults left to transformers."""
+    from conftest import write_tokenizer_files
+
+    write_tokenizer_files(tmp_path)
+    text = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=384, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, pad_token_id=None,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
+        boi_token_index=381, eoi_token_index=382,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.architecture == "Gemma3ForCausalLM" and loaded.config.layer_windows == (WINDOW, None)
+    runner = make_runner(loaded)
+    ids = prompt(50, 21)
+    got = runner.forward([item(runner, ids)]).logits
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=ATOL, rtol=0)
