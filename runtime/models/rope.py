@@ -1,7 +1,8 @@
 """Rotary position embedding: its configuration (parsed from `config.json`) and cos / sin
 tables over positions, computed in float32 the way transformers computes them.
 
-Scaling types: `llama3`, `linear`, `longrope` (alias `su`, Phi-3). LongRoPE note:
+Scaling types: `llama3`, `linear`, `yarn` (Qwen3's long-context setting), `longrope` (alias
+`su`, Phi-3). LongRoPE note:
 transformers recomputes the whole sequence with the long factors once a sequence grows past
 `original_max_position_embeddings`, which a KV cache cannot do; here positions below it use
 the short factors and positions from it on the long ones (as vLLM does). Below that length
@@ -21,14 +22,17 @@ from spruce.runtime.errors import ModelLoadError
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    kind: str  # llama3 | linear | longrope
+    kind: str  # llama3 | linear | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3, longrope
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()  # longrope
-    attention_factor: float = 1.0  # longrope: cos / sin are multiplied by it
+    attention_factor: float = 1.0  # yarn, longrope: cos / sin are multiplied by it
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,7 @@ class RopeConfig:
     partial_factor: float = 1.0  # rotate only the first head_dim * partial_factor dims
 
 
-SUPPORTED_SCALING = ("default", "llama3", "linear", "longrope")
+SUPPORTED_SCALING = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 def rope_config(config: dict[str, Any], head_dim: int, max_pos: int) -> tuple[RopeConfig, RopeConfig | None]:
@@ -75,6 +79,8 @@ def _scaling(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> Ro
         return RopeScaling("linear", factor=float(params["factor"]))
     if kind in ("longrope", "su"):
         return _longrope(config, params, max_pos)
+    if kind == "yarn":
+        return _yarn(config, params, max_pos)
     raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_SCALING)})")
 
 
@@ -94,6 +100,33 @@ def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> R
         long_factor=tuple(params["long_factor"]),
         attention_factor=float(attention_factor),
     )
+
+
+def _yarn(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
+    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    if original is None:
+        raise ModelLoadError("yarn rope scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or max_pos / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return RopeScaling(
+        "yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        attention_factor=float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
@@ -119,6 +152,9 @@ def rope_tables(
     s = rope.scaling
     if s is not None and s.kind == "longrope":
         return _longrope_tables(s, rope.theta, exponents, positions)
+    if s is not None and s.kind == "yarn":
+        freqs = torch.outer(positions, _yarn_inv_freq(s, rope.theta, dim, exponents))
+        return freqs.cos() * s.attention_factor, freqs.sin() * s.attention_factor
     inv_freq = 1.0 / (rope.theta**exponents)
     if s is not None and s.kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, s)
@@ -135,6 +171,25 @@ def _longrope_tables(s: RopeScaling, theta: float, exponents: torch.Tensor, posi
     is_long = (positions >= s.original_max_position_embeddings)[:, None]
     freqs = torch.where(is_long, torch.outer(positions, long), torch.outer(positions, short))
     return freqs.cos() * s.attention_factor, freqs.sin() * s.attention_factor
+
+
+def _yarn_inv_freq(s: RopeScaling, theta: float, dim: int, exponents: torch.Tensor) -> torch.Tensor:
+    """Extrapolated (original) frequencies for the fast dims, interpolated (/ factor) ones for
+    the slow dims, a linear ramp between; as transformers' _compute_yarn_parameters."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = theta**exponents
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

@@ -30,6 +30,10 @@ LONGROPE = {
 FAMILIES = {
     "mistral-sliding": ("mistral", dict(sliding_window=WINDOW)),
     "qwen3": ("qwen3", {}),
+    "qwen3-yarn": (  # Qwen3's documented long-context setting, scaled down
+        "qwen3",
+        dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+    ),
     "qwen3-moe": (
         "qwen3_moe",
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
@@ -247,7 +251,7 @@ def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
     from spruce.runtime.errors import ModelLoadError
 
     cases = [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, None, "rope scaling type 'yarn' is not supported"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, None, "rope scaling type 'dynamic' is not supported"),
         ({"sliding_window": 4096}, None, r"sliding_window 4096 must be an integer in 1..max_position_embeddings \(1024\)"),
         ({}, without_expert, r"layers.1.mlp.experts lacks gate_proj of experts \[2\]"),
         ({"num_local_experts": 8}, None, r"mlp.gate.weight: checkpoint shape \(4, 64\) != model \(8, 64\)"),
