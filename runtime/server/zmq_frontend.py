@@ -38,6 +38,7 @@ from spruce.runtime.server.native import ModelContext, batch_error, flush_cache,
 from spruce.runtime.server.request_manager import Call, Refused, RequestManager
 
 logger = logging.getLogger("spruce.server")
+SEND_TIMEOUT_S = 10.0  # a reply the client's full queue does not take in this time: the client is gone
 
 
 class ZmqFrontend:
@@ -175,8 +176,9 @@ class ZmqFrontend:
             if event.error is not None:
                 await self._send(identity, ErrorMsg(rid, event.error, event.status))
                 return
-            if event.text or event.output_ids:
-                await self._send(identity, ChunkMsg(rid, event.text, event.output_ids, event.meta_info))
+            chunk = ChunkMsg(rid, event.text, event.output_ids, event.meta_info)
+            if (event.text or event.output_ids) and not await self._send(identity, chunk):
+                return  # the client is gone: its call is closed, nothing more to send
             if event.finished:
                 await self._send(identity, FinalMsg(rid, **event.result))
 
@@ -209,18 +211,25 @@ class ZmqFrontend:
 
     # -- sending ----------------------------------------------------------------------------
 
-    async def _send(self, identity: bytes, msg) -> None:
+    async def _send(self, identity: bytes, msg) -> bool:
+        """Sends one reply; False when the client is gone. A client that leaves more than
+        the socket's high-water mark of replies unread for SEND_TIMEOUT_S counts as gone
+        (its requests are aborted)."""
         try:
-            await self.socket.send_multipart([identity, protocol.encode(msg)])
+            await asyncio.wait_for(self.socket.send_multipart([identity, protocol.encode(msg)]), SEND_TIMEOUT_S)
+            return True
+        except asyncio.TimeoutError:
+            self._client_gone(identity, "the ZeroMQ client does not read its replies")
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self._client_gone(identity)
+        return False
 
-    def _client_gone(self, identity: bytes) -> None:
+    def _client_gone(self, identity: bytes, message: str = "the ZeroMQ client is gone") -> None:
         for (who, _), call in list(self.calls.items()):
             if who == identity:
-                call.close("the ZeroMQ client is gone")
+                call.close(message)
 
     def close(self) -> None:
         for task in self.tasks:
