@@ -43,6 +43,19 @@ class _Extend:
     masks: dict  # window -> [length, prefix + length] mask, or None for plain causal
 
 
+def _extend_mask(prefix: int, length: int, window: int | None, device) -> torch.Tensor | None:
+    """[length, prefix + length] True = attend: causal with the prefix as offset, within the
+    window; None when that is plain causal attention over the new tokens (is_causal)."""
+    total = prefix + length
+    slides = window is not None and total > window
+    if prefix == 0 and not slides:
+        return None
+    q_pos = torch.arange(length, device=device)[:, None] + prefix
+    key_pos = torch.arange(total, device=device)[None, :]
+    mask = key_pos <= q_pos
+    return mask & (key_pos > q_pos - window) if slides else mask
+
+
 @dataclass(slots=True)
 class _NativeState:
     decode: _DecodeGroup | None
@@ -99,15 +112,7 @@ class NativeAttentionBackend(AttentionBackend):
     def _extend(self, ctx: ForwardContext, b: int, start: int) -> _Extend:
         prefix, length = ctx.prefix_lens_cpu[b], ctx.extend_lens_cpu[b]
         device = ctx.positions.device
-        q_pos = torch.arange(length, device=device)[:, None] + prefix
-        key_pos = torch.arange(prefix + length, device=device)[None, :]
-        causal = key_pos <= q_pos
-        masks = {}
-        for w in self.distinct_windows:
-            if w is not None and prefix + length > w:
-                masks[w] = causal & (key_pos > q_pos - w)
-            else:  # the window covers everything: plain causal (is_causal without a prefix)
-                masks[w] = causal if prefix else None
+        masks = {w: _extend_mask(prefix, length, w, device) for w in self.distinct_windows}
         if prefix == 0:
             return _Extend(start, length, 0, None, masks)
         row = int(ctx.req_pool_indices[b])
