@@ -21,7 +21,7 @@ class RequestOptions:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RequestOptions":
+    def from_dict(cls, data: dict[str, Any]) -> RequestOptions:
         """From a JSON-like dict that may hold other keys too (only this record's are read)."""
         return cls(**{name: data[name] for name in cls.field_names() if name in data})
 

@@ -50,7 +50,7 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, data: dict[str, Any] | None) -> SamplingParams:
         """Builds from JSON-like input; an unknown field is an error that lists the known ones."""
         data = dict(data or {})
         unknown = sorted(set(data) - set(cls.field_names()))
@@ -63,7 +63,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def replace(self, **changes: Any) -> "SamplingParams":
+    def replace(self, **changes: Any) -> SamplingParams:
         return replace(self, **changes)
 
     @property

@@ -61,7 +61,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
-
 from spruce.runtime.errors import InvalidRequestError
 
 MAX_MESSAGE_BYTES = 32 * 2**20

@@ -32,7 +32,6 @@ import time
 import uvicorn
 import zmq
 import zmq.asyncio
-
 from spruce.runtime.config import ServerOptions
 from spruce.runtime.core.validation import ModelLimits
 from spruce.runtime.errors import SpruceError
@@ -202,8 +201,8 @@ class Launcher:
         self.supervisor.start("receiver", self.manager.receive_forever)
         self.supervisor.start("zmq", self.zmq.serve_forever)
         if self.options.throughput_log_s > 0:
-            stats = lambda: self.manager.control("stats", self.options.health_timeout_s)  # noqa: E731
-            in_flight = lambda: self.manager.in_flight  # noqa: E731
+            stats = lambda: self.manager.control("stats", self.options.health_timeout_s)
+            in_flight = lambda: self.manager.in_flight
             period = self.options.throughput_log_s
             self.supervisor.start("throughput-log", lambda: metrics.log_throughput(period, stats, in_flight))
         self._watch_scheduler()

@@ -11,7 +11,12 @@ from typing import Any
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import (
-    ModelLimits, ValidRequest, batch_inputs, check_options, sampling_list, validate_request,
+    ModelLimits,
+    ValidRequest,
+    batch_inputs,
+    check_options,
+    sampling_list,
+    validate_request,
 )  # fmt: skip
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.protocol.dsl import GenerateMsg

@@ -33,12 +33,12 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
-
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.core.validation import ValidRequest
 from spruce.runtime.limits import ServingLimits
@@ -47,9 +47,9 @@ from spruce.runtime.protocol.ipc import (
     ControlReply,
     ControlRequest,
     NewRequests,
-    ReqUpdate,
     RequestFailed,
     RequestSpec,
+    ReqUpdate,
     StepOutput,
     decode,
     encode,
@@ -94,12 +94,22 @@ class RequestState:
     its incremental text (the detokenizer)."""
 
     __slots__ = (
-        "rid", "client_rid", "index", "call", "shadow", "text", "stream", "cached", "done", "aborted", "error",
+        "aborted",
+        "cached",
+        "call",
         "client",
+        "client_rid",
+        "done",
+        "error",
+        "index",
+        "rid",
+        "shadow",
+        "stream",
+        "text",
     )  # fmt: skip
 
     def __init__(
-        self, rid: str, client_rid: str, index: int, call: "Call", valid: ValidRequest, client: str = ""
+        self, rid: str, client_rid: str, index: int, call: Call, valid: ValidRequest, client: str = ""
     ) -> None:
         self.rid, self.client_rid, self.index, self.call, self.client = rid, client_rid, index, call, client
         self.shadow = Req(rid=rid, prompt_ids=valid.input_ids, sampling=valid.sampling)
@@ -161,7 +171,7 @@ class RequestState:
 class Call:
     """The requests of one API call (a batch, or `n` choices): an async iterator of events."""
 
-    def __init__(self, manager: "RequestManager", tokenizer: Tokenizer, size: int) -> None:
+    def __init__(self, manager: RequestManager, tokenizer: Tokenizer, size: int) -> None:
         self.manager = manager
         self.tokenizer = tokenizer
         self.queue: asyncio.Queue[Event] = asyncio.Queue()

@@ -20,7 +20,6 @@ import logging
 
 import zmq
 import zmq.asyncio
-
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol import dsl as protocol
 from spruce.runtime.protocol.dsl import (
@@ -34,7 +33,13 @@ from spruce.runtime.protocol.dsl import (
     ModelInfoMsg,
 )
 from spruce.runtime.server.metrics import Metrics
-from spruce.runtime.server.native import ModelContext, batch_error, flush_cache, prepare_generate, too_large
+from spruce.runtime.server.native import (
+    ModelContext,
+    batch_error,
+    flush_cache,
+    prepare_generate,
+    too_large,
+)
 from spruce.runtime.server.request_manager import Call, Refused, RequestManager
 
 logger = logging.getLogger("spruce.server")

@@ -7,6 +7,7 @@ import hmac
 from spruce.runtime.server.http.common import error_body
 from spruce.runtime.server.native import too_large
 
+
 class GuardMiddleware:
     """The outer ASGI layer: 503 while the model loads (`app` is None) and while the server
     drains; the API key on every route but /health (401); the body size limit (413); a POST

@@ -14,8 +14,12 @@ from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
 from spruce.runtime.server.openai.schemas import (
-    MAX_TOP_LOGPROBS, ChatRequest, ResponseFormat, SamplingRequest,
+    MAX_TOP_LOGPROBS,
+    ChatRequest,
+    ResponseFormat,
+    SamplingRequest,
 )  # fmt: skip
+
 
 def check_model(server: ServerState, name: str) -> None:
     if name not in (server.model.name, server.model.path):
