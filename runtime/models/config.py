@@ -187,6 +187,11 @@ _SLIDING_PATTERNS = {
 }
 
 
+# Published configs whose window exceeds the context (Phi-3-mini-128k, Phi-3.5-mini: 262144
+# vs 131072); elsewhere such a window is refused as a broken config.
+_WINDOW_BEYOND_CONTEXT_OK = {"phi3"}
+
+
 def _layer_windows(config: dict[str, Any], layers: int, max_pos: int) -> tuple[int | None, ...]:
     window = config.get("sliding_window")
     if window is None or config.get("use_sliding_window") is False:
@@ -204,6 +209,8 @@ def _layer_windows(config: dict[str, Any], layers: int, max_pos: int) -> tuple[i
         sliding = [pattern(i, config) for i in range(layers)]
     if not any(sliding):
         return ()
+    if isinstance(window, int) and window > max_pos and config.get("model_type") in _WINDOW_BEYOND_CONTEXT_OK:
+        return ()  # it never slides: full attention, as transformers computes it
     if not isinstance(window, int) or window < 1 or window > max_pos:
         raise ModelLoadError(
             f"sliding_window {window!r} must be an integer in 1..max_position_embeddings ({max_pos})"

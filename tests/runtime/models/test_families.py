@@ -247,6 +247,17 @@ def test_experts_stored_stacked_load_the_same(mixtral_dir, tmp_path):
     torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
 
 
+def test_phi3_128k_window_beyond_the_context_means_full_attention():
+    from spruce.runtime.models.config import ModelConfig
+
+    config = {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "max_position_embeddings": 131072, "sliding_window": 262144,
+    }  # fmt: skip
+    assert ModelConfig.from_hf(config).layer_windows == ()
+
+
 def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
     from spruce.runtime.errors import ModelLoadError
 
