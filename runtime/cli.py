@@ -39,7 +39,7 @@ SERVER_SECTIONS = {"request_limits": RequestLimits, "serving_limits": ServingLim
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server flags, the request and serving limits' (limits.py) among them."""
-    sections = (("server options", ServerOptions), *(("limits", cls) for cls in SERVER_SECTIONS.values()))
+    sections = (("server options", ServerOptions), ("request limits", RequestLimits), ("serving limits", ServingLimits))
     for title, cls in sections:
         group = parser.add_argument_group(title)
         for name, kind, default in option_fields(cls):
