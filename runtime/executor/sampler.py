@@ -51,7 +51,6 @@ class Sampler:
         errors: dict[int, str] = {}
         if apply_mask is not None:
             self._mask(apply_mask, logits, reqs, errors)
-        self._check_rows(logits, errors)
         ids: list[int | None] = self._choose(logits, reqs, errors)
         for i in errors:
             ids[i] = None
@@ -125,10 +124,11 @@ class Sampler:
             except Exception as e:
                 errors[i] = f"the grammar mask failed: {e!r}"
 
-    def _check_rows(self, logits: torch.Tensor, errors: dict[int, str]) -> None:
-        """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled (one
-        reduction: the row maximum is non-finite exactly then)."""
-        bad = ~torch.isfinite(logits.amax(dim=-1))
+    def _check_rows(self, logits: torch.Tensor, argmax: torch.Tensor, errors: dict[int, str]) -> None:
+        """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled: exactly
+        those whose argmax logit is not finite (argmax picks a NaN when there is one), so
+        this costs a gather, not another pass over the vocabulary."""
+        bad = ~torch.isfinite(logits.gather(1, argmax[:, None])[:, 0])
         for i in torch.nonzero(bad).flatten().tolist():
             errors.setdefault(i, "the logits allow no token (NaN, or every token masked)")
 
@@ -139,6 +139,7 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> list[int]:
         ids = logits.argmax(dim=-1)
+        self._check_rows(logits, ids, errors)
         sampled = [i for i, r in enumerate(reqs) if _is_sampled(r) and i not in errors]
         if sampled:
             probs = self._filtered_probs(logits[sampled], [reqs[i].sampling for i in sampled])

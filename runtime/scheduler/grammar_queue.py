@@ -1,5 +1,6 @@
-"""The grammar queue: constrained requests wait here while their grammar compiles in a
-worker thread, so compilation never blocks the scheduler loop."""
+"""The grammar queue: constrained requests wait here while their grammar compiles (in a
+worker process, under a deadline: constrained/build_worker.py), so compilation never blocks
+the scheduler loop; a failed or overdue build fails its own requests only."""
 
 from __future__ import annotations
 

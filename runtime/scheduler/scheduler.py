@@ -5,6 +5,11 @@ mixes decode tokens and prefill chunks under a token budget (or runs prefill alo
 `prefill_first`). Memory comes from the KV pool via the cache manager; when decoding runs
 out of slots even after eviction, the most recently admitted requests are retracted to the
 waiting queue with their progress (their tokens stay in the prefix cache).
+
+Failures: `step_failed(out, error)` rolls back a step whose forward pass raised, and the
+requests of that step then run alone until each has succeeded once or failed twice alone
+(faults.py); `update` aborts a request whose own row or output processing failed, alone.
+`check_integrity()` verifies the KV accounting after any of these.
 """
 
 from __future__ import annotations

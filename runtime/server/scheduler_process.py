@@ -3,7 +3,10 @@ ZeroMQ sockets. The same core as the offline Engine; only the I/O differs.
 
 The loop: drain incoming messages without blocking, step while there is work, block on
 the socket when idle. A request the core refuses is answered with `RequestFailed`; the
-process never dies for a bad request.
+process never dies for a bad request. Failures that belong to one request (its row in a
+step, its output processing here) fail that request only (`RequestFailed`, 400 for an
+invalid request such as a constraint that does not compile, 500 otherwise); a failing
+forward pass is rolled back and retried by the core (scheduler/faults.py).
 """
 
 from __future__ import annotations
@@ -208,14 +211,25 @@ class SchedulerLoop:
     def _step(self) -> None:
         try:
             changed = self.core.step()
-        except Exception:  # a bug in the core: fail what is in flight, keep serving
+        except Exception:  # a bug in the core's bookkeeping: fail what is in flight, keep serving
             self._on_step_error(traceback.format_exc())
             return
         self.step_errors = 0
-        updates = [u for u in map(self._update, changed) if u is not None]
+        updates = [u for u in map(self._guarded_update, changed) if u is not None]
         if updates:
             scheduler = self.core.scheduler
             self._send(StepOutput(updates, len(scheduler.running), len(scheduler.waiting)))
+
+    def _guarded_update(self, req: Req) -> ReqUpdate | None:
+        """The request's update; if making it raises, that request alone fails."""
+        try:
+            return self._update(req)
+        except Exception as e:
+            logger.exception("the update of request %s failed", req.rid)
+            if self.tracked.pop(req.rid, None) is not None:
+                self._send(RequestFailed(req.rid, f"internal error while sending the output: {e!r}", 500))
+            self.core.abort(req.rid, "its output could not be sent")
+            return None
 
     def _update(self, req: Req) -> ReqUpdate | None:
         tracked = self.tracked.get(req.rid)
@@ -223,6 +237,10 @@ class SchedulerLoop:
             return None
         if req.finished:
             del self.tracked[req.rid]
+            if req.error is not None:  # failed by the runtime (its constraint, a fault of its own)
+                status = 400 if isinstance(req.error, InvalidRequestError) else 500
+                self._send(RequestFailed(req.rid, str(req.error), status))
+                return None
         elif not req.options.stream:
             return None
         keep = _kept(tracked, req)
@@ -236,6 +254,10 @@ class SchedulerLoop:
         return update
 
     def _on_step_error(self, trace: str) -> None:
+        """Last resort, for a bug in the scheduler's own bookkeeping (request faults and
+        failing forward passes never get here): fail everything in flight; the aborts free
+        their slots at the next step. Repeated failures mean a broken state: exit, so the
+        server goes down (and is restarted) rather than answering wrongly."""
         self.step_errors += 1
         logger.error("a scheduler step failed; failing %d request(s):\n%s", len(self.tracked), trace)
         for rid in list(self.tracked):

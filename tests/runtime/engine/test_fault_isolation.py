@@ -4,6 +4,14 @@ the same through the real server, next to a streaming client."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
@@ -194,3 +202,93 @@ def test_the_sampler_keeps_bad_rows_to_themselves():
     out = sampler.sample(logits.clone(), reqs)
     assert set(out.errors) == {1, 2} and out.ids[1] is None and out.ids[2] is None
     assert out.ids[0] == int(logits[0].argmax()) and out.ids[3] == 5
+
+
+# -- through the real server ---------------------------------------------------------------------
+
+POISON = [9, 9, 9, 9, 9, 9, 9, 9]
+# Runs `spruce serve` with a model runner whose forward raises on any batch holding the
+# poison prompt. The scheduler process is spawned: it re-runs this file as __mp_main__,
+# so the patch applies there too.
+FAULTY_SERVE = f"""
+import sys
+from spruce.runtime.config import use_passive_omp_threads
+use_passive_omp_threads()
+from spruce.runtime.executor.model_runner import ModelRunner
+
+forward = ModelRunner.forward
+
+def poisoned_forward(self, items):
+    if any(list(item.new_ids[:{len(POISON)}]) == {POISON} for item in items):
+        raise RuntimeError("injected: this batch holds the poison prompt")
+    return forward(self, items)
+
+ModelRunner.forward = poisoned_forward
+
+if __name__ == "__main__":
+    from spruce.runtime.cli import main
+    sys.exit(main())
+"""
+
+
+def start_faulty_server(model_dir: Path, tmp_path: Path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from test_server import ServerProcess, free_port, wait_healthy
+
+    script = tmp_path / "faulty_serve.py"
+    script.write_text(textwrap.dedent(FAULTY_SERVE))
+    port, zmq_port = free_port(), free_port()
+    cmd = [
+        sys.executable, str(script), "serve", "--model", str(model_dir), "--port", str(port),
+        "--zmq-port", str(zmq_port), "--num-threads", "1", "--kv-memory-gb", "0.02",
+    ]  # fmt: skip
+    log_path = tmp_path / "server.log"
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
+    wait_healthy(server, 90)
+    return server
+
+
+def stream_ids(client: httpx.Client, body: dict, started: threading.Event | None = None) -> list[int]:
+    ids: list[int] = []
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                ids += chunk["output_ids"]
+                if started is not None:
+                    started.set()
+    return ids
+
+
+def kv_slots_used(client: httpx.Client) -> int:
+    return client.get("/server_info").json()["scheduler"]["kv_slots_used"]
+
+
+@pytest.mark.slow  # its own server: about a minute on a loaded 2-core machine
+def test_a_request_that_breaks_the_step_fails_alone_next_to_a_stream(tiny_llama_dir, tmp_path):
+    server = start_faulty_server(tiny_llama_dir, tmp_path)
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            body = {"input_ids": list(range(20, 40)), "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+            alone = stream_ids(client, body)
+            client.post("/flush_cache")
+            idle = kv_slots_used(client)
+            started, streamed = threading.Event(), {}
+            thread = threading.Thread(target=lambda: streamed.update(ids=stream_ids(client, body, started)))
+            thread.start()
+            assert started.wait(60)
+            bad = client.post("/generate", json={"input_ids": POISON + [5], "sampling_params": GREEDY})
+            thread.join(120)
+            assert bad.status_code == 500 and "poison" in bad.text
+            assert streamed["ids"] == alone and len(alone) == 400
+            assert "forward pass over 2 request(s) failed" in server.log()  # they shared a step
+            assert client.get("/health").status_code == 200
+            client.post("/flush_cache")
+            assert kv_slots_used(client) == idle == 0
+    finally:
+        from test_server import stop_server
+
+        assert stop_server(server) == 0, server.log()
