@@ -67,6 +67,7 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> Non
     try:
         SchedulerLoop(core, receiver, sender).run()
     finally:
+        core.close()  # stops the grammar build workers
         sender.close(linger=1000)
         receiver.close(linger=0)
         context.term()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -180,6 +181,27 @@ def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(engine
     assert fine.finish_reason.type in ("stop", "length") and fine.error is None
     assert plain.output_ids == clean[2]
     assert_idle_and_exact(engine)
+
+
+def test_a_grammar_build_past_its_deadline_fails_its_request_while_others_run(tiny_llama_dir, batch, clean):
+    engine = make_engine(tiny_llama_dir, grammar_timeout_s=2)
+    core = engine.core
+    engine.generate("warm up", {"max_new_tokens": 2, "regex": "[a-z]+"})  # a build worker is up
+    exploding = make_spec(regex="(a|b)*a(a|b){24}")  # passes every size check; 2^24 DFA states
+    start = time.monotonic()
+    stuck = core.add_request(ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), exploding))
+    others = [core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None)) for p in batch[:4]]
+    finished_at = {}
+    while core.has_work():
+        for req in core.step():
+            if req.finished:
+                finished_at[req.rid] = time.monotonic() - start
+    assert [r.output_ids for r in others] == clean[:4]
+    assert max(finished_at[r.rid] for r in others) < 2  # not held up by the build
+    assert stuck.finish_reason.type == "abort" and "not compiled within 2 s" in stuck.finish_reason.message
+    assert 2 <= finished_at[stuck.rid] < 4
+    assert_idle_and_exact(engine)
+    engine.shutdown()
 
 
 def test_a_tiny_temperature_that_bypassed_validation_samples_by_argmax(engine, batch, clean):
