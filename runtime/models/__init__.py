@@ -30,8 +30,12 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         cls = MODEL_REGISTRY[config.architecture]
     except KeyError:
         known = ", ".join(sorted(MODEL_REGISTRY))
-        raise ModelLoadError(f"unknown architecture {config.architecture!r} (supported: {known})") from None
+        raise ModelLoadError(
+            f"unknown architecture {config.architecture!r} (supported: {known})"
+        ) from None
     if (config.moe is not None) != issubclass(cls, MoeDecoderModel):
         has = "has" if config.moe is not None else "lacks"
-        raise ModelLoadError(f"{config.architecture}: config.json {has} experts (num_local_experts / num_experts)")
+        raise ModelLoadError(
+            f"{config.architecture}: config.json {has} experts (num_local_experts / num_experts)"
+        )
     return cls

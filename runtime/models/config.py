@@ -154,13 +154,20 @@ def _text_model(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+}
 
 
 def _activation(config: dict[str, Any]) -> str:
     name = config.get("hidden_activation") or config.get("hidden_act") or "silu"
     if name not in _ACTIVATIONS:
-        raise ModelLoadError(f"activation {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+        raise ModelLoadError(
+            f"activation {name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
+        )
     return _ACTIVATIONS[name]
 
 
@@ -209,7 +216,11 @@ def _layer_windows(config: dict[str, Any], layers: int, max_pos: int) -> tuple[i
         sliding = [pattern(i, config) for i in range(layers)]
     if not any(sliding):
         return ()
-    if isinstance(window, int) and window > max_pos and config.get("model_type") in _WINDOW_BEYOND_CONTEXT_OK:
+    if (
+        isinstance(window, int)
+        and window > max_pos
+        and config.get("model_type") in _WINDOW_BEYOND_CONTEXT_OK
+    ):
         return ()  # it never slides: full attention, as transformers computes it
     if not isinstance(window, int) or window < 1 or window > max_pos:
         raise ModelLoadError(
@@ -224,11 +235,15 @@ def _moe(config: dict[str, Any], layers: int) -> MoeConfig | None:
         return None
     top_k = config.get("num_experts_per_tok", 2)
     if not 1 <= top_k <= experts:
-        raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the number of experts)")
+        raise ModelLoadError(
+            f"num_experts_per_tok {top_k} must be in 1..{experts} (the number of experts)"
+        )
     if config.get("shared_expert_intermediate_size"):
         raise ModelLoadError("shared experts (shared_expert_intermediate_size) are not supported")
     step = config.get("decoder_sparse_step", 1) or 1
-    dense = {i for i in range(layers) if (i + 1) % step != 0} | set(config.get("mlp_only_layers") or ())
+    dense = {i for i in range(layers) if (i + 1) % step != 0} | set(
+        config.get("mlp_only_layers") or ()
+    )
     return MoeConfig(
         num_experts=experts,
         experts_per_token=top_k,

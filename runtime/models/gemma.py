@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 
 from spruce.runtime.models.config import ModelConfig
-from spruce.runtime.models.layers import Attention, DecoderLayer, DecoderModel, QKNormAttention, RMSNorm
+from spruce.runtime.models.layers import (
+    Attention,
+    DecoderLayer,
+    DecoderModel,
+    QKNormAttention,
+    RMSNorm,
+)
 
 
 class SandwichDecoderLayer(DecoderLayer):

@@ -15,7 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spruce.runtime.executor.attention.base import AttentionBackend, AttentionOptions, ForwardContext
+from spruce.runtime.executor.attention.base import (
+    AttentionBackend,
+    AttentionOptions,
+    ForwardContext,
+)
 from spruce.runtime.executor.kernels import cpu_layer_ops
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
@@ -35,7 +39,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
         if cpu_layer_ops.usable(x):
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps, residual)
@@ -64,14 +70,18 @@ class Rotary(nn.Module):
     def build(self, device: torch.device) -> None:
         # float32, the way transformers computes it; plain attributes, not buffers, so they
         # stay float32 when the model moves to bf16.
-        self.cos, self.sin = rope_tables(self.rope, self.config.head_dim, self.config.max_position_embeddings, device)
+        self.cos, self.sin = rope_tables(
+            self.rope, self.config.head_dim, self.config.max_position_embeddings, device
+        )
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor):
         """qkv [N, q_size + 2 * kv_size] -> q, k (rotated), v as [N, heads, head_dim] views."""
         c = self.config
         in_c = self.dim == c.head_dim and cpu_layer_ops.usable(qkv)
         if in_c:
-            cpu_layer_ops.rotary_(qkv, c.num_heads + c.num_kv_heads, c.head_dim, positions, self.cos, self.sin)
+            cpu_layer_ops.rotary_(
+                qkv, c.num_heads + c.num_kv_heads, c.head_dim, positions, self.cos, self.sin
+            )
         q, k, v = split_heads(c, qkv)
         if not in_c:
             q, k = self._rotate_torch(positions, q, k)
@@ -81,7 +91,9 @@ class Rotary(nn.Module):
         """Rotates contiguous q [N, heads, D] and k [N, kv_heads, D]; returns them."""
         if self.dim == self.config.head_dim and cpu_layer_ops.usable(q):
             for x in (q, k):
-                cpu_layer_ops.rotary_(x.view(x.shape[0], -1), x.shape[1], x.shape[2], positions, self.cos, self.sin)
+                cpu_layer_ops.rotary_(
+                    x.view(x.shape[0], -1), x.shape[1], x.shape[2], positions, self.cos, self.sin
+                )
             return q, k
         return self._rotate_torch(positions, q, k)
 
@@ -129,7 +141,9 @@ class Attention(nn.Module):
         self.layer = layer
         self.config = config
         self.rotary = rotary  # shared by the layers of one rope kind; holds no weights
-        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=False)
 
     def forward(self, x, positions, backend: AttentionBackend, ctx: ForwardContext):
@@ -217,11 +231,17 @@ class DecoderModel(nn.Module):
         self.rotaries = nn.ModuleDict(self._rotaries(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.layer_cls(config, self.attention_cls(config, i, self._rotary_of(i)), self.make_mlp(config, i))
+            self.layer_cls(
+                config, self.attention_cls(config, i, self._rotary_of(i)), self.make_mlp(config, i)
+            )
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     @staticmethod
     def _rotaries(config: ModelConfig) -> dict[str, Rotary]:

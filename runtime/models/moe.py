@@ -38,7 +38,11 @@ class SparseMoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
-        self.top_k, self.normalize, self.num_experts = moe.experts_per_token, moe.normalize_top_k, moe.num_experts
+        self.top_k, self.normalize, self.num_experts = (
+            moe.experts_per_token,
+            moe.normalize_top_k,
+            moe.num_experts,
+        )
         self.gate = Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
 

@@ -45,16 +45,22 @@ class RopeConfig:
 SUPPORTED_SCALING = ("default", "llama3", "linear", "yarn", "longrope")
 
 
-def rope_config(config: dict[str, Any], head_dim: int, max_pos: int) -> tuple[RopeConfig, RopeConfig | None]:
+def rope_config(
+    config: dict[str, Any], head_dim: int, max_pos: int
+) -> tuple[RopeConfig, RopeConfig | None]:
     """(global layers' rope, sliding layers' rope or None when they are the same)."""
     # transformers >= 5 writes `rope_parameters` (per layer type for Gemma 3); older
     # folders use rope_theta + rope_scaling (+ rope_local_base_freq).
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if "full_attention" in params:
         local = params.get("sliding_attention")
-        return _one(config, params["full_attention"], max_pos), (local and _one(config, local, max_pos))
+        return _one(config, params["full_attention"], max_pos), (
+            local and _one(config, local, max_pos)
+        )
     local = config.get("rope_local_base_freq")
-    return _one(config, params, max_pos), (None if local is None else RopeConfig(theta=float(local)))
+    return _one(config, params, max_pos), (
+        None if local is None else RopeConfig(theta=float(local))
+    )
 
 
 def _one(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeConfig:
@@ -73,7 +79,9 @@ def _scaling(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> Ro
             factor=float(params["factor"]),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
         )
     if kind == "linear":
         return RopeScaling("linear", factor=float(params["factor"]))
@@ -81,17 +89,23 @@ def _scaling(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> Ro
         return _longrope(config, params, max_pos)
     if kind == "yarn":
         return _yarn(config, params, max_pos)
-    raise ModelLoadError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_SCALING)})")
+    raise ModelLoadError(
+        f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_SCALING)})"
+    )
 
 
 def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
-    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    original = params.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
     if original is None:
         raise ModelLoadError("longrope scaling needs original_max_position_embeddings")
     factor = params.get("factor") or max_pos / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
     return RopeScaling(
         "longrope",
         factor=float(factor),
@@ -103,7 +117,9 @@ def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> R
 
 
 def _yarn(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
-    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    original = params.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
     if original is None:
         raise ModelLoadError("yarn rope scaling needs original_max_position_embeddings")
     factor = params.get("factor") or max_pos / original
@@ -136,9 +152,15 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
 def check_rope(rope: RopeConfig, head_dim: int) -> None:
     dim = rotary_dim(rope, head_dim)
     if dim % 2 or dim <= 0:
-        raise ModelLoadError(f"rotary dimension {dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
+        raise ModelLoadError(
+            f"rotary dimension {dim} (head_dim {head_dim} x partial_rotary_factor) must be even"
+        )
     s = rope.scaling
-    if s is not None and s.kind == "longrope" and not len(s.short_factor) == len(s.long_factor) == dim // 2:
+    if (
+        s is not None
+        and s.kind == "longrope"
+        and not len(s.short_factor) == len(s.long_factor) == dim // 2
+    ):
         raise ModelLoadError(f"longrope short_factor / long_factor need {dim // 2} entries each")
 
 
@@ -164,10 +186,16 @@ def rope_tables(
     return freqs.cos(), freqs.sin()
 
 
-def _longrope_tables(s: RopeScaling, theta: float, exponents: torch.Tensor, positions: torch.Tensor):
+def _longrope_tables(
+    s: RopeScaling, theta: float, exponents: torch.Tensor, positions: torch.Tensor
+):
     device = exponents.device
-    short = 1.0 / (torch.tensor(s.short_factor, dtype=torch.float32, device=device) * theta**exponents)
-    long = 1.0 / (torch.tensor(s.long_factor, dtype=torch.float32, device=device) * theta**exponents)
+    short = 1.0 / (
+        torch.tensor(s.short_factor, dtype=torch.float32, device=device) * theta**exponents
+    )
+    long = 1.0 / (
+        torch.tensor(s.long_factor, dtype=torch.float32, device=device) * theta**exponents
+    )
     is_long = (positions >= s.original_max_position_embeddings)[:, None]
     freqs = torch.where(is_long, torch.outer(positions, long), torch.outer(positions, short))
     return freqs.cos() * s.attention_factor, freqs.sin() * s.attention_factor
@@ -178,7 +206,11 @@ def _yarn_inv_freq(s: RopeScaling, theta: float, dim: int, exponents: torch.Tens
     the slow dims, a linear ramp between; as transformers' _compute_yarn_parameters."""
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            dim
+            * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
 
     low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
     if s.truncate:
@@ -186,10 +218,16 @@ def _yarn_inv_freq(s: RopeScaling, theta: float, dim: int, exponents: torch.Tens
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    ramp = (
+        ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low))
+        .clamp(0, 1)
+        .to(exponents.device)
+    )
     extrapolation_weight = 1 - ramp
     pos_freqs = theta**exponents
-    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

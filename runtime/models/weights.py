@@ -2,10 +2,10 @@
 
 The decoder fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and stores a
 layer's experts stacked (`experts.gate_up_proj` [E, 2 * I, H], `experts.down_proj` [E, H, I],
-transformers >= 5's layout). Multimodal checkpoints (Gemma 3 4B and up) keep the text model
-under `language_model.`; their image weights are skipped. Checkpoints may hold either form: separate projections (Llama),
-fused ones (Phi-3), experts one by one (`experts.{e}.gate_proj`, Qwen3-MoE on the Hub;
-`block_sparse_moe.experts.{e}.w1`, Mixtral) or stacked.
+transformers >= 5's layout). Checkpoints may hold either form: separate projections
+(Llama), fused ones (Phi-3), experts one by one (`experts.{e}.gate_proj`, Qwen3-MoE on the
+Hub; `block_sparse_moe.experts.{e}.w1`, Mixtral) or stacked. Multimodal checkpoints (Gemma 3
+4B and up) keep the text model under `language_model.`; their image weights are skipped.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) ->
             raise KeyError(f"unexpected weight {name!r}")
         target = params[name]
         if target.shape != tensor.shape:
-            raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            raise ValueError(
+                f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(tensor)
         loaded.add(name)
@@ -51,7 +53,9 @@ _IMAGE_PARTS = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
 def spruce_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {_rename(name): tensor for name, tensor in state_dict.items() if not _IMAGE_PARTS.match(name)}
+    out = {
+        _rename(name): tensor for name, tensor in state_dict.items() if not _IMAGE_PARTS.match(name)
+    }
     _fuse(out, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
     _fuse(out, ("gate_proj", "up_proj"), "gate_up_proj")
     _stack_experts(out)

@@ -65,7 +65,9 @@ def _gemma(get: Get, config: dict, big_model_layers: int, sliding: Callable[[int
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": _query_scalar(get, config, big_model_layers),
         "sliding_window": get("attention.sliding_window"),
-        "layer_types": ["sliding_attention" if sliding(i) else "full_attention" for i in range(layers)],
+        "layer_types": [
+            "sliding_attention" if sliding(i) else "full_attention" for i in range(layers)
+        ],
         "attn_logit_softcapping": get("attn_logit_softcapping", None),
         "final_logit_softcapping": get("final_logit_softcapping", None),
     }
@@ -87,7 +89,10 @@ def _gemma3(get: Get, config: dict) -> dict:
 
 
 def _phi3(get: Get, config: dict) -> dict:
-    extra = {"partial_rotary_factor": get("rope.dimension_count", config["head_dim"]) / config["head_dim"]}
+    extra = {
+        "partial_rotary_factor": get("rope.dimension_count", config["head_dim"])
+        / config["head_dim"]
+    }
     window = get("attention.sliding_window", None)
     if window:
         extra["sliding_window"] = window
@@ -128,12 +133,20 @@ ARCHITECTURES = {
     "qwen3moe": GGUFArchitecture(
         "Qwen3MoeForCausalLM", "qwen3_moe", layer_names=_QK_NORMS | _EXPERT_ROLES, config=_experts
     ),
-    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", layer_names=_SANDWICH, norm_shift=1.0, config=_gemma2),
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM", "gemma2", layer_names=_SANDWICH, norm_shift=1.0, config=_gemma2
+    ),
     "gemma3": GGUFArchitecture(
-        "Gemma3ForCausalLM", "gemma3_text", layer_names=_SANDWICH | _QK_NORMS, norm_shift=1.0, config=_gemma3
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        layer_names=_SANDWICH | _QK_NORMS,
+        norm_shift=1.0,
+        config=_gemma3,
     ),
     "phi3": GGUFArchitecture(
-        "Phi3ForCausalLM", "phi3", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        "Phi3ForCausalLM",
+        "phi3",
+        layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
         config=_phi3,
     ),  # fmt: skip
 }

@@ -32,16 +32,34 @@ FAMILIES = {
     "qwen3": ("qwen3", {}),
     "qwen3-yarn": (  # Qwen3's documented long-context setting, scaled down
         "qwen3",
-        dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            }
+        ),
     ),
     "qwen3-moe": (
         "qwen3_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
     ),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "gemma2": (
         "gemma2",
-        dict(sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        dict(
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
     ),
     "gemma3": (
         "gemma3",
@@ -82,7 +100,9 @@ def family(request, tmp_path_factory):
 
 
 def make_runner(loaded, backend="native"):
-    return ModelRunner(loaded, num_slots=1024, max_requests=8, max_context_len=256, attention_backend=backend)
+    return ModelRunner(
+        loaded, num_slots=1024, max_requests=8, max_context_len=256, attention_backend=backend
+    )
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -151,14 +171,18 @@ def test_engine_greedy_equals_generate(family):
     engine.shutdown()
     with torch.no_grad():
         for p, ids in zip(batch, got):
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+            ref = hf.generate(
+                torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None
+            )
             assert ids == ref[0, len(p) :].tolist()
 
 
 TRITON_FAMILIES = ("gemma2", "gemma3", "mistral-sliding", "qwen3-moe")
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1", reason="CPU interpreter")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1", reason="CPU interpreter"
+)
 def test_triton_backend_equals_transformers(family):
     name, _, loaded, hf = family
     if name not in TRITON_FAMILIES:
@@ -168,11 +192,17 @@ def test_triton_backend_equals_transformers(family):
     a, b = prompt(30, 19), prompt(31, 12)
     first = [item(runner, a), item(runner, b[:5])]
     runner.forward(first)
-    mixed = [item(runner, b[5:], prefix_len=5, row=first[1].row), item(runner, [7], prefix_len=19, row=first[0].row)]
+    mixed = [
+        item(runner, b[5:], prefix_len=5, row=first[1].row),
+        item(runner, [7], prefix_len=19, row=first[0].row),
+    ]
     out = runner.forward(mixed)
     torch.testing.assert_close(out.logits[: len(b) - 5], hf_logits(hf, b)[5:], atol=1e-4, rtol=0)
     torch.testing.assert_close(out.logits[-1], hf_logits(hf, a + [7])[-1], atol=1e-4, rtol=0)
-    step = [item(runner, [9], prefix_len=len(b), row=first[1].row), item(runner, [3], prefix_len=20, row=first[0].row)]
+    step = [
+        item(runner, [9], prefix_len=len(b), row=first[1].row),
+        item(runner, [3], prefix_len=20, row=first[0].row),
+    ]
     out = runner.forward(step)
     torch.testing.assert_close(out.logits[0], hf_logits(hf, b + [9])[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(out.logits[1], hf_logits(hf, a + [7, 3])[-1], atol=1e-4, rtol=0)
@@ -212,7 +242,9 @@ def stacked_layout(state):
     import re
 
     out, experts = {}, {}
-    pattern = re.compile(r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+    pattern = re.compile(
+        r"(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight"
+    )
     for name, tensor in state.items():
         match = pattern.fullmatch(name)
         if match is None:
@@ -223,13 +255,19 @@ def stacked_layout(state):
         experts.setdefault(prefix, {}).setdefault(proj, {})[int(e)] = tensor
     for prefix, projs in experts.items():
         stack = {p: torch.stack([t for _, t in sorted(projs[p].items())]) for p in projs}
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat(
+            [stack["gate_proj"], stack["up_proj"]], dim=1
+        )
         out[f"{prefix}.mlp.experts.down_proj"] = stack["down_proj"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def without_expert(state, layer=1, expert=2):
-    return {k: v for k, v in state.items() if f"layers.{layer}.block_sparse_moe.experts.{expert}.w1." not in k}
+    return {
+        k: v
+        for k, v in state.items()
+        if f"layers.{layer}.block_sparse_moe.experts.{expert}.w1." not in k
+    }
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +277,9 @@ def mixtral_dir(tmp_path_factory):
 
 
 def test_experts_stored_stacked_load_the_same(mixtral_dir, tmp_path):
-    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in load_file_of(mixtral_dir)  # Hub layout
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in load_file_of(
+        mixtral_dir
+    )  # Hub layout
     hub = copy_folder(mixtral_dir, tmp_path / "stacked", weights=stacked_layout)
     ids = prompt(40, 15)
     runners = [make_runner(load_model(str(f))) for f in (mixtral_dir, hub)]
@@ -262,10 +302,22 @@ def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
     from spruce.runtime.errors import ModelLoadError
 
     cases = [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, None, "rope scaling type 'dynamic' is not supported"),
-        ({"sliding_window": 4096}, None, r"sliding_window 4096 must be an integer in 1..max_position_embeddings \(1024\)"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            None,
+            "rope scaling type 'dynamic' is not supported",
+        ),
+        (
+            {"sliding_window": 4096},
+            None,
+            r"sliding_window 4096 must be an integer in 1..max_position_embeddings \(1024\)",
+        ),
         ({}, without_expert, r"layers.1.mlp.experts lacks gate_proj of experts \[2\]"),
-        ({"num_local_experts": 8}, None, r"mlp.gate.weight: checkpoint shape \(4, 64\) != model \(8, 64\)"),
+        (
+            {"num_local_experts": 8},
+            None,
+            r"mlp.gate.weight: checkpoint shape \(4, 64\) != model \(8, 64\)",
+        ),
         ({"num_experts_per_tok": 5}, None, "num_experts_per_tok 5 must be in 1..4"),
         ({"num_local_experts": None}, None, "lacks experts"),
         ({"hidden_act": "relu"}, None, "activation 'relu' is not supported"),
@@ -288,7 +340,14 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
         head_dim=16, vocab_size=384, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=16, pad_token_id=None,
     )  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
     config = transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=383,
         boi_token_index=381, eoi_token_index=382,
@@ -301,7 +360,10 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
                 p.normal_(0, 0.08)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path))
-    assert loaded.config.architecture == "Gemma3ForCausalLM" and loaded.config.layer_windows == (WINDOW, None)
+    assert loaded.config.architecture == "Gemma3ForCausalLM" and loaded.config.layer_windows == (
+        WINDOW,
+        None,
+    )
     runner = make_runner(loaded)
     ids = prompt(50, 21)
     got = runner.forward([item(runner, ids)]).logits

@@ -50,7 +50,9 @@ def gguf_tensors(arch: str, state: dict[str, torch.Tensor], config: dict) -> dic
         gguf_name = names.get_name(base)
         assert gguf_name is not None, f"no llama.cpp name for {name}"
         if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
-            heads = config["num_attention_heads" if gguf_name.endswith("q") else "num_key_value_heads"]
+            heads = config[
+                "num_attention_heads" if gguf_name.endswith("q") else "num_key_value_heads"
+            ]
             tensor = torch.from_numpy(llama_cpp_permute(tensor.numpy(), heads))
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1
@@ -91,8 +93,14 @@ def metadata(arch: str, config: dict) -> dict:
         meta["attention.sliding_window_pattern"] = (2, u32)
     if arch == "phi3":
         meta["attention.sliding_window"] = (config["sliding_window"], u32)
-        meta["rope.dimension_count"] = (int(config["head_dim"] * rope["partial_rotary_factor"]), u32)
-        meta["rope.scaling.original_context_length"] = (rope["original_max_position_embeddings"], u32)
+        meta["rope.dimension_count"] = (
+            int(config["head_dim"] * rope["partial_rotary_factor"]),
+            u32,
+        )
+        meta["rope.scaling.original_context_length"] = (
+            rope["original_max_position_embeddings"],
+            u32,
+        )
     return {f"{arch}.{key}": (value, kind, None) for key, (value, kind) in meta.items()}
 
 
@@ -103,11 +111,16 @@ def write_family_gguf(tmp_path, family: str) -> tuple:
     hf_arch, family_overrides = FAMILIES[family]
     folder = write_tiny_model(tmp_path / "hf", hf_arch, seed=11, **(family_overrides | overrides))
     config = json.loads((folder / "config.json").read_text())
-    tensors = gguf_tensors(arch, stacked_layout(load_file(str(folder / "model.safetensors"))), config)
+    tensors = gguf_tensors(
+        arch, stacked_layout(load_file(str(folder / "model.safetensors"))), config
+    )
     if arch == "phi3":
         rope = config["rope_parameters"]
         for kind in ("short", "long"):
-            tensors[f"rope_factors_{kind}.weight"] = (np.array(rope[f"{kind}_factor"], dtype=np.float32), None)
+            tensors[f"rope_factors_{kind}.weight"] = (
+                np.array(rope[f"{kind}_factor"], dtype=np.float32),
+                None,
+            )
     merges = {"tokenizer.ggml.merges": (["a b"], V.ARRAY, V.STRING)}
     meta = {k: v for k, v in model_metadata(arch, **merges).items() if not k.startswith(f"{arch}.")}
     meta |= metadata(arch, config)
@@ -116,7 +129,9 @@ def write_family_gguf(tmp_path, family: str) -> tuple:
 
 def logits_of(loaded, ids):
     runner = ModelRunner(loaded, num_slots=256, max_requests=2, max_context_len=128)
-    item = ForwardItem(runner.req_to_token.alloc_row(), 0, ids, runner.pool.alloc(len(ids)), all_logits=True)
+    item = ForwardItem(
+        runner.req_to_token.alloc_row(), 0, ids, runner.pool.alloc(len(ids)), all_logits=True
+    )
     return runner.forward([item]).logits
 
 
@@ -127,12 +142,17 @@ def test_gguf_equals_hf_folder(tmp_path, family):
     assert from_gguf.config.architecture == from_hf.config.architecture
     assert from_gguf.config.layer_windows == from_hf.config.layer_windows
     ids = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 2, 4, 6]  # longer than the windows
-    torch.testing.assert_close(logits_of(from_gguf, ids), logits_of(from_hf, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        logits_of(from_gguf, ids), logits_of(from_hf, ids), atol=1e-5, rtol=0
+    )
 
 
 def test_unknown_gguf_architecture_names_the_supported_ones(tmp_path):
     tensors = {"token_embd.weight": (np.zeros((40, 64), dtype=np.float32), None)}
-    path = write_gguf(tmp_path / "x.gguf", "mamba", tensors, {"mamba.block_count": (2, V.UINT32, None)})
-    match = r"GGUF architecture 'mamba' is not supported \(supported: llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3\)"
+    path = write_gguf(
+        tmp_path / "x.gguf", "mamba", tensors, {"mamba.block_count": (2, V.UINT32, None)}
+    )
+    supported = "llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3"
+    match = rf"GGUF architecture 'mamba' is not supported \(supported: {supported}\)"
     with pytest.raises(ModelLoadError, match=match):
         load_model(str(path))
