@@ -4,6 +4,7 @@ scheduler."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -60,14 +61,28 @@ class ModelContext:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return validate_request(ids, sampling, options, self.limits)
 
+    async def prepare_all(
+        self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
+    ) -> list[ValidRequest]:
+        """`prepare` for each (prompt, sampling). A constrained call is prepared on a worker
+        thread: converting a large JSON schema to its regex can take a while, and the event
+        loop keeps serving every other client meanwhile."""
 
-def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
+        def work() -> list[ValidRequest]:
+            return [self.prepare(prompt, sampling, options) for prompt, sampling in requests]
+
+        if any(sampling.has_constraint for _, sampling in requests):
+            return await asyncio.to_thread(work)
+        return work()
+
+
+async def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
     """(one ValidRequest per prompt, whether the call was a single prompt)."""
     limits = model.limits.request
     prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text", limits=limits)
     params = sampling_list(msg.sampling_params, len(prompts))
     options = request_options(msg, limits)
-    return [model.prepare(p, sp, options) for p, sp in zip(prompts, params)], single
+    return await model.prepare_all(list(zip(prompts, params)), options), single
 
 
 def request_options(msg: GenerateMsg, limits: RequestLimits) -> RequestOptions:

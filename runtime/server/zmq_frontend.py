@@ -138,7 +138,7 @@ class ZmqFrontend:
 
     async def _on_generate(self, identity: bytes, msg: GenerateMsg) -> None:
         try:
-            call, single = self._submit(identity, msg)
+            call, single = await self._submit(identity, msg)
         except Refused as e:
             if e.retry_after_s is not None:
                 self.metrics.refused.labels(str(e.status)).inc()
@@ -159,14 +159,14 @@ class ZmqFrontend:
             del self.calls[key]
             call.close()
 
-    def _submit(self, identity: bytes, msg: GenerateMsg) -> tuple[Call, bool]:
+    async def _submit(self, identity: bytes, msg: GenerateMsg) -> tuple[Call, bool]:
         """Validates and submits; raises Refused saying why not."""
         if not self.accepting:
             raise Refused(503, "the server is shutting down")
         if (identity, msg.rid) in self.calls:
             raise Refused(400, f"request {msg.rid!r} is already in flight; use a new rid")
         try:
-            items, single = prepare_generate(msg, self.model)
+            items, single = await prepare_generate(msg, self.model)
             if msg.stream and not single:
                 raise InvalidRequestError("streaming a batch is not supported; send one request per prompt")
         except InvalidRequestError as e:

@@ -87,7 +87,7 @@ def native_routes() -> APIRouter:
     async def generate(request: Request) -> Response:
         server = server_of(request)
         msg, rids = _generate_msg(await json_body(request))
-        items, single = prepare_generate(msg, server.model)
+        items, single = await prepare_generate(msg, server.model)
         client_rids = _request_ids(rids, len(items), single)
         rids = [HTTP_RID_PREFIX + r for r in client_rids]  # apart from ZeroMQ clients' rids
         call = server.manager.submit(items, rids, client_rids, client=client_key(request))

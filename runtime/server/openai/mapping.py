@@ -63,7 +63,7 @@ def add_constraint(fields: dict, fmt: ResponseFormat | None, tool_schema: dict |
         raise ApiError(400, f"give at most one output constraint; got {', '.join(given)}")
 
 
-def choices(
+async def choices(
     server: ServerState, ids: list[int], base: SamplingParams, req: SamplingRequest, logprobs: bool, top: int,
     echo: bool = False,
 ) -> list[ValidRequest]:  # fmt: skip
@@ -73,14 +73,11 @@ def choices(
         return_logprob=logprobs, logprob_start_len=0 if echo and logprobs else -1, top_logprobs_num=top,
         stream=req.stream, timeout_s=req.timeout_s,
     )  # fmt: skip
-    out = []
-    for i in range(req.n):
-        sampling = base if base.seed is None or i == 0 else base.replace(seed=base.seed + i)
-        try:
-            out.append(server.model.prepare(ids, sampling, options))
-        except InvalidRequestError as e:
-            raise ApiError(400, openai_names(str(e))) from None
-    return out
+    seeded = [base if base.seed is None or i == 0 else base.replace(seed=base.seed + i) for i in range(req.n)]
+    try:
+        return await server.model.prepare_all([(ids, sampling) for sampling in seeded], options)
+    except InvalidRequestError as e:
+        raise ApiError(400, openai_names(str(e))) from None
 
 
 def check_n(server: ServerState, n: int) -> None:

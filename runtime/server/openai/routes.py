@@ -51,7 +51,7 @@ async def completions(request: Request) -> Response:
     for ids in prompts:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         base = sampling_params(req, max_tokens)
-        items += choices(server, ids, base, req, req.logprobs is not None, top, echo=req.echo)
+        items += await choices(server, ids, base, req, req.logprobs is not None, top, echo=req.echo)
     call = server.manager.submit(items, client=client_key(request))
     view = CompletionView(server, req, prompts, top)
     if req.stream:
@@ -71,7 +71,7 @@ async def chat_completions(request: Request) -> Response:
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
         max_tokens = max(server.model.context_length - len(ids), 0)
     base = sampling_params(req, max_tokens, tools.schema)
-    items = choices(server, ids, base, req, req.logprobs, top)
+    items = await choices(server, ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, len(ids), tools)
     if req.stream:

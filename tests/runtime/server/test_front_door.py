@@ -253,3 +253,43 @@ def test_post_bodies_must_be_declared_json(content_type, body, ok):
     from spruce.runtime.server.http.middleware import _declared_json
 
     assert _declared_json(content_type, body) is ok
+
+
+# -- constrained requests are prepared off the event loop -----------------------------------------
+
+
+def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenizer):
+    import threading
+    import time
+
+    from spruce.runtime.core.validation import ModelLimits
+    from spruce.runtime.server.native import ModelContext
+
+    class SlowModel(ModelContext):
+        def prepare(self, prompt, sampling, options):
+            self.threads.append(threading.current_thread())
+            if sampling.has_constraint:
+                time.sleep(0.3)  # stands in for a long schema conversion
+            return super().prepare(prompt, sampling, options)
+
+    model = SlowModel(tiny_tokenizer, "m", "/m", ModelLimits(384, 1024))
+    object.__setattr__(model, "threads", [])
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        sampling = SamplingParams(max_new_tokens=4, regex="[ab]{3}")
+        [valid] = await model.prepare_all([("hi", sampling)], RequestOptions())
+        task.cancel()
+        assert valid.constraint is not None and ticks >= 10  # the loop ran while it converted
+        await model.prepare_all([("hi", SamplingParams(max_new_tokens=4))], RequestOptions())
+
+    asyncio.run(main())
+    assert model.threads[0] is not threading.main_thread() and model.threads[1] is threading.main_thread()
