@@ -45,7 +45,7 @@ Details:
     the server is full (retry later), shutting down or the scheduler is gone, 500 an
     internal error. The server keeps serving after any of them. A frame that is not a JSON
     object with a string "rid" cannot be answered: it is dropped (and counted in /metrics,
-    spruce_zmq_dropped_frames_total).
+    spruce_zmq_bad_frames_total{outcome="dropped"}; answered ones as outcome="answered").
   - timeout_s: a deadline in seconds from arrival (default: the server's
     --request-timeout-s); past it the request is aborted (its final message says so).
   - A streamed request whose reader falls more than --max-stream-backlog messages behind
