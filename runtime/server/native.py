@@ -25,6 +25,9 @@ from spruce.runtime.server.request_manager import Event, RequestManager, Schedul
 from spruce.runtime.text.tokenizer import Tokenizer
 
 
+LONG_TEXT_CHARS = 32_768  # prompt text beyond which tokenizing is done off the event loop
+
+
 @dataclass(frozen=True)
 class ModelContext:
     """What the front end knows of the model (its limits come from the scheduler's Ready
@@ -64,14 +67,16 @@ class ModelContext:
     async def prepare_all(
         self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
     ) -> list[ValidRequest]:
-        """`prepare` for each (prompt, sampling). A constrained call is prepared on a worker
-        thread: converting a large JSON schema to its regex can take a while, and the event
-        loop keeps serving every other client meanwhile."""
+        """`prepare` for each (prompt, sampling). A constrained call, or one with long prompt
+        texts, is prepared on a worker thread: converting a large JSON schema to its regex or
+        tokenizing megabytes of text takes a while, and the event loop keeps serving every
+        other client meanwhile."""
 
         def work() -> list[ValidRequest]:
             return [self.prepare(prompt, sampling, options) for prompt, sampling in requests]
 
-        if any(sampling.has_constraint for _, sampling in requests):
+        text_chars = sum(len(prompt) for prompt, _ in requests if isinstance(prompt, str))
+        if text_chars > LONG_TEXT_CHARS or any(sampling.has_constraint for _, sampling in requests):
             return await asyncio.to_thread(work)
         return work()
 

@@ -290,6 +290,9 @@ def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenize
         task.cancel()
         assert valid.constraint is not None and ticks >= 10  # the loop ran while it converted
         await model.prepare_all([("hi", SamplingParams(max_new_tokens=4))], RequestOptions())
+        with pytest.raises(InvalidRequestError, match="context"):  # long text: tokenized off the loop too
+            await model.prepare_all([("word " * 8000, SamplingParams(max_new_tokens=4))], RequestOptions())
 
     asyncio.run(main())
-    assert model.threads[0] is not threading.main_thread() and model.threads[1] is threading.main_thread()
+    main_thread = threading.main_thread()
+    assert [t is main_thread for t in model.threads] == [False, True, False]
