@@ -11,8 +11,15 @@ not let start children, and a fresh interpreter imports only this module's few d
 
 The results come back pickled: `outlines_core.Index` pickles through its own binary form
 (`Index.__reduce__` -> `Index.from_binary`), so the parent gets the very index the worker
-built and never builds it again. interegular's `anything_else` sentinel is not a singleton
-after unpickling, so it travels as a persistent id and comes back as the parent's object.
+built. But `from_binary` holds the GIL (measured: about 12 ms per MB of binary form, 0.65 s
+for the 55 MB index of a 200-character JSON string field with a 49k vocabulary), which
+would stall the scheduler loop; the index build itself releases it. So an index larger
+than `BuildRequest.max_transfer_bytes` is not sent: the worker's build served as a guard
+(it finished within the deadline and the memory cap) and the parent builds it again, off
+the GIL, unless the worker's build took so long that a second one would overrun the
+deadline (then the GIL hold is the lesser harm). interegular's `anything_else` sentinel is
+not a singleton after unpickling, so it travels as a persistent id and comes back as the
+parent's object.
 
 Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
 outlines `Vocabulary` once, then one `BuildRequest` per build; the worker answers each with a
@@ -45,11 +52,13 @@ class BuildRequest:
     regex: str  # the index regex (patterns.index_regex of the constraint's regex)
     automaton_regex: str  # the constraint's own regex, for the character automaton
     automaton_wait_s: float  # how long to wait for the automaton once the index is built
+    max_transfer_bytes: int  # a larger index is built again by the parent (see above)...
+    max_rebuild_s: float  # ...unless it took longer than this here (a rebuild would be late)
 
 
 @dataclass(frozen=True, slots=True)
 class BuildResult:
-    index: object  # outlines_core.Index
+    index: object | None  # outlines_core.Index; None: too large to send, build it again
     char_automaton: object | None  # jump_forward.CharAutomaton; None: jump-forward off
     index_bytes: int  # size of the index's binary form (for the cache's byte budget)
     automaton_bytes: int
@@ -91,7 +100,8 @@ class BuildWorker:
     def __init__(self, vocabulary: object, memory_mb: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        cmd = [sys.executable, "-m", "spruce.constrained.build_worker", str(to_child_r), str(from_child_w), str(memory_mb)]
+        fds = (str(to_child_r), str(from_child_w))
+        cmd = [sys.executable, "-m", "spruce.constrained.build_worker", *fds, str(memory_mb)]
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
         finally:
@@ -254,17 +264,21 @@ def _build(outlines_core, vocabulary, request: BuildRequest) -> tuple[tuple[str,
 
     thread = threading.Thread(target=build_automaton, daemon=True)
     thread.start()  # pure Python, while the index build below releases the GIL
+    start = time.monotonic()
     try:
         index = outlines_core.Index(request.regex, vocabulary)
     except MemoryError:
         return ("error", "the grammar build ran out of its memory cap; simplify the constraint"), True
     except Exception as e:  # outlines-core raises ValueError with the regex engine's message
         return ("error", f"cannot compile constraint: {e}"), thread.is_alive()
+    build_s = time.monotonic() - start
     thread.join(request.automaton_wait_s)
     char_automaton = automaton[0] if automaton else None
     index_bytes = len(index.__reduce__()[1][0])
     automaton_bytes = len(dumps(char_automaton))
-    return ("ok", BuildResult(index, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
+    send = index_bytes <= request.max_transfer_bytes or build_s > request.max_rebuild_s
+    sent = index if send else None
+    return ("ok", BuildResult(sent, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -9,6 +9,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import NamedTuple
 
+import outlines_core
+
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
@@ -21,6 +23,9 @@ NUM_WORKERS = 2  # a slow build (tens of seconds) does not hold up every other c
 # form (measured 2.3x-3.1x), and the character automaton (Python dicts of ints) this many
 # times its pickle (measured 9x-46x: pickle shares the small ints).
 INDEX_MEMORY_FACTOR = 3
+# Indexes up to this size come back from the worker (unpickling holds the GIL about 12 ms
+# per MB); larger ones are built again here, where the build releases the GIL.
+MAX_TRANSFER_BYTES = 4 << 20
 AUTOMATON_MEMORY_FACTOR = 30
 
 
@@ -36,10 +41,12 @@ class GrammarCompiler:
 
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
     space; at `timeout_s` the worker is killed, so a pathological constraint fails its own
-    requests and costs nothing after. The character automaton (for jump-forward) is built
-    in the same worker; if it is not ready `timeout_s / 2` after the index, the grammar goes
-    without it. The cache keeps the most recently used grammars within `cache_bytes`
-    (estimated, see `estimated_bytes`) and `cache_size` entries."""
+    requests and costs nothing after. The index comes back from the worker; one too large
+    to unpickle without a long GIL hold is built again here, its feasibility proven. The
+    character automaton (for jump-forward) is built in the same worker; if it is not ready
+    `timeout_s / 2` after the index, the grammar goes without it. The cache keeps the most
+    recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
+    `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
 
     def __init__(
         self,
@@ -102,9 +109,16 @@ class GrammarCompiler:
         self._workers.close()
 
     def _build(self, spec: ConstraintSpec) -> _Built:
-        request = BuildRequest(index_regex(spec.regex), spec.regex, self.timeout_s / 2)
+        regex = index_regex(spec.regex)
+        request = BuildRequest(
+            regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
+            max_transfer_bytes=MAX_TRANSFER_BYTES, max_rebuild_s=self.timeout_s / 3,
+        )  # fmt: skip
         result = self._workers.build(request, self.timeout_s)
-        grammar = CompiledGrammar(spec, spec.regex, result.index, self.vocab, result.char_automaton)
+        index = result.index
+        if index is None:  # too large to unpickle without stalling the GIL: build it here
+            index = outlines_core.Index(regex, self.vocab.vocabulary)  # releases the GIL
+        grammar = CompiledGrammar(spec, spec.regex, index, self.vocab, result.char_automaton)
         nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
         return _Built(grammar, nbytes)
 

@@ -21,6 +21,7 @@ from spruce.constrained import (
     make_spec,
     unpack_bitmask,
 )
+from spruce.constrained import compiler as compiler_module
 from spruce.constrained.bitmask import pack_token_ids
 from spruce.constrained.patterns import index_regex
 from spruce.constrained import ConstraintError
@@ -310,9 +311,11 @@ def test_the_cache_is_bounded_in_bytes(tiny_tokenizer):
     compiler.close()
 
 
-def test_index_and_automaton_cross_the_process_boundary_intact(tiny_tokenizer):
-    """The worker's pickled index equals an index built here; the automaton still sees
+@pytest.mark.parametrize("max_transfer_bytes", [4 << 20, 0])  # sent back / built again here
+def test_index_and_automaton_cross_the_process_boundary_intact(tiny_tokenizer, monkeypatch, max_transfer_bytes):
+    """The grammar's index equals an index built here; the automaton still sees
     interegular's anything_else (a character outside the regex's alphabet)."""
+    monkeypatch.setattr(compiler_module, "MAX_TRANSFER_BYTES", max_transfer_bytes)
     compiler = GrammarCompiler(tiny_tokenizer)
     grammar = compiler.compile(make_spec(regex='"[^"]{0,5}" ok'))
     local = outlines_core.Index(index_regex(grammar.regex), compiler.vocab.vocabulary)
