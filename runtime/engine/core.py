@@ -244,5 +244,8 @@ class EngineCore:
             "requests_finished_total": s.requests_finished,
             "retractions_total": s.retractions,
             "steps_total": s.steps,
+            "failed_steps_total": s.failed_steps,  # forward passes rolled back
+            "request_faults_total": s.request_faults,  # requests aborted for a failure of their own
+            "grammar_cache_bytes": self.compiler.cached_bytes,  # estimated
             "time": time.time(),
         }

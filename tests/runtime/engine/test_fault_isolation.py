@@ -93,7 +93,7 @@ def test_a_forward_pass_raising_once_mid_batch_changes_no_output(engine, batch, 
     assert count["failed"] == 1
     assert output_ids(results) == clean
     assert all(r["meta_info"]["finish_reason"]["type"] == "length" for r in results)
-    assert engine.core.scheduler.stats.failed_steps == failed_before + 1
+    assert engine.stats()["failed_steps_total"] == failed_before + 1
     assert_idle_and_exact(engine)
 
 
