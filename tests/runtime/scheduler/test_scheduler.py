@@ -4,6 +4,8 @@ accounting (scheduler_fakes.step)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from scheduler_fakes import (
     fail_step,
@@ -243,3 +245,39 @@ def test_the_integrity_check_catches_a_leaked_slot(radix):
 def test_fake_model_is_deterministic():
     req = make_req(3)
     assert next_token(req) == 103
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_step_failures_under_memory_pressure_keep_accounting_exact(seed):
+    """Steps fail at random (20%) while a small pool forces retractions: after every step
+    the pool accounting is exact; every request either finishes with exactly the tokens of
+    a clean run or is aborted for failing twice alone; nothing leaks at the end."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(num_slots=120, radix=seed % 2 == 0, chunked_prefill_size=24, decode_reserve_ratio=0.0)
+    reqs = [
+        make_req([rng.randrange(10, 90) for _ in range(rng.randrange(3, 30))], max_new_tokens=rng.randrange(1, 20))
+        for _ in range(12)
+    ]
+    for req in reqs:
+        scheduler.add(req)
+    for _ in range(3000):
+        if not scheduler.has_work():
+            break
+        out = scheduler.schedule()
+        scheduler.pop_finished_outside_step()
+        fake_forward(scheduler, out)
+        if out and rng.random() < 0.2:
+            scheduler.step_failed(out, RuntimeError("chaos"))
+        elif out:
+            scheduler.update(out, fake_result(out))
+        scheduler.check_integrity()
+    assert not scheduler.has_work()
+    for req in reqs:
+        if req.finish_reason.type == "abort":
+            assert isinstance(req.error, RequestFault) and "ran alone" in req.finish_reason.message
+            continue
+        n = len(req.prompt_ids)
+        assert req.output_ids == [100 + (n + k) % 50 for k in range(req.sampling.max_new_tokens)]
+    assert sum(r.finish_reason.type != "abort" for r in reqs) >= 6
+    assert scheduler.stats.failed_steps > 0 and scheduler.stats.retractions > 0
+    assert used_slots(scheduler) == scheduler.cache.prefix_cache.size_info().cached_tokens
