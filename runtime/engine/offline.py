@@ -33,6 +33,10 @@ class Engine:
             logging.getLogger("spruce").setLevel(self.config.log_level.upper())
         self.core = EngineCore(self.config, loaded)
         self.tokenizer = self.core.tokenizer
+        # Calls in flight (e.g. interleaved streams) share the core: a step's news for one
+        # call's requests waits here for that call, whichever call ran the step.
+        self._live: set[str] = set()
+        self._news: dict[str, None] = {}  # rids with news not yet taken (ordered)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -62,6 +66,7 @@ class Engine:
         limits = self.core.limits
         valid = [validate_request(self._ids(p), sp, options, limits) for p, sp in zip(prompts, params)]
         reqs = [self.core.add_request(v) for v in valid]
+        self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated
         if stream:
             return self._stream(reqs)
         results = self._run(reqs)
@@ -94,12 +99,15 @@ class Engine:
 
     def _run(self, reqs: list[Req]) -> list[dict]:
         texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
-        pending = {r.rid for r in reqs}
-        while pending:
-            for req in self.core.step():
-                if req.finished and req.rid in texts:  # no stream: text is made once, at the end
-                    texts[req.rid].update(req)
-                    pending.discard(req.rid)
+        pending = {r.rid: r for r in reqs}
+        try:
+            while pending:
+                for req in self._news_for(pending):
+                    if req.finished:  # no stream: text is made once, at the end
+                        texts[req.rid].update(req)
+                        del pending[req.rid]
+        finally:
+            self._forget(reqs)
         failed = next((r.error for r in reqs if r.error is not None), None)
         if failed is not None:  # e.g. a constraint that failed to compile
             raise failed
@@ -109,27 +117,46 @@ class Engine:
         """Chunks: {"index", "text" (new text), "output_ids" (new ids), "finished", "meta_info"}."""
         texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
         index = {r.rid: i for i, r in enumerate(reqs)}
-        pending = set(index)
+        pending = {r.rid: r for r in reqs}
         try:
             while pending:
-                for req in self.core.step():
-                    if req.rid not in index:
-                        continue
+                for req in self._news_for(pending):
+                    finished = req.finished  # as sent: other calls may step while we yield
+                    if finished:
+                        del pending[req.rid]
                     delta = texts[req.rid].update(req)
                     yield {
                         "index": index[req.rid],
                         "text": delta,
                         "output_ids": texts[req.rid].new_output_ids(req),
-                        "finished": req.finished,
+                        "finished": finished,
                         "meta_info": meta_info(req),
                     }
-                    if req.finished:
-                        pending.discard(req.rid)
         finally:
             for rid in pending:  # a consumer that stops early aborts what is left
                 self.core.abort(rid, "the stream was closed")
             while pending and self.core.has_work():
-                pending -= {r.rid for r in self.core.step() if r.finished}
+                for req in self._news_for(pending):
+                    if req.finished:
+                        del pending[req.rid]
+            self._forget(reqs)
+
+    def _news_for(self, mine: dict[str, Req]) -> list[Req]:
+        """This call's requests with news (new tokens or finished), in step order: news a
+        step of another call left for it, else the news of a step run now."""
+        news = [rid for rid in self._news if rid in mine]
+        if not news:
+            changed = [r.rid for r in self.core.step() if r.rid in self._live]
+            self._news.update(dict.fromkeys(changed))
+            news = [rid for rid in self._news if rid in mine]
+        for rid in news:
+            del self._news[rid]
+        return [mine[rid] for rid in news]
+
+    def _forget(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self._live.discard(req.rid)
+            self._news.pop(req.rid, None)
 
 
 def _result(req: Req, text: str) -> dict:

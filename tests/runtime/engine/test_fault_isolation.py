@@ -159,6 +159,30 @@ def test_the_failing_request_raises_from_its_own_generate_call_only(engine, batc
     assert_idle_and_exact(engine)
 
 
+def test_interleaved_calls_each_get_their_own_output_and_only_theirs_fails(engine, batch, clean, monkeypatch):
+    generator_of = Sampler._generator_of
+
+    def broken_for_seed_13(self, req: Req):
+        if req.sampling.seed == 13:
+            raise RuntimeError("injected sampling failure")
+        return generator_of(self, req)
+
+    monkeypatch.setattr(Sampler, "_generator_of", broken_for_seed_13)
+    good = engine.generate(input_ids=batch[:2], sampling_params=GREEDY, stream=True)
+    bad = engine.generate(input_ids=batch[2], sampling_params={"temperature": 0.8, "seed": 13}, stream=True)
+    first = next(good)  # steps run by this call also carry the other call's news
+    middle = engine.generate(input_ids=batch[3], sampling_params=GREEDY)  # a whole call in between
+    bad_chunks = list(bad)
+    good_chunks = [first, *good]
+    assert middle["output_ids"] == clean[3]
+    for i in range(2):
+        assert sum((c["output_ids"] for c in good_chunks if c["index"] == i), []) == clean[i]
+    assert bad_chunks[-1]["finished"] and bad_chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "injected sampling failure" in bad_chunks[-1]["meta_info"]["finish_reason"]["message"]
+    assert not engine._live and not engine._news
+    assert_idle_and_exact(engine)
+
+
 def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(engine, batch, clean, monkeypatch):
     mask = engine.core.grammar_mask
     victim = {}
