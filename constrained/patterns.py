@@ -58,24 +58,44 @@ _TIME = (
     r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?"
     r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
-_LABEL = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
 _HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,30}[A-Za-z0-9])?"
 _ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
-_URI_CHAR = r"[A-Za-z0-9._~%!$&'()*+,;=:@/-]"
+_URI_CHAR = r"[A-Za-z0-9._~%!$&'()*+,;=:@/?#\[\]-]"
+_IPV4_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_IPV4 = rf"{_IPV4_OCTET}(?:\.{_IPV4_OCTET}){{3}}"
+_HEX4 = r"[0-9A-Fa-f]{1,4}"
+
+
+def _ipv6_regex() -> str:
+    """Eight groups, or "::" standing for at least one zero group between k and m groups."""
+    def groups(n: int) -> str:
+        return "" if n == 0 else _HEX4 + (f"(?::{_HEX4}){{{n - 1}}}" if n > 1 else "")
+
+    forms = [groups(8)] + [f"{groups(k)}::{groups(m)}" for k in range(8) for m in range(8 - k)]
+    return "(?:" + "|".join(forms) + ")"
+
+
+_IPV6 = _ipv6_regex()
+_POINTER = r'(?:/(?:[^~/"\\\x00-\x1F]|~[01])*)*'
 
 # JSON-safe regexes (no '"', '\\' or control characters) for the string formats, valid
 # under jsonschema's FormatChecker. Replaces outlines-core's: its email and uri regexes can
 # emit raw '"' / control characters (invalid JSON), its date allows Feb 31, its time emits
-# a literal backslash.
+# a literal backslash. Formats not listed here are annotations (JSON Schema 2019-09 on).
 FORMAT_REGEXES = {
     "date": _DATE,
     "time": _TIME,
-    "date-time": f"{_DATE}T{_TIME}",
+    "date-time": f"{_DATE}[Tt]{_TIME}",
     "email": (  # dot-atom form, bounded: a random walk must end, the index must stay small
         f"{_ATEXT}{{1,32}}(?:\\.{_ATEXT}{{1,32}})?@(?:{_HOST_LABEL}\\.){{1,3}}[A-Za-z]{{2,24}}"
     ),
-    "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-    "uri": rf"(?:https?|ftp)://{_LABEL}(?:\.{_LABEL})*(?::[0-9]{{1,5}})?(?:/{_URI_CHAR}*)?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "uri": rf"[A-Za-z][A-Za-z0-9+.-]{{0,31}}:{_URI_CHAR}+",
+    "hostname": rf"{_HOST_LABEL}(?:\.{_HOST_LABEL}){{0,6}}",
+    "ipv4": _IPV4,
+    "ipv6": _IPV6,
+    "json-pointer": _POINTER,
+    "relative-json-pointer": rf"(?:0|[1-9][0-9]{{0,8}})(?:#|{_POINTER})",
 }
 
 _META = set("\\.^$|?*+()[]{}")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from spruce.constrained.json_schema import load_schema, schema_to_regex
+from spruce.constrained.errors import ConstraintError
+from spruce.constrained.json_schema import convert_schema, load_schema
 from spruce.constrained.limits import check_regex_size, parse_regex
 from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.schema_context import LENIENT, SchemaOptions
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
 
@@ -19,14 +20,22 @@ class ConstraintSpec:
     """`kind` is "regex" (value: the regex; choices and dtypes become regexes) or
     "json_schema" (value: the schema as JSON text, property order kept); `regex` is the
     constraint as a regex, converted once by `make_spec` and carried from then on.
-    Hashable on (kind, value): the compiled-grammar cache key."""
+    `variant`: the conversion options that differ from the defaults (they change the regex).
+    `unenforced`: the schema keywords the regex does not enforce (lenient mode): the output
+    is validated against the schema once finished (see `schema_report`).
+    Hashable on (kind, value, variant): the compiled-grammar cache key."""
 
     kind: str
     value: str
     regex: str = field(compare=False)
+    variant: str = ""
+    unenforced: tuple[str, ...] = field(default=(), compare=False)
 
-    def to_dict(self) -> dict[str, str]:
-        return {"kind": self.kind, "value": self.value, "regex": self.regex}
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "value": self.value, "regex": self.regex,
+            "variant": self.variant, "unenforced": list(self.unenforced),
+        }  # fmt: skip
 
 
 def make_spec(
@@ -35,13 +44,19 @@ def make_spec(
     choices: list[str] | tuple[str, ...] | None = None,
     dtype: type | str | None = None,
     whitespace_pattern: str = "",
+    schema_mode: str = LENIENT,
+    schema_options: SchemaOptions | None = None,
 ) -> ConstraintSpec | None:
     """Validates a constraint (at most one of the four) and returns its spec, or None when
     none is given. Raises ConstraintError for anything invalid or unsupported.
 
     json_schema: a dict, a JSON string or a pydantic model class. choices: the output is one
     of the strings. dtype: int, float, bool, str (or their names): see DTYPE_REGEXES.
-    whitespace_pattern: the whitespace a JSON schema's output may hold between tokens."""
+    whitespace_pattern: the whitespace a JSON schema's output may hold between tokens.
+    schema_mode: "lenient" (default: a keyword that cannot be enforced is left out of the
+    grammar and listed in `unenforced`) or "strict" (refused, naming it).
+    schema_options: recursion_depth, any_json_depth, property order (see SchemaOptions);
+    its mode and whitespace_pattern are replaced by the two arguments above."""
     candidates = {"regex": regex, "json_schema": json_schema, "choices": choices, "dtype": dtype}
     given = [name for name, value in candidates.items() if value is not None]
     if len(given) > 1:
@@ -49,14 +64,27 @@ def make_spec(
     if regex is not None:
         return _regex_spec(regex)
     if json_schema is not None:
-        schema = load_schema(json_schema)
-        regex = schema_to_regex(schema, whitespace_pattern)  # every check, before any compute
-        return ConstraintSpec(JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), regex)
+        return _schema_spec(json_schema, whitespace_pattern, schema_mode, schema_options)
     if choices is not None:
         return _regex_spec(choices_regex(_checked_choices(choices)))
     if dtype is not None:
         return _regex_spec(DTYPE_REGEXES[_dtype_name(dtype)])
     return None
+
+
+def _schema_spec(json_schema: Any, whitespace: str, mode: str, options: SchemaOptions | None) -> ConstraintSpec:
+    options = replace(options or SchemaOptions(), mode=mode, whitespace_pattern=whitespace)
+    schema = load_schema(json_schema)
+    converted = convert_schema(schema, options)  # every check, before any compute
+    text = json.dumps(schema, ensure_ascii=False)
+    return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
+
+
+def _variant(options: SchemaOptions) -> str:
+    """The options that change the regex, where they differ from the defaults."""
+    default = SchemaOptions()
+    names = ("recursion_depth", "any_json_depth", "property_order", "any_order_max", "open_objects", "whitespace_pattern")
+    return ",".join(f"{n}={getattr(options, n)!r}" for n in names if getattr(options, n) != getattr(default, n))
 
 
 def _regex_spec(regex: Any) -> ConstraintSpec:

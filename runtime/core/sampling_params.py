@@ -39,6 +39,9 @@ class SamplingParams:
     json_schema: str | None = None
     # Compiled into a regex by the front end / DSL; kept so requests stay self-describing.
     choices: tuple[str, ...] | None = None
+    # json_schema keywords the grammar cannot enforce: "strict" refuses them, "lenient" leaves
+    # them out and reports them in meta_info; None: the server's default (lenient).
+    schema_mode: str | None = None
 
     def __post_init__(self) -> None:
         # JSON-friendly input -> field types, however the object was built
@@ -159,6 +162,7 @@ class SamplingParams:
         if choices is not None:
             _check(len(choices) <= limits.max_choices, f"choices has {len(choices)} entries; at most {limits.max_choices}")
             _check_size("choices", sum(map(len, choices)), limits.max_constraint_chars)
+        _check(self.schema_mode in (None, "strict", "lenient"), "schema_mode must be 'strict' or 'lenient'")
         constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
         _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
 

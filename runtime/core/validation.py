@@ -87,7 +87,7 @@ def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> Constraint
     try:
         return make_spec(
             regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
-            whitespace_pattern=whitespace_pattern,
+            whitespace_pattern=whitespace_pattern, schema_mode=sampling.schema_mode or "lenient",
         )  # fmt: skip
     except constrained_errors.ConstraintError as e:
         raise constraint_error(e) from None

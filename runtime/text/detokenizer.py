@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spruce.constrained.report import schema_report
 from spruce.runtime.core.request import Req
 from spruce.runtime.text.stop import find_stop, stop_prefix_len
 from spruce.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -80,6 +81,9 @@ def meta_info(req: Req) -> dict[str, Any]:
         "e2e_latency": (end - req.created_at) if end is not None else None,
         "jump_forward_tokens": req.jump_forward_tokens,
     }
+    report = _schema_report(req)
+    if report is not None:
+        info["json_schema"] = report
     if req.logprobs is not None:
         lp = req.logprobs
         info["input_token_logprobs"] = [list(x) for x in lp.input_token_logprobs]
@@ -88,6 +92,16 @@ def meta_info(req: Req) -> dict[str, Any]:
             info["input_top_logprobs"] = [_pairs(t) for t in lp.input_top_logprobs]
             info["output_top_logprobs"] = [_pairs(t) for t in lp.output_top_logprobs]
     return info
+
+
+def _schema_report(req: Req) -> dict[str, Any] | None:
+    """Once a JSON-schema request finishes: the keywords its grammar did not enforce and
+    whether the output validates (the output is decoded from the grammar's token bytes)."""
+    if not req.finished or req.constraint is None or req.cursor is None:
+        return None
+    token_bytes = req.cursor.grammar.vocab.token_bytes
+    data = b"".join(token_bytes[i] for i in req.output_ids if i < len(token_bytes))
+    return schema_report(req.constraint, data.decode("utf-8", errors="replace"))
 
 
 def _pairs(top):

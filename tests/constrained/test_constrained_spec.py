@@ -62,35 +62,26 @@ def test_bad_regex_is_refused_before_compute(regex, message):
     "schema, message",
     [
         ('{"type": "object",', "not valid JSON"),
-        ({"type": "string", "maxLength": MAX_STRING_LENGTH + 1}, f"maxLength {MAX_STRING_LENGTH + 1}"),
-        ({"type": "array", "items": {"type": "integer"}, "maxItems": 1000}, "maxItems 1000"),
-        ({"not": {"type": "string"}}, "'not'"),
-        ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
+        ({"type": "string", "maxLength": MAX_STRING_LENGTH + 1}, f"{MAX_STRING_LENGTH + 1} is above the cap"),
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": 1000}, "1000 is above the cap"),
+        ({"not": {"properties": {"a": {"pattern": "x"}}}}, "'not'"),
+        ({"type": "integer", "multipleOf": 7919}, "'multipleOf'"),
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
-        ({"type": "object", "patternProperties": {"^a": {}}}, "'patternProperties'"),
-        ({"if": {"type": "string"}, "then": {"maxLength": 2}}, "'if'"),
-        ({"type": "string", "format": "hostname"}, "format 'hostname'"),
+        ({"if": {"properties": {"a": {"pattern": "x"}}}, "then": {"maxLength": 2}}, "'if'"),
         ({"type": "number", "minimum": 0.5}, "fractional"),
-        ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer"),
-        ({"type": "string", "pattern": '^a"b$'}, "escape"),
-        ({"type": "string", "pattern": r"\s+"}, "escape"),
-        ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "together"),
-        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b' is not in properties"),
-        ({"type": "object", "properties": {'a"b': {}}}, "JSON escaping"),
-        ({"$ref": "https://example.com/s.json"}, "local $ref"),
-        ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
-          "$ref": "#/$defs/n"}, "recursive"),  # fmt: skip
-        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "no type in common"),
-        ({"type": "array", "minItems": 5, "maxItems": 2}, "minItems > maxItems"),
-        ({"enum": [{"a": 1}]}, "object / array values"),
-        ({"maxLength": 3}, "without a 'type'"),
-        ({"type": "string", "anyOf": [{"maxLength": 2}]}, "together"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "allows no value"),
+        ({"type": "string", "pattern": "(a)\\1"}, "'pattern'"),
+        ({"$ref": "https://example.com/s.json"}, "another document"),
+        ({"$ref": "#/$defs/missing"}, "does not resolve"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allows no value"),
+        ({"type": "array", "minItems": 5, "maxItems": 2}, "allows no value"),
+        ({"type": "unknown"}, "unknown type"),
         ("[1, 2]", "must be an object"),
     ],
 )
 def test_unsupported_schema_is_refused_with_the_feature_named(schema, message):
     with pytest.raises(ConstraintError, match=re.escape(message)):
-        make_spec(json_schema=schema)
+        make_spec(json_schema=schema, schema_mode="strict")
 
 
 def test_allof_objects_are_merged_not_concatenated():
@@ -103,7 +94,7 @@ def test_allof_objects_are_merged_not_concatenated():
 def test_whitespace_pattern_is_configurable():
     spec = make_spec(json_schema={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
-    assert spec.regex == r'\{"a":(true|false)\}'
+    assert spec.regex == r'\{"a":(?:true|false)\}'
     assert re.fullmatch(make_spec(json_schema=schema, whitespace_pattern="[ ]?").regex, '{ "a" : true }')
 
 

@@ -123,9 +123,9 @@ def test_jump_forward_respects_max_new_tokens(engine):
 BAD_CONSTRAINTS = [
     ({"regex": "(unclosed"}, "invalid regex"),
     ({"json_schema": "{not json"}, "not valid JSON"),
-    ({"json_schema": {"type": "object", "not": {"type": "string"}}}, "not"),
+    ({"json_schema": {"type": "object", "not": {"properties": {"a": {"pattern": "x"}}}}, "schema_mode": "strict"}, "not"),
     ({"choices": []}, "non-empty list"),
-    ({"json_schema": {"type": "string", "maxLength": 100000}}, "maxLength"),
+    ({"json_schema": {"type": "string", "maxLength": 100000}, "schema_mode": "strict"}, "maxLength"),
 ]
 
 

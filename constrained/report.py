@@ -1,0 +1,36 @@
+"""What a finished JSON-schema output is told: which keywords the grammar did not enforce
+(lenient mode) and whether the output validates against the schema (`jsonschema`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
+
+
+def schema_report(spec: ConstraintSpec | None, text: str) -> dict[str, Any] | None:
+    """{"unenforced": [...], "valid": bool, "error": str | None} for a JSON-schema spec,
+    None for other constraints. The output is validated with formats asserted."""
+    if spec is None or spec.kind != JSON_SCHEMA:
+        return None
+    return {"unenforced": list(spec.unenforced), **validate_output(json.loads(spec.value), text)}
+
+
+def validate_output(schema: Any, text: str) -> dict[str, Any]:
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError as e:
+        return {"valid": False, "error": f"not JSON: {e}"}
+    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    try:
+        error = jsonschema.exceptions.best_match(
+            cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)
+        )
+    except Exception as e:  # a $ref to another document, a regex jsonschema cannot compile
+        return {"valid": None, "error": f"could not validate: {e}"}
+    if error is None:
+        return {"valid": True, "error": None}
+    where = "/".join(str(p) for p in error.absolute_path)
+    return {"valid": False, "error": f"{error.message} (at /{where})"}

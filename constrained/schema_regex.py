@@ -1,0 +1,204 @@
+"""Flat alternatives (schema_normalize) -> one regex of compact JSON text: the builder that
+walks the schema, literal values, arrays, and the per-type dispatch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+from spruce.constrained.automata import literal_text
+from spruce.constrained.errors import ConstraintError
+from spruce.constrained.limits import MAX_ARRAY_ITEMS
+from spruce.constrained.patterns import json_array_regex, json_object_regex, json_value_regex
+from spruce.constrained.schema_context import Context
+from spruce.constrained.schema_merge import KINDS, same_json
+from spruce.constrained.schema_normalize import alternatives
+from spruce.constrained.schema_objects import object_regex
+from spruce.constrained.schema_scalars import integer_regex, number_regex, string_regex
+
+MAX_REGEX_CHARS = 4_000_000  # the regex text built so far; past it the schema is refused
+_TYPE_KEYS = {
+    "string": ("minLength", "maxLength", "patterns", "formats"),
+    "integer": ("low", "high", "multipleOf"),
+    "fraction": ("low", "high", "multipleOf"),
+    "array": ("prefixItems", "items", "minItems", "maxItems"),
+    "object": ("properties", "patternProperties", "additionalProperties", "required", "forbidden",
+               "propertyNames", "minProperties", "maxProperties"),
+}  # fmt: skip
+
+
+class RegexBuilder:
+    """One per conversion. `orders` records each object's property order as built (for
+    `canonical_instance`, which writes an instance the way the grammar expects it)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.ws = ctx.options.whitespace_pattern
+        self.orders: list[tuple[str, ...]] = []
+        self._size = 0
+        self._validator = _validator(ctx.root)
+        self._cache: dict[tuple, tuple] = {}  # (id(schema), refs) -> (schema, regex)
+
+    def value(self, schema: Any, path: str, refs: tuple = ()) -> str | None:
+        """Regex for the values valid under `schema`; None when there is none (a recursion
+        closed off, an impossible combination)."""
+        key = (id(schema), refs)
+        if key in self._cache:
+            return self._cache[key][1]
+        flats = alternatives(schema, path, self.ctx, refs)
+        options = self._literals(schema, flats)
+        for flat in flats:
+            if "enum" not in flat:
+                options.extend(self._kinds(flat, refs))
+        regex = union(options)
+        self._cache[key] = (schema, regex)  # the schema kept alive: its id stays unique
+        self._size += len(regex or "")
+        if self._size > MAX_REGEX_CHARS:
+            raise ConstraintError(
+                f"schema too large: its regex passes {MAX_REGEX_CHARS} characters at {path} "
+                f"(lower recursion_depth / any_json_depth, or simplify that part)"
+            )
+        return regex
+
+    def all_of(self, schemas: list, path: str, refs: tuple) -> str | None:
+        return self.value(schemas[0] if len(schemas) == 1 else {"allOf": schemas}, path, refs)
+
+    def accepts(self, schemas: list, value: Any) -> bool:
+        """Whether `value` is valid under every schema (jsonschema; True when it cannot tell)."""
+        try:
+            return all(self._validator.evolve(schema=s).is_valid(value) for s in schemas if isinstance(s, (dict, bool)))
+        except Exception:  # a schema jsonschema itself cannot evaluate (an odd regex, a bad $ref)
+            return True
+
+    def _literals(self, schema: Any, flats: list[dict]) -> list[str]:
+        out = []
+        for flat in flats:
+            for value in flat.get("enum", []):
+                if _fits(value, flat) and self.accepts([schema], value):
+                    out.append(literal_text(json.dumps(value, separators=(",", ":"), ensure_ascii=False)))
+        return list(dict.fromkeys(out))
+
+    def _kinds(self, flat: dict, refs: tuple) -> list[str]:
+        kinds = KINDS if flat.get("types") is None else flat["types"]
+        refs = flat.get("refs", refs)
+        if kinds == KINDS and not any(k in flat for keys in _TYPE_KEYS.values() for k in keys):
+            if not flat.get("not_values"):
+                return [json_value_regex(self.ctx.options.any_json_depth)]
+        out = []
+        if "null" in kinds:
+            out.append("null")
+        if "boolean" in kinds:
+            out.append("(?:true|false)")
+        if "integer" in kinds or "fraction" in kinds:
+            out.append(self._number(flat, kinds))
+        if "string" in kinds:
+            out.append(string_regex(flat, self.ctx))
+        if "array" in kinds:
+            out.append(array_regex(self, flat, refs))
+        if "object" in kinds:
+            out.append(object_regex(self, flat, refs))
+        return [r for r in out if r is not None]
+
+    def _number(self, flat: dict, kinds: set) -> str | None:
+        if "fraction" not in kinds:
+            return integer_regex(flat, self.ctx)
+        return number_regex(flat, self.ctx, integers="integer" in kinds)
+
+    def free(self, kind: str) -> str:
+        """Any object / array, containers nested at most any_json_depth deep."""
+        inner = json_value_regex(max(self.ctx.options.any_json_depth - 1, 0))
+        return json_object_regex(inner) if kind == "object" else json_array_regex(inner)
+
+
+def _validator(root: Any):
+    cls = jsonschema.validators.validator_for(root if isinstance(root, dict) else {}, default=jsonschema.Draft202012Validator)
+    return cls(root)
+
+
+def _fits(value: Any, flat: dict) -> bool:
+    if any(same_json(value, excluded) for excluded in flat.get("not_values", [])):
+        return False
+    kinds = flat.get("types")
+    return kinds is None or json_kind(value) in kinds
+
+
+def json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "fraction"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def union(options: list[str]) -> str | None:
+    options = list(dict.fromkeys(o for o in options if o is not None))
+    if not options:
+        return None
+    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+
+
+# -- arrays -------------------------------------------------------------------------------------
+
+
+def array_regex(builder: RegexBuilder, flat: dict, refs: tuple) -> str | None:
+    if not any(k in flat for k in _TYPE_KEYS["array"]):
+        return builder.free("array")
+    path, ctx = flat["path"], builder.ctx
+    low, high = flat.get("minItems", 0), flat.get("maxItems")
+    if high is not None and high > MAX_ARRAY_ITEMS:
+        ctx.skip("maxItems", path, f"{high} is above the cap of {MAX_ARRAY_ITEMS}")
+        high = None
+    if low > MAX_ARRAY_ITEMS:
+        ctx.skip("minItems", path, f"{low} is above the cap of {MAX_ARRAY_ITEMS}")
+        low = 0
+    if high is not None and low > high:
+        return None
+    prefix = [builder.all_of(s, f"{path}/prefixItems/{i}", refs) for i, s in enumerate(flat.get("prefixItems", []))]
+    tail = _tail(builder, flat, path, refs)
+    ws = builder.ws
+    body = _items_from(0, prefix, tail, low, high, f"{ws},{ws}")
+    return None if body is None else rf"\[{ws}{body}{ws}\]"
+
+
+def _tail(builder: RegexBuilder, flat: dict, path: str, refs: tuple) -> str | None:
+    items = flat.get("items", [])
+    if False in items:
+        return None
+    items = [s for s in items if s is not True and s != {}]
+    if not items:
+        return json_value_regex(builder.ctx.options.any_json_depth)
+    return builder.all_of(items, f"{path}/items", refs)
+
+
+def _items_from(i: int, prefix: list, tail: str | None, low: int, high: int | None, comma: str) -> str | None:
+    """Regex for the elements from position i on (i elements already written)."""
+    sep = comma if i else ""
+    if high is not None and i >= high:
+        return "" if i >= low else None
+    if i < len(prefix):
+        rest = None if prefix[i] is None else _items_from(i + 1, prefix, tail, low, high, comma)
+        take = None if rest is None else f"{sep}{prefix[i]}{rest}"
+        if i >= low:
+            return "" if take is None else f"(?:{take})?"
+        return take
+    if tail is None:
+        return "" if i >= low else None
+    need = max(low - i, 0)
+    most = None if high is None else high - i
+    if i == 0:
+        first = f"{tail}(?:{comma}{tail}){_counts(max(need - 1, 0), None if most is None else most - 1)}"
+        return first if need else f"(?:{first})?"
+    return f"(?:{comma}{tail}){_counts(need, most)}"
+
+
+def _counts(low: int, high: int | None) -> str:
+    if high is None:
+        return "*" if low == 0 else f"{{{low},}}"
+    return f"{{{low},{high}}}" if high != low else f"{{{low}}}"
