@@ -26,7 +26,11 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
 
     As in SGLang: n=k draws k samples in one request (the variable is the list of k texts,
     its meta_info the list of their meta_infos; the first sample is appended to the text);
-    choices=[...] (with choices_method=, temperature=) is a select."""
+    choices=[...] (with choices_method=, temperature=) is a select.
+
+    separate_reasoning=True (or "qwen3" / "deepseek-r1"): for reasoning models, the variable
+    holds the answer after the `<think>...</think>` block and `<name>_reasoning_content` the
+    reasoning (None when there was no block); the program text keeps the whole output."""
     n = params.pop("n", None)
     choices_method = params.pop("choices_method", None)
     if params.get("choices") is not None:
@@ -34,6 +38,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
     if choices_method is not None:
         raise ProgramError("gen(choices_method=...) needs choices=[...] (a gen with choices is a select)")
     _refuse_unsupported(params)
+    reasoning = _reasoning_format(params.pop("separate_reasoning", None))
     dtype = params.pop("dtype", None)
     sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
     dtype_name = None
@@ -42,7 +47,21 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
         if given:
             raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
         dtype_name, sampling["regex"] = _dtype_regex(dtype)
-    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name, _sample_count(n))
+    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name, _sample_count(n), reasoning)
+
+
+def _reasoning_format(separate_reasoning: Any) -> str | None:
+    """separate_reasoning=True (the `<think>` format) or a format name ("qwen3",
+    "deepseek-r1"): the variable gets the answer, `<name>_reasoning_content` the reasoning."""
+    from spruce.runtime.text.reasoning import REASONING_FORMATS
+
+    if separate_reasoning in (None, False):
+        return None
+    name = "qwen3" if separate_reasoning is True else separate_reasoning
+    if name not in REASONING_FORMATS:
+        known = ", ".join(REASONING_FORMATS)
+        raise ProgramError(f"gen(separate_reasoning=...) takes True or a format name ({known}); got {name!r}")
+    return name
 
 
 def _gen_select(name: str | None, params: dict[str, Any], choices_method: Any) -> Select:
@@ -80,7 +99,7 @@ def _sample_count(n: Any) -> int:
 def _gen_signature() -> inspect.Signature:
     P = inspect.Parameter
     head = [P("name", P.POSITIONAL_OR_KEYWORD, default=None), P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None)]
-    extra = ("n", "stop_regex", "return_text_in_logprobs", "dtype", "choices_method")
+    extra = ("n", "stop_regex", "return_text_in_logprobs", "dtype", "choices_method", "separate_reasoning")
     names = dict.fromkeys(k for k in (*dsl_keywords(), *extra) if k != "max_tokens")
     rest = [P(k, P.KEYWORD_ONLY, default=None) for k in names]
     return inspect.Signature(head + rest, return_annotation=Gen)

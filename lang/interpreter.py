@@ -34,6 +34,7 @@ from spruce.lang.ir import (
 from spruce.lang.select import score_choices
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.protocol.dsl import FinalMsg, GenerateMsg
+from spruce.runtime.text.reasoning import REASONING_FORMATS
 
 _END = object()  # queued last: the worker exits
 
@@ -245,20 +246,32 @@ class Executor:
         if node.n > 1:
             self._gen_samples(node)
             return
-        msg = self.defaults.request_for(node, self.text_, self.stream)
+        prompt = self.text_
+        msg = self.defaults.request_for(node, prompt, self.stream)
         if self.stream:
             final = self._gen_streamed(msg, node.name)
         else:
             final = self.backend.generate(msg)
             self._append(final.text)
         if node.name is not None:
-            self._set_var(node.name, final.text, final.meta_info)
+            self._set_gen_var(node, prompt, final.text, final.meta_info)
+
+    def _set_gen_var(self, node: Gen, prompt: str, text: str, meta: Any) -> None:
+        if node.reasoning is None:
+            self._set_var(node.name, text, meta)
+            return
+        fmt = REASONING_FORMATS[node.reasoning]
+        reasoning, answer = fmt.split(text, fmt.starts_inside(prompt))
+        self._set_var(node.name + "_reasoning_content", reasoning, None)
+        self._set_var(node.name, answer, meta)
 
     def _gen_samples(self, node: Gen) -> None:
         """gen(n=k): the text is committed first, then k copies of it go as one batch, so
         every sample finds the prompt in the radix cache."""
         if self.stream:
             raise UnsupportedFeatureError(f"gen(n={node.n}) cannot stream; run the program without stream=True")
+        if node.reasoning is not None:
+            raise UnsupportedFeatureError(f"gen(n={node.n}) with separate_reasoning: draw the samples one by one")
         self._commit(None)
         msg = self.defaults.request_for(node, [self.text_] * node.n, stream=False)
         results = self.backend.generate(msg).results

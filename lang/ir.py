@@ -62,6 +62,7 @@ class Gen(Node):
     options: Params = ()  # return_logprob, logprob_start_len, top_logprobs_num
     dtype: str | None = None  # int | float | bool | str (already turned into `sampling`'s regex)
     n: int = 1  # samples in one request; n > 1 sets the variable to a list of n texts
+    reasoning: str | None = None  # a REASONING_FORMATS name: the variable gets the answer, <name>_reasoning_content the rest
 
     @property
     def sampling_params(self) -> dict[str, Any]:

@@ -122,6 +122,9 @@ class ServerOptions:
     startup_timeout_s: float = 600.0  # how long the launcher waits for the model to load
     throughput_log_s: float = 5.0  # period of the throughput log line while busy (0: off)
     parent_pid: int | None = None  # shut down when this process exits (for launchers like sl.Runtime)
+    chat_template: str | None = None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
+    reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1
+    tool_call_parser: str = "auto"  # chat: how the model writes tool calls: auto (from the chat template) | hermes | llama3_json | mistral | pythonic | json
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # flags of their own (limits.py)
     serving_limits: ServingLimits = field(default_factory=ServingLimits)
 

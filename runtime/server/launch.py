@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from spruce.runtime.config import ServerOptions
 from spruce.runtime.core.validation import ModelLimits
-from spruce.runtime.errors import SpruceError
+from spruce.runtime.errors import ModelLoadError, SpruceError
 from spruce.runtime.protocol.ipc import Ready, StartupFailed, decode
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
@@ -187,6 +187,7 @@ class Launcher:
         from spruce.runtime.server.app import build_app
 
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
+        _set_chat_formats(tokenizer, self.options)
         name = self.options.served_model_name or ready.model_name
         whitespace = ready.config["constraint"]["grammar_whitespace_pattern"] or ""
         limits = ModelLimits(ready.vocab_size, ready.context_length, whitespace, self.options.request_limits)
@@ -319,6 +320,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
+    """--chat-template replaces the model's template; the reasoning and tool-call parser
+    names are checked (and "auto" resolved) before the first request."""
+    from spruce.runtime.server.openai.chat_prompt import chat_formats
+    from spruce.runtime.text.tokenizer import read_chat_template
+
+    try:
+        if options.chat_template:
+            tokenizer.chat_template = read_chat_template(options.chat_template)
+        reasoning, tools = chat_formats(options.reasoning_parser, options.tool_call_parser, tokenizer.chat_template)
+    except (ModelLoadError, ValueError) as e:
+        raise StartupError(str(e)) from None
+    logger.info("chat: reasoning parser %s, tool-call format %s", reasoning.name if reasoning else "none", tools.name)
 
 
 def _bind_http(host: str, port: int) -> socket.socket:

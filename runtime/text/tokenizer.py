@@ -11,9 +11,11 @@ import json
 import os
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -157,13 +159,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str:
+        """The prompt text, rendered as transformers renders it: `tools` and `documents` as
+        given, the special tokens by name, `template_kwargs` (e.g. enable_thinking=False) as
+        more variables."""
         if not self.chat_template:
             raise ValueError("this model ships no chat template; send a plain prompt instead")
         template = compile_chat_template(self.chat_template)
         return template.render(
+            **template_kwargs,
             messages=messages,
             tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
@@ -278,14 +287,58 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with
+    it for training masks): renders its body unchanged."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+# What the server passes to every chat template; request kwargs may not replace them.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template compiled the way transformers renders it (sandboxed Jinja, trimmed
-    blocks, loop controls, tojson, raise_exception, strftime_now); cached by source."""
+    blocks, loop controls, the generation tag, tojson with its keywords, raise_exception,
+    strftime_now); cached by source. A syntax error is a jinja2.TemplateError."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]
     )
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template file (--chat-template): Jinja text, or a JSON file with a
+    "chat_template" key (a tokenizer_config.json)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the chat template {path}: {e.strerror}") from None
+    if path.endswith(".json"):
+        try:
+            template = json.loads(text).get("chat_template")
+        except (ValueError, AttributeError):
+            template = None
+        if not isinstance(template, str):
+            raise ModelLoadError(f"{path} has no \"chat_template\" string")
+        return template
+    try:
+        compile_chat_template(text)
+    except jinja2.TemplateError as e:
+        raise ModelLoadError(f"the chat template {path} does not compile: {e}") from None
+    return text

@@ -1,83 +1,202 @@
-"""The chat prompt: messages rendered with the model's chat template, and what
-`tool_choice` asks for (ToolPlan)."""
+"""The chat prompt: messages rendered with the model's chat template (with the request's
+`chat_template_kwargs`), what `tool_choice` asks for in the model's tool-call format
+(ToolPlan), and whether the answer comes after a reasoning block (ChatPrompt)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import jinja2
-
+from spruce.constrained.errors import ConstraintError
+from spruce.constrained.spec import make_spec
+from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
-from spruce.runtime.server.openai.schemas import ChatMessage, ChatRequest, ContentPart, MessageToolCall, NamedToolChoice
+from spruce.runtime.server.openai.schemas import (
+    ChatMessage,
+    ChatRequest,
+    ContentPart,
+    MessageToolCall,
+    NamedToolChoice,
+)
+from spruce.runtime.server.openai.tool_parsers import (
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    tool_call_format,
+)
+from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
+from spruce.runtime.text.reasoning import ReasoningFormat, reasoning_format
+from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS
+
+
+@lru_cache(maxsize=8)
+def chat_formats(reasoning_parser: str, tool_call_parser: str, template: str | None) -> tuple[ReasoningFormat | None, ToolCallFormat]:  # fmt: skip
+    """The server's --reasoning-parser and --tool-call-parser ("auto": from the chat
+    template); ValueError for an unknown name (checked at start-up)."""
+    return reasoning_format(reasoning_parser, template), tool_call_format(
+        tool_call_parser, template
+    )
+
+
+def server_formats(server: ServerState) -> tuple[ReasoningFormat | None, ToolCallFormat]:
+    options, template = server.options, server.model.tokenizer.chat_template
+    return chat_formats(options.reasoning_parser, options.tool_call_parser, template)
+
 
 class ToolPlan:
-    """What tool_choice asks for: no tools, parse free text ("auto"), or constrained calls."""
+    """What tool_choice asks for: no tools, parse free text ("auto"), or calls the decoder
+    is constrained to write in the model's tool-call format ("required", a named function)."""
 
-    def __init__(self, tools: list[dict], choice: str, schema: dict | None, single: bool) -> None:
+    def __init__(
+        self, tools: list[dict], choice: str, fmt: ToolCallFormat, constraint: dict | None
+    ) -> None:
         self.tools = tools
         self.choice = choice  # "none" | "auto" | "required" | "named"
-        self.schema = schema
-        self.single = single  # a named function: the output is one object, not an array
+        self.format = fmt
+        self.constraint = constraint  # {"regex": ...} or {"json_schema": ...}
         self.names = {t["function"]["name"] for t in tools}
 
     @classmethod
-    def of(cls, req: ChatRequest) -> "ToolPlan":
+    def of(
+        cls, req: ChatRequest, fmt: ToolCallFormat | None = None, whitespace: str = ""
+    ) -> ToolPlan:
+        fmt = fmt or TOOL_CALL_FORMATS["json"]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice
         if choice is not None and not tools and choice != "none":
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         if not tools or choice == "none":
-            return cls(tools, "none", None, False)
+            return cls(tools, "none", fmt, None)
         functions = [t["function"] for t in tools]
         if isinstance(choice, NamedToolChoice):
-            match = [f for f in functions if f["name"] == choice.function.name]
-            if not match:
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
                 message = f"tool_choice names {choice.function.name!r}, which is not in tools"
                 raise ApiError(400, message, param="tool_choice")
-            return cls(tools, "named", tool_calls.call_schema(match[0]), True)
+            return cls(tools, "named", fmt, _constraint(fmt, functions, True, False, whitespace))
         if choice == "required":
-            return cls(tools, "required", tool_calls.required_schema(functions, req.parallel_tool_calls), False)
-        return cls(tools, "auto", None, False)
+            return cls(
+                tools,
+                "required",
+                fmt,
+                _constraint(fmt, functions, False, req.parallel_tool_calls, whitespace),
+            )
+        return cls(tools, "auto", fmt, None)
 
     @property
     def constrained(self) -> bool:
-        return self.schema is not None
+        return self.constraint is not None
+
+    @property
+    def schema(self) -> dict | None:
+        return (self.constraint or {}).get("json_schema")
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.choice != "none"
 
     def calls_from(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool calls) of a finished output."""
-        if self.constrained:
-            calls = tool_calls.from_constrained(text, self.names)
-            return (None, calls) if calls else (text, [])
-        if self.choice == "auto":
-            return tool_calls.parse_auto(text, self.names)
-        return text, []
+        """(content, tool calls) of a finished answer."""
+        return final_calls(self.format, text, self.names) if self.parses_calls else (text, [])
+
+    def stream(self) -> ToolCallStream | None:
+        return ToolCallStream(self.format, self.names) if self.parses_calls else None
 
 
-def chat_prompt_ids(req: ChatRequest, tools: ToolPlan, server: ServerState) -> list[int]:
+def _constraint(
+    fmt: ToolCallFormat, functions: list[dict], single: bool, parallel: bool, whitespace: str
+) -> dict:
+    try:
+        return fmt.constraint(functions, single, parallel, whitespace)
+    except (ConstraintError, ValueError) as e:
+        raise ApiError(
+            400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """The rendered prompt; `reasoning`: the model's reasoning format (None: no reasoning
+    parsed), `thinking`: whether the output starts inside its reasoning block."""
+
+    text: str
+    ids: list[int]
+    reasoning: ReasoningFormat | None
+    thinking: bool
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning_content, the answer) of a finished output."""
+        return (None, text) if self.reasoning is None else self.reasoning.split(text, self.thinking)
+
+    def constrain(self, sampling: SamplingParams, whitespace: str) -> SamplingParams:
+        """A constrained answer after a reasoning block: the constraint becomes a regex that
+        lets the reasoning through first (any text but the closing tag), then the answer."""
+        if self.reasoning is None or not sampling.has_constraint:
+            return sampling
+        try:
+            spec = make_spec(
+                regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
+                whitespace_pattern=whitespace,
+            )  # fmt: skip
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+        regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
+        return sampling.replace(regex=regex, json_schema=None, choices=None)
+
+
+def chat_prompt(req: ChatRequest, tools: ToolPlan, server: ServerState) -> ChatPrompt:
+    text = render(req, tools, server)
+    reasoning = server_formats(server)[0]
+    if reasoning is not None and reasoning.closed_in_prompt(text):
+        reasoning = None  # no reasoning to separate, none to allow before a constrained answer
+    thinking = reasoning is not None and reasoning.starts_inside(text)
+    return ChatPrompt(text, server.model.tokenizer.encode(text), reasoning, thinking)
+
+
+def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:
     tokenizer = server.model.tokenizer
     messages = [_template_message(m) for m in req.messages]
     template_tools = tools.tools if tools.choice != "none" else None
     if template_tools and "tools" not in (tokenizer.chat_template or ""):
         messages = _with_tools_prompt(messages, template_tools)
         template_tools = None
+    extra = template_kwargs(req.chat_template_kwargs)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=template_tools, **extra
+        )
     except ValueError as e:  # no chat template
         raise ApiError(400, f"{e} (use /v1/completions)") from None
     except jinja2.TemplateError as e:
-        raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
-    return tokenizer.encode(prompt)
+        raise ApiError(
+            400, f"the chat template refused the messages: {e}", param="messages"
+        ) from None
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """chat_template_kwargs reach the template as variables, except the ones the server sets."""
+    taken = sorted(set(kwargs or {}) & TEMPLATE_ARGUMENTS)
+    if taken:
+        message = f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets them)"
+        raise ApiError(400, message, param="chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text_of(m.content)}
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": _text_of(m.content),
+    }
     if m.name is not None:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
         out["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 
@@ -99,7 +218,11 @@ def _template_tool_call(call: MessageToolCall) -> dict[str, Any]:
     if isinstance(arguments, str):
         arguments = tool_calls.loads_json(arguments) if arguments.strip() else {}
         arguments = arguments if isinstance(arguments, dict) else call.function.arguments
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 def _with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:

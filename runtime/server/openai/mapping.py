@@ -12,7 +12,7 @@ from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
-from spruce.runtime.server.openai import tool_calls
+from spruce.runtime.server.openai.tool_parsers import ANY_OBJECT
 from spruce.runtime.server.openai.schemas import (
     MAX_TOP_LOGPROBS,
     ChatRequest,
@@ -29,7 +29,7 @@ def check_model(server: ServerState, name: str) -> None:
         )  # fmt: skip
 
 
-def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_schema: dict | None = None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_constraint: dict | None = None) -> SamplingParams:
     """The request's SamplingParams (checked with the rest of the request by `choices`)."""
     fields = req.extensions()
     fields["max_new_tokens"] = max_new_tokens
@@ -38,27 +38,28 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_schema: dict
             fields[name] = getattr(req, name)
     if req.stop is not None:
         fields["stop"] = req.stop
-    add_constraint(fields, req.response_format, tool_schema)
+    add_constraint(fields, req.response_format, tool_constraint)
     try:
         return sampling_from(fields)
     except InvalidRequestError as e:
         raise ApiError(400, openai_names(str(e))) from None
 
 
-def add_constraint(fields: dict, fmt: ResponseFormat | None, tool_schema: dict | None) -> None:
+def add_constraint(fields: dict, fmt: ResponseFormat | None, tool_constraint: dict | None) -> None:
+    """tool_constraint: {"regex": ...} or {"json_schema": ...} (see ToolPlan)."""
     given = [k for k in ("regex", "json_schema", "choices") if fields.get(k) is not None]
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
         if fmt.type == "json_object":
-            fields["json_schema"] = tool_calls.ANY_OBJECT
+            fields["json_schema"] = ANY_OBJECT
         elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
             message = 'response_format json_schema needs {"json_schema": {"schema": {...}}}'
             raise ApiError(400, message, param="response_format")
         else:
             fields["json_schema"] = fmt.json_schema.schema_
-    if tool_schema is not None:
+    if tool_constraint is not None:
         given.append("tool_choice")
-        fields["json_schema"] = tool_schema
+        fields.update(tool_constraint)
     if len(given) > 1:
         raise ApiError(400, f"give at most one output constraint; got {', '.join(given)}")
 

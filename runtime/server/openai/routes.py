@@ -11,7 +11,7 @@ from spruce.runtime.server.http.common import (
     ApiError, all_results, client_key, json_response, server_of, stream_response,
 )  # fmt: skip
 from spruce.runtime.server.native import batch_error
-from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt_ids
+from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt, server_formats
 from spruce.runtime.server.openai.mapping import (
     check_model, chat_top_logprobs, choices, completion_prompts, completion_top_logprobs, openai_names,
     sampling_params,
@@ -65,15 +65,16 @@ async def chat_completions(request: Request) -> Response:
     req: ChatRequest = parse(ChatRequest, await request.body())
     check_model(server, req.model)
     top = chat_top_logprobs(req)
-    tools = ToolPlan.of(req)
-    ids = chat_prompt_ids(req, tools, server)
+    whitespace = server.model.limits.whitespace_pattern
+    tools = ToolPlan.of(req, server_formats(server)[1], whitespace)
+    prompt = chat_prompt(req, tools, server)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
-        max_tokens = max(server.model.context_length - len(ids), 0)
-    base = sampling_params(req, max_tokens, tools.schema)
-    items = await choices(server, ids, base, req, req.logprobs, top)
+        max_tokens = max(server.model.context_length - len(prompt.ids), 0)
+    base = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), whitespace)
+    items = await choices(server, prompt.ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
-    view = ChatView(server, req, len(ids), tools)
+    view = ChatView(server, req, prompt, tools)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
     return json_response(view.response(await _results(request, call)))

@@ -107,6 +107,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning (templates may show it)
 
 
 class FunctionDef(BaseModel):
@@ -139,6 +140,8 @@ class ChatRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
+    separate_reasoning: bool = True  # False: the reasoning block stays in content (with --reasoning-parser)
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

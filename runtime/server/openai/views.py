@@ -7,8 +7,8 @@ import uuid
 from typing import Any, AsyncIterator
 
 from spruce.runtime.server.http.common import SSE_DONE, ServerState, sse, stream_error
-from spruce.runtime.server.openai import tool_calls
-from spruce.runtime.server.openai.chat_prompt import ToolPlan
+from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
+from spruce.runtime.server.openai.chat_stream import AnswerStream
 from spruce.runtime.server.openai.mapping import openai_names
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from spruce.runtime.server.request_manager import Call, Event
@@ -25,12 +25,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def finish_reason(meta: dict[str, Any]) -> str | None:
     reason = meta.get("finish_reason")
     return None if reason is None else reason["type"]
-
-
-def schema_report(meta: dict[str, Any]) -> dict[str, Any]:
-    """Extension field `json_schema` of a JSON-schema choice: the keywords its grammar did not
-    enforce and whether the output validated (see spruce.constrained.report)."""
-    return {"json_schema": meta["json_schema"]} if "json_schema" in meta else {}
 
 
 def matched_stop(meta: dict[str, Any]) -> Any:
@@ -104,7 +98,6 @@ class CompletionView(_View):
             "logprobs": self._logprobs(meta) if self.req.logprobs is not None else None,
             "finish_reason": finish_reason(meta),
             "matched_stop": matched_stop(meta),
-            **schema_report(meta),
         }
 
     def _echo(self, index: int) -> str:
@@ -141,14 +134,18 @@ class CompletionView(_View):
 class ChatView(_View):
     response_object = "chat.completion"
 
-    def __init__(self, server: ServerState, req: ChatRequest, prompt_len: int, tools: ToolPlan) -> None:
-        super().__init__(server, req, "chatcmpl", [prompt_len])
+    def __init__(self, server: ServerState, req: ChatRequest, prompt: ChatPrompt, tools: ToolPlan) -> None:
+        super().__init__(server, req, "chatcmpl", [len(prompt.ids)])
+        self.prompt = prompt
         self.tools = tools
 
     def _choice(self, e: Event) -> dict[str, Any]:
         meta = e.result["meta_info"]
-        content, calls = self.tools.calls_from(e.result["text"])
+        reasoning, answer = self._split(e.result["text"])
+        content, calls = self.tools.calls_from(answer)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         reason = finish_reason(meta)
         if calls:
             message["tool_calls"] = calls
@@ -159,8 +156,10 @@ class ChatView(_View):
             "logprobs": self._logprobs(meta) if self.req.logprobs else None,
             "finish_reason": reason,
             "matched_stop": matched_stop(meta),
-            **schema_report(meta),
         }
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        return self.prompt.split(text) if self.req.separate_reasoning else (None, text)
 
     def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any]:
         entries = meta.get("output_token_logprobs") or []
@@ -168,10 +167,8 @@ class ChatView(_View):
         return {"content": self.tokens.chat_logprobs(entries, tops)}
 
     async def stream(self, call: Call) -> AsyncIterator[bytes]:
+        answers = {i: AnswerStream(self.prompt, self.tools, self.req.separate_reasoning) for i in range(self.req.n)}
         started: set[int] = set()
-        auto = {}
-        if self.tools.choice == "auto":
-            auto = {i: tool_calls.AutoToolStream(self.tools.names) for i in range(self.req.n)}
         async for e in call:
             if e.error is not None:
                 yield self.stream_error(e, nothing_sent=not started)
@@ -179,41 +176,25 @@ class ChatView(_View):
             if e.index not in started:
                 started.add(e.index)
                 yield self._chunk(e.index, {"role": "assistant", "content": ""}, None)
-            for chunk in self._event_chunks(e, auto.get(e.index)):
+            for chunk in self._event_chunks(e, answers[e.index]):
                 yield chunk
             if e.finished:
                 self.finished([e])
         for chunk in self.stream_end("chat.completion.chunk"):
             yield chunk
 
-    def _event_chunks(self, e: Event, auto: tool_calls.AutoToolStream | None) -> list[bytes]:
+    def _event_chunks(self, e: Event, answer: AnswerStream) -> list[bytes]:
         out = []
-        if self.tools.constrained:
-            text, logprobs = "", None  # the calls come whole, at the end
-        else:
-            text = auto.feed(e.text) if auto is not None else e.text
-            logprobs = self._logprobs(e.meta_info) if self.req.logprobs else None
-        if text or (logprobs and logprobs["content"]):
-            out.append(self._chunk(e.index, {"content": text}, None, logprobs))
+        delta = answer.feed(e.text).delta()
+        logprobs = self._logprobs(e.meta_info) if self.req.logprobs else None
+        if delta or (logprobs and logprobs["content"]):
+            out.append(self._chunk(e.index, delta or {"content": ""}, None, logprobs))
         if e.finished:
-            out += self._final_chunks(e, auto)
-        return out
-
-    def _final_chunks(self, e: Event, auto: tool_calls.AutoToolStream | None) -> list[bytes]:
-        reason = finish_reason(e.meta_info)
-        rest, calls = "", []
-        if auto is not None:
-            rest, calls = auto.finish()
-        elif self.tools.constrained:
-            content, calls = self.tools.calls_from(e.result["text"])
-            rest = content or ""
-        out = []
-        if rest:
-            out.append(self._chunk(e.index, {"content": rest}, None))
-        if calls:
-            out.append(self._chunk(e.index, {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, None))
-            reason = "tool_calls"
-        out.append(self._chunk(e.index, {}, reason))
+            rest = answer.finish().delta()
+            if rest:
+                out.append(self._chunk(e.index, rest, None))
+            reason = "tool_calls" if answer.made_calls else finish_reason(e.meta_info)
+            out.append(self._chunk(e.index, {}, reason))
         return out
 
     def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> bytes:

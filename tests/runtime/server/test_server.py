@@ -353,8 +353,9 @@ def test_streamed_required_tool_call(client, model_name):
         parallel_tool_calls=False, stream=True, max_tokens=100, temperature=0,
     ))  # fmt: skip
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["ping"]
-    assert 0 <= json.loads(calls[0].function.arguments)["n"] <= 9
+    assert [c.function.name for c in calls if c.function.name] == ["ping"] and {c.index for c in calls} == {0}
+    arguments = "".join(c.function.arguments or "" for c in calls)  # streamed piece by piece
+    assert 0 <= json.loads(arguments)["n"] <= 9
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
@@ -639,26 +640,29 @@ def test_streaming_request_refused_up_front_gets_status(http, model_name):
 
 
 def test_parse_auto_tool_calls():
-    from spruce.runtime.server.openai.tool_calls import AutoToolStream, parse_auto
+    """The default ("json") format: Hermes blocks or a whole JSON call (more formats and
+    streaming in test_chat_formats.py)."""
+    from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
+    from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
 
-    names = {"get_weather", "get_time"}
+    names, fmt = {"get_weather", "get_time"}, TOOL_CALL_FORMATS["json"]
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'  # fmt: skip
-    content, calls = parse_auto(text, names)
+    content, calls = final_calls(fmt, text, names)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    assert parse_auto('[{"name": "get_time", "arguments": {}}]', names)[0] is None
-    assert parse_auto('{"name": "unknown", "arguments": {}}', names) == ('{"name": "unknown", "arguments": {}}', [])
-    assert parse_auto("plain text", names) == ("plain text", [])
-    stream = AutoToolStream(names)
+    assert final_calls(fmt, '[{"name": "get_time", "arguments": {}}]', names)[0] is None
+    assert final_calls(fmt, '{"name": "unknown", "arguments": {}}', names) == ('{"name": "unknown", "arguments": {}}', [])
+    assert final_calls(fmt, "plain text", names) == ("plain text", [])
+    stream = ToolCallStream(fmt, names)
     pieces = [stream.feed(p) for p in ("Let me ", "check.\n<tool", "_call>\n{", '"name": "get_time", "arguments": {}}', "</tool_call>")]  # fmt: skip
-    assert "".join(pieces) == "Let me check.\n"
-    rest, calls = stream.finish()
-    assert rest == "" and calls[0]["function"]["name"] == "get_time"
+    assert "".join(content for content, _ in pieces) == "Let me check.\n"
+    [[call]] = [deltas for _, deltas in pieces if deltas]
+    assert call["function"] == {"name": "get_time", "arguments": "{}"} and stream.finish() == ("", [])
 
 
 def test_required_tool_schema_shape():
-    from spruce.runtime.server.openai.tool_calls import required_schema
+    from spruce.runtime.server.openai.tool_parsers import required_schema
 
     f = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
     g = {"name": "g"}

@@ -1,0 +1,375 @@
+"""Tool-call formats: how a model family writes its calls, read from whole or streamed
+output (`scan`), and the constraint that makes the decoder write them (`constraint`, for
+tool_choice "required" or a named function).
+
+Every format scans text into the content around the calls and the calls so far
+(`PartialCall`: the name once it is whole, the arguments' JSON text so far). A scan of text
+that is still arriving only shows what cannot change: each part only grows as text is
+added, so a stream sends the difference (`tool_stream.ToolCallStream`).
+
+Formats (`TOOL_CALL_FORMATS`, the server's --tool-call-parser):
+  hermes       Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+  llama3_json  Llama 3.1+: `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` or
+               not), several separated by `;`
+  mistral      `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+  pythonic     Llama 3.2+ / 4 style: `[f(a=1), g(b="x")]`, values as Python or JSON literals
+  json         the fallback for templates that do not render tools: Hermes blocks, or the
+               whole output a JSON call object or array (constrained: a JSON array of calls)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from spruce.constrained.patterns import escape_literal
+from spruce.constrained.spec import make_spec
+from spruce.runtime.server.openai.json_prefix import object_members, skip_space
+from spruce.runtime.text.stop import stop_prefix_len
+
+ARGUMENT_KEYS = ("arguments", "parameters")
+ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(slots=True)
+class PartialCall:
+    """A call as far as it is known: `name` None until whole; `arguments` the JSON text of
+    the arguments so far (a prefix of the final text); `complete` once the call is closed."""
+
+    name: str | None
+    arguments: str = ""
+    complete: bool = False
+
+
+@dataclass(slots=True)
+class Scan:
+    content: str
+    calls: list[PartialCall] = field(default_factory=list)
+    broken: bool = False  # final scans only: a call that does not parse
+
+
+class ToolCallFormat:
+    """Base of the formats: `name`, the chat-template `markers` that identify it, `scan`
+    and the `constraint` for required / named calls."""
+
+    name = ""
+    markers: tuple[str, ...] = ()
+
+    def scan(self, text: str, final: bool) -> Scan:
+        raise NotImplementedError
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        """{"regex": ...} or {"json_schema": ...}: one call when `single` or not `parallel`,
+        else one or more, each of the `calls` schemas (see `call_schema`)."""
+        raise NotImplementedError
+
+
+def call_schema(function: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
+    """One call of `function`: {"name": <its name>, <arguments_key>: <its parameters>}."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            arguments_key: function.get("parameters") or ANY_OBJECT,
+        },
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def any_call_schema(
+    functions: list[dict[str, Any]], arguments_key: str = "arguments"
+) -> dict[str, Any]:
+    calls = [call_schema(f, arguments_key) for f in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A non-empty array of calls of any of the functions (one call when not parallel)."""
+    schema = {"type": "array", "items": any_call_schema(functions), "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def schema_regex(schema: dict[str, Any], whitespace: str) -> str:
+    """The regex the constrained decoder would use for `schema` (ConstraintError if none)."""
+    return make_spec(json_schema=schema, whitespace_pattern=whitespace).regex
+
+
+def repeated(item: str, separator: str, many: bool) -> str:
+    return f"{item}(?:{separator}{item})*" if many else item
+
+
+def json_call(body: str, start: int, final: bool) -> tuple[PartialCall | None, int | None, bool]:
+    """(the call so far or None before its name, index past it or None, whether it is
+    broken) of the JSON call object at `start`."""
+    members, end = object_members(body, start)
+    by_key = {m.key: m for m in members}
+    name_member = by_key.get("name")
+    if final and end is None:
+        return None, None, True
+    if name_member is None or name_member.end is None:
+        return None, end, end is not None
+    name = json.loads(body[name_member.start : name_member.end])
+    arguments = next((by_key[k] for k in ARGUMENT_KEYS if k in by_key), None)
+    if not isinstance(name, str):
+        return None, end, True
+    if arguments is None:  # no arguments member (yet): none once the object is closed
+        return PartialCall(name, "" if end is None else "{}", end is not None), end, False
+    text = body[arguments.start : len(body) if arguments.end is None else arguments.end]
+    return (
+        PartialCall(name, text if arguments.end is not None else text.rstrip(), end is not None),
+        end,
+        False,
+    )
+
+
+def json_calls(
+    text: str, start: int, final: bool, separator: str = ",", close: str | None = None
+) -> Scan:
+    """The call objects from `start` on, separated by `separator`, up to `close` or the end."""
+    scan = Scan("")
+    i = skip_space(text, start)
+    while i < len(text):
+        if text[i] != "{":
+            scan.broken = not (
+                close is not None and text[i] == close and skip_space(text, i + 1) == len(text)
+            )
+            return scan
+        call, end, broken = json_call(text, i, final)
+        if broken:
+            scan.broken = True
+            return scan
+        if call is not None:
+            scan.calls.append(call)
+        if end is None:
+            return scan
+        i = skip_space(text, end)
+        if i < len(text) and text[i] == separator:
+            i = skip_space(text, i + 1)
+    scan.broken = final and (close is not None or not scan.calls)
+    return scan
+
+
+class HermesFormat(ToolCallFormat):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        first = text.find(self.open_tag)
+        if first < 0:
+            hold = 0 if final else stop_prefix_len(text, (self.open_tag,))
+            return Scan(text[: len(text) - hold])
+        scan = Scan(text[:first])
+        outside = [text[:first]]
+        i = first
+        while i >= 0:
+            body_start = i + len(self.open_tag)
+            close = text.find(self.close_tag, body_start)
+            body = text[body_start : len(text) if close < 0 else close]
+            found = json_calls(body, 0, final or close >= 0)
+            scan.calls += found.calls
+            scan.broken = scan.broken or found.broken or (final and not found.calls)
+            if close < 0:
+                break
+            after = close + len(self.close_tag)
+            i = text.find(self.open_tag, after)
+            outside.append(text[after : len(text) if i < 0 else i])
+        if final:
+            scan.content = "".join(outside).strip()
+        return scan
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        call = schema_regex(any_call_schema(calls), whitespace)
+        block = f"{escape_literal(self.open_tag)}\n{call}\n{escape_literal(self.close_tag)}"
+        return {"regex": repeated(block, "\n", parallel and not single)}
+
+
+class JsonFormat(HermesFormat):
+    name = "json"
+    markers = ()
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = skip_space(text, 0)
+        if start < len(text) and text[start] == "[":
+            return json_calls(text, start + 1, final, close="]")
+        if start < len(text) and text[start] == "{":
+            return json_calls(text, start, final)
+        return super().scan(text, final)
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        if single:
+            return {"json_schema": call_schema(calls[0])}
+        return {"json_schema": required_schema(calls, parallel)}
+
+
+class Llama3JsonFormat(ToolCallFormat):
+    name = "llama3_json"
+    markers = ("<|python_tag|>", '"parameters"')
+    python_tag = "<|python_tag|>"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        start = skip_space(text, 0)
+        if text.startswith(self.python_tag, start):
+            start = skip_space(text, start + len(self.python_tag))
+        if not final and self.python_tag.startswith(text[start:]) and start < len(text):
+            return Scan("")
+        if start >= len(text) or text[start] != "{":
+            return Scan(text if start < len(text) or final else "")
+        return json_calls(text, start, final, separator=";")
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        call = schema_regex(any_call_schema(calls, "parameters"), whitespace)
+        return {"regex": repeated(call, "; ", parallel and not single)}
+
+
+class MistralFormat(ToolCallFormat):
+    """`[TOOL_CALLS]` is a special token that a decode skipping special tokens drops: a
+    bare JSON array of calls at the start of the output counts too."""
+
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+    marker = "[TOOL_CALLS]"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        found = text.find(self.marker)
+        if found >= 0:
+            array = skip_space(text, found + len(self.marker))
+            content = text[:found]
+        else:
+            array = skip_space(text, 0)
+            if array >= len(text) or text[array] != "[":
+                hold = 0 if final else stop_prefix_len(text, (self.marker,))
+                return Scan(text[: len(text) - hold])
+            content = ""
+        if array >= len(text):
+            return Scan(content, broken=final)
+        if text[array] != "[":
+            return Scan(content, broken=True)
+        scan = json_calls(text, array + 1, final, close="]")
+        scan.content = content.strip() if final else content
+        return scan
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        schema = {"type": "array", "items": any_call_schema(calls), "minItems": 1}
+        if single or not parallel:
+            schema["maxItems"] = 1
+        return {"regex": escape_literal(self.marker) + schema_regex(schema, whitespace)}
+
+
+class PythonicFormat(ToolCallFormat):
+    """Calls are whole only once the list closes: they are sent then (arguments at once)."""
+
+    name = "pythonic"
+    markers = ("[func_name1(",)
+    literal_names: ClassVar[dict[str, Any]] = {"true": True, "false": False, "null": None}
+    most_optional = 6  # the constraint spells out each subset of optional arguments
+
+    def scan(self, text: str, final: bool) -> Scan:
+        stripped = text.strip()
+        if not stripped.startswith("["):
+            return Scan(text)
+        if not final:
+            return Scan("")
+        calls = self._parse(stripped)
+        return Scan(text, broken=True) if calls is None else Scan("", calls)
+
+    def _parse(self, text: str) -> list[PartialCall] | None:
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = [self._call(node) for node in tree.elts]
+        return None if any(c is None for c in calls) else calls
+
+    def _call(self, node: ast.AST) -> PartialCall | None:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {k.arg: self._value(k.value) for k in node.keywords}
+        except ValueError:
+            return None
+        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False), True)
+
+    def _value(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.Name) and node.id in self.literal_names:
+            return self.literal_names[node.id]
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [self._value(e) for e in node.elts]
+        if isinstance(node, ast.Dict):
+            return {self._value(k): self._value(v) for k, v in zip(node.keys, node.values)}
+        return ast.literal_eval(node)
+
+    def constraint(
+        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+    ) -> dict[str, Any]:
+        call = "|".join(self._call_regex(f, whitespace) for f in calls)
+        return {"regex": r"\[" + repeated(f"(?:{call})", ", ", parallel and not single) + r"\]"}
+
+    def _call_regex(self, function: dict[str, Any], whitespace: str) -> str:
+        """name(k=v, ...): JSON values by each property's schema, in declared order."""
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties") or {}
+        required = set(parameters.get("required") or [])
+        if sum(1 for k in properties if k not in required) > self.most_optional:
+            message = f"pythonic tool calls: {function['name']!r} has over {self.most_optional} optional arguments"
+            raise ValueError(message + " (too many combinations to constrain)")
+        items = [
+            (f"{k}=(?:{schema_regex(s, whitespace)})", k in required) for k, s in properties.items()
+        ]
+        return (
+            escape_literal(function["name"]) + r"\(" + _arguments_regex(items, first=True) + r"\)"
+        )
+
+
+def _arguments_regex(items: list[tuple[str, bool]], first: bool) -> str:
+    if not items:
+        return ""
+    (item, required), rest = items[0], items[1:]
+    this = ("" if first else ", ") + item + _arguments_regex(rest, first=False)
+    if required:
+        return this
+    return f"(?:{this}|{_arguments_regex(rest, first)})"
+
+
+TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
+    fmt.name: fmt
+    for fmt in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), PythonicFormat(), JsonFormat())
+}
+AUTO = "auto"
+
+
+def tool_call_format(name: str, chat_template: str | None) -> ToolCallFormat:
+    """The format named by --tool-call-parser, or for "auto" the one whose markers the chat
+    template writes (else "json"); an unknown name is a ValueError listing the known ones."""
+    if name == AUTO:
+        return detect_tool_call_format(chat_template)
+    if name not in TOOL_CALL_FORMATS:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; known: {', '.join([AUTO, *TOOL_CALL_FORMATS])}"
+        )
+    return TOOL_CALL_FORMATS[name]
+
+
+def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
+    template = chat_template or ""
+    for fmt in TOOL_CALL_FORMATS.values():
+        if fmt.markers and all(m in template for m in fmt.markers):
+            return fmt
+    return TOOL_CALL_FORMATS["json"]
