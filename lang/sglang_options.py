@@ -47,7 +47,6 @@ NO_EQUIVALENT = {
     "max_total_tokens": "size the KV pool with kv_memory_gb (or mem_fraction_static on a GPU)",
     "quantization": "Spruce loads GGUF quantized weights as they are; there is no quantize-on-load",
     "grammar_backend": "Spruce's constraints always use outlines-core",
-    "chat_template": "the chat template is the model's own",
     "enable_torch_compile": "Spruce does not compile the model with torch.compile",
     "stream_interval": "Spruce streams every step's new text",
     "schedule_conservativeness": "Spruce reserves room for future output tokens with decode_reserve_ratio",

@@ -14,6 +14,7 @@ from spruce.constrained.spec import make_spec
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
+from spruce.runtime.server.openai.sglang_fields import check_continue_final, continued
 from spruce.runtime.server.openai.schemas import (
     ChatMessage,
     ChatRequest,
@@ -160,12 +161,15 @@ def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:
     messages = [_template_message(m) for m in req.messages]
     template_tools = tools.tools if tools.choice != "none" else None
     if template_tools and "tools" not in (tokenizer.chat_template or ""):
-        messages = _with_tools_prompt(messages, template_tools)
+        messages = _with_tools_prompt(
+            messages, tool_calls.tools_system_prompt(template_tools, tools.format.instructions)
+        )
         template_tools = None
     extra = template_kwargs(req.chat_template_kwargs)
+    check_continue_final(req.messages, req.continue_final_message)
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tools=template_tools, **extra
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=not req.continue_final_message, tools=template_tools, **extra
         )
     except ValueError as e:  # no chat template
         raise ApiError(400, f"{e} (use /v1/completions)") from None
@@ -173,6 +177,7 @@ def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:
         raise ApiError(
             400, f"the chat template refused the messages: {e}", param="messages"
         ) from None
+    return continued(text, messages[-1]["content"] or "") if req.continue_final_message else text
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -225,8 +230,7 @@ def _template_tool_call(call: MessageToolCall) -> dict[str, Any]:
     }
 
 
-def _with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
-    prompt = tool_calls.tools_system_prompt(tools)
+def _with_tools_prompt(messages: list[dict], prompt: str) -> list[dict]:
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]

@@ -56,6 +56,7 @@ class ToolCallFormat:
 
     name = ""
     markers: tuple[str, ...] = ()
+    instructions = ""  # how to call, for a system prompt (templates that do not render tools)
 
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError
@@ -160,6 +161,11 @@ class HermesFormat(ToolCallFormat):
     name = "hermes"
     markers = ("<tool_call>",)
     open_tag, close_tag = "<tool_call>", "</tool_call>"
+    instructions = (
+        "For each call, return a JSON object with the function name and arguments within "
+        "<tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(self.open_tag)
@@ -216,6 +222,10 @@ class JsonFormat(HermesFormat):
 class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
     markers = ("<|python_tag|>", '"parameters"')
+    instructions = (
+        'To call functions, respond with {"name": <function-name>, "parameters": <args-json-object>} '
+        'only, several separated by "; ".'
+    )
     python_tag = "<|python_tag|>"
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -241,6 +251,10 @@ class MistralFormat(ToolCallFormat):
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    instructions = (
+        'To call functions, respond with [TOOL_CALLS][{"name": <function-name>, "arguments": '
+        "<args-json-object>}, ...] only."
+    )
     marker = "[TOOL_CALLS]"
 
     def scan(self, text: str, final: bool) -> Scan:
@@ -276,6 +290,7 @@ class PythonicFormat(ToolCallFormat):
 
     name = "pythonic"
     markers = ("[func_name1(",)
+    instructions = "To call functions, respond with [func_name1(arg1=value1, arg2=value2), func_name2(...)] only."
     literal_names: ClassVar[dict[str, Any]] = {"true": True, "false": False, "null": None}
     most_optional = 6  # the constraint spells out each subset of optional arguments
 

@@ -409,3 +409,14 @@ def test_formats_from_chat_templates_and_names():
         ValueError, match="known: auto, hermes, llama3_json, mistral, pythonic, json"
     ):
         tool_call_format("xml", None)
+
+
+def test_every_format_teaches_its_calls():
+    """Templates that do not render tools get a system prompt in the server's format."""
+    from spruce.runtime.server.openai.tool_calls import tools_system_prompt
+
+    shown = {"hermes": "<tool_call>", "json": "<tool_call>", "llama3_json": '"parameters"'}
+    shown |= {"mistral": "[TOOL_CALLS]", "pythonic": "func_name1(arg1=value1"}
+    for name, fmt in TOOL_CALL_FORMATS.items():
+        prompt = tools_system_prompt([{"type": "function", "function": FUNCTIONS[0]}], fmt.instructions)
+        assert '"name": "get_weather"' in prompt and shown[name] in fmt.instructions, name
