@@ -247,7 +247,8 @@ class Llama3JsonFormat(ToolCallFormat):
 
 class MistralFormat(ToolCallFormat):
     """`[TOOL_CALLS]` is a special token that a decode skipping special tokens drops: a
-    bare JSON array of calls at the start of the output counts too."""
+    bare JSON array of calls at the start of the output counts too. The constrained decoder
+    never emits special tokens, so required / named calls are that bare array."""
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
@@ -282,7 +283,7 @@ class MistralFormat(ToolCallFormat):
         schema = {"type": "array", "items": any_call_schema(calls), "minItems": 1}
         if single or not parallel:
             schema["maxItems"] = 1
-        return {"regex": escape_literal(self.marker) + schema_regex(schema, whitespace)}
+        return {"regex": schema_regex(schema, whitespace)}
 
 
 class PythonicFormat(ToolCallFormat):

@@ -340,10 +340,14 @@ CONSTRAINT_TABLE = [
     (
         "mistral",
         [
-            '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Oslo"}}]',
-            '[TOOL_CALLS][{"name":"get_time","arguments":{}},{"name":"get_time","arguments":{}}]',
+            '[{"name":"get_weather","arguments":{"city":"Oslo"}}]',
+            '[{"name":"get_time","arguments":{}},{"name":"get_time","arguments":{}}]',
         ],
-        ['[{"name":"get_time","arguments":{}}]', "[TOOL_CALLS][]"],
+        [
+            '[TOOL_CALLS][{"name":"get_time","arguments":{}}]',
+            "[]",
+            '{"name":"get_time","arguments":{}}',
+        ],
     ),
     (
         "pythonic",
@@ -383,7 +387,7 @@ def test_named_and_single_calls_are_one_call():
         one = {
             "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"A"}}\n</tool_call>',
             "llama3_json": '{"name":"get_weather","parameters":{"city":"A"}}',
-            "mistral": '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"A"}}]',
+            "mistral": '[{"name":"get_weather","arguments":{"city":"A"}}]',
             "pythonic": '[get_weather(city="A")]',
         }[name]
         assert pattern.fullmatch(one), name
@@ -418,5 +422,7 @@ def test_every_format_teaches_its_calls():
     shown = {"hermes": "<tool_call>", "json": "<tool_call>", "llama3_json": '"parameters"'}
     shown |= {"mistral": "[TOOL_CALLS]", "pythonic": "func_name1(arg1=value1"}
     for name, fmt in TOOL_CALL_FORMATS.items():
-        prompt = tools_system_prompt([{"type": "function", "function": FUNCTIONS[0]}], fmt.instructions)
+        prompt = tools_system_prompt(
+            [{"type": "function", "function": FUNCTIONS[0]}], fmt.instructions
+        )
         assert '"name": "get_weather"' in prompt and shown[name] in fmt.instructions, name
