@@ -221,7 +221,10 @@ class JsonFormat(HermesFormat):
 
 class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
-    markers = ("<|python_tag|>", '"parameters"')
+    markers = (
+        "<|start_header_id|>",
+        '"parameters"',
+    )  # Llama 3.x: header tokens, calls with "parameters"
     instructions = (
         'To call functions, respond with {"name": <function-name>, "parameters": <args-json-object>} '
         'only, several separated by "; ".'

@@ -394,7 +394,7 @@ def test_named_and_single_calls_are_one_call():
     assert required_schema(FUNCTIONS, parallel=False)["maxItems"] == 1
 
 
-LLAMA31_MARKERS = '{{- "<|python_tag|>" }} Respond in the format {"name": function name, "parameters": dictionary}'
+LLAMA31_MARKERS = '{{- "<|start_header_id|>" }} Respond in the format {"name": function name, "parameters": dictionary}'
 
 
 def test_formats_from_chat_templates_and_names():
