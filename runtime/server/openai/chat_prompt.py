@@ -10,7 +10,8 @@ from typing import Any
 
 import jinja2
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.spec import make_spec
+from spruce.constrained.report import schema_report
+from spruce.constrained.spec import ConstraintSpec, make_spec
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
@@ -131,11 +132,15 @@ class ChatPrompt:
         """(reasoning_content, the answer) of a finished output."""
         return (None, text) if self.reasoning is None else self.reasoning.split(text, self.thinking)
 
-    def constrain(self, sampling: SamplingParams, whitespace: str) -> SamplingParams:
+    def constrain(
+        self, sampling: SamplingParams, whitespace: str
+    ) -> tuple[SamplingParams, ConstraintSpec | None]:
         """A constrained answer after a reasoning block: the constraint becomes a regex that
-        lets the reasoning through first (any text but the closing tag), then the answer."""
+        lets the reasoning through first (any text but the closing tag), then the answer.
+        Returns the sampling and the answer's own spec (None when nothing was wrapped), by
+        which the answer is checked once finished (`answer_report`)."""
         if self.reasoning is None or not sampling.has_constraint:
-            return sampling
+            return sampling, None
         try:
             spec = make_spec(
                 regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
@@ -144,7 +149,14 @@ class ChatPrompt:
         except ConstraintError as e:
             raise ApiError(400, str(e), param="response_format") from None
         regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
-        return sampling.replace(regex=regex, json_schema=None, choices=None)
+        return sampling.replace(regex=regex, json_schema=None, choices=None), spec
+
+
+def answer_report(spec: ConstraintSpec | None, answer: str) -> dict[str, Any]:
+    """Extension field `json_schema` of an answer whose JSON schema was wrapped after a
+    reasoning block (the runtime saw a regex): as the runtime reports a schema's output."""
+    report = schema_report(spec, answer)
+    return {} if report is None else {"json_schema": report}
 
 
 def chat_prompt(req: ChatRequest, tools: ToolPlan, server: ServerState) -> ChatPrompt:
@@ -169,7 +181,10 @@ def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:
     check_continue_final(req.messages, req.continue_final_message)
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=not req.continue_final_message, tools=template_tools, **extra
+            messages,
+            add_generation_prompt=not req.continue_final_message,
+            tools=template_tools,
+            **extra,
         )
     except ValueError as e:  # no chat template
         raise ApiError(400, f"{e} (use /v1/completions)") from None

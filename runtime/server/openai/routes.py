@@ -71,10 +71,10 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
         max_tokens = max(server.model.context_length - len(prompt.ids), 0)
-    base = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), whitespace)
+    base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), whitespace)
     items = await choices(server, prompt.ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
-    view = ChatView(server, req, prompt, tools)
+    view = ChatView(server, req, prompt, tools, answer_spec)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
     return json_response(view.response(await _results(request, call)))

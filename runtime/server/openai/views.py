@@ -7,7 +7,8 @@ import uuid
 from typing import Any, AsyncIterator
 
 from spruce.runtime.server.http.common import SSE_DONE, ServerState, sse, stream_error
-from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
+from spruce.constrained.spec import ConstraintSpec
+from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, answer_report
 from spruce.runtime.server.openai.chat_stream import AnswerStream
 from spruce.runtime.server.openai.mapping import openai_names
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, SamplingRequest
@@ -134,10 +135,14 @@ class CompletionView(_View):
 class ChatView(_View):
     response_object = "chat.completion"
 
-    def __init__(self, server: ServerState, req: ChatRequest, prompt: ChatPrompt, tools: ToolPlan) -> None:
+    def __init__(
+        self, server: ServerState, req: ChatRequest, prompt: ChatPrompt, tools: ToolPlan,
+        answer_spec: ConstraintSpec | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(server, req, "chatcmpl", [len(prompt.ids)])
         self.prompt = prompt
         self.tools = tools
+        self.answer_spec = answer_spec  # a constraint wrapped after a reasoning block (ChatPrompt.constrain)
 
     def _choice(self, e: Event) -> dict[str, Any]:
         meta = e.result["meta_info"]
@@ -156,6 +161,7 @@ class ChatView(_View):
             "logprobs": self._logprobs(meta) if self.req.logprobs else None,
             "finish_reason": reason,
             "matched_stop": matched_stop(meta),
+            **answer_report(self.answer_spec, self.prompt.split(e.result["text"])[1]),
         }
 
     def _split(self, text: str) -> tuple[str | None, str]:

@@ -426,3 +426,24 @@ def test_every_format_teaches_its_calls():
             [{"type": "function", "function": FUNCTIONS[0]}], fmt.instructions
         )
         assert '"name": "get_weather"' in prompt and shown[name] in fmt.instructions, name
+
+
+def test_a_wrapped_schema_answer_is_reported():
+    from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.server.openai.chat_prompt import answer_report
+
+    prompt = ChatPrompt("", [], REASONING_FORMATS["qwen3"], False)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "multipleOf": 2}},
+        "required": ["n"],
+    }
+    sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), whitespace="")
+    assert sampling.json_schema is None and sampling.regex.startswith("(?:<think>")
+    text = '<think>even?</think>\n{"n":3}'
+    report = answer_report(spec, prompt.split(text)[1])["json_schema"]
+    assert report["valid"] is False and "multiple of 2" in report["error"]
+    assert answer_report(spec, '{"n":4}')["json_schema"]["valid"] is True
+    assert (
+        NO_REASONING.constrain(sampling, "") == (sampling, None) and answer_report(None, "x") == {}
+    )

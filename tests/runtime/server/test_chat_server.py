@@ -139,6 +139,7 @@ def test_a_constrained_answer_may_follow_reasoning(http):
     message = choice["message"]
     if choice["finish_reason"] == "stop":
         jsonschema.validate(json.loads(message["content"]), schema)
+        assert choice["json_schema"] == {"unenforced": [], "valid": True, "error": None}
     else:
         assert choice["finish_reason"] == "length" and message.get("reasoning_content") is not None
 
