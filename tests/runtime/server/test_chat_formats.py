@@ -37,6 +37,9 @@ def calls(*pairs: tuple[str, dict]) -> list[tuple[str, dict]]:
 # (format, model output, expected content, expected calls as (name, arguments))
 TOOL_TABLE = [
     ("hermes", "Just text.", "Just text.", []),
+    ("hermes", "Cut mid-tag <tool_ca", "Cut mid-tag <tool_ca", []),
+    ("mistral", "Cut mid-tag [TOOL_CA", "Cut mid-tag [TOOL_CA", []),
+    ("llama3_json", "<|python_ta", "<|python_ta", []),
     (
         "hermes",
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -227,6 +230,8 @@ REASONING_TABLE = [
     ("qwen3", "<think>\nStill thinking about 2 < 3", False, "Still thinking about 2 < 3", ""),
     ("qwen3", "<think></think>Quick.", False, "", "Quick."),
     ("qwen3", "<thinking is not a tag", False, None, "<thinking is not a tag"),
+    ("qwen3", "  <thi", False, None, "  <thi"),  # cut mid-tag
+    ("qwen3", "<think>a</thi", False, "a</thi", ""),
     (
         "deepseek-r1",
         "Step 1: a </thin b.\n</think>\n\nDone.",
