@@ -9,8 +9,7 @@ from spruce.lang.backend import Backend
 from spruce.lang.choices import ChoicesMethod, token_length_normalized
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
 from spruce.lang.ir import (
-    MAX_SAMPLES, REQUEST_OPTIONS, SAMPLING_FIELDS, Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params,
-    to_node,
+    MAX_SAMPLES, Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params, to_node,
 )  # fmt: skip
 from spruce.lang.program import resolve_backend
 from spruce.runtime.errors import ConstraintError
@@ -37,7 +36,6 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
         return _gen_select(name, params, choices_method)
     if choices_method is not None:
         raise ProgramError("gen(choices_method=...) needs choices=[...] (a gen with choices is a select)")
-    _refuse_unsupported(params)
     reasoning = _reasoning_format(params.pop("separate_reasoning", None))
     dtype = params.pop("dtype", None)
     sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
@@ -72,22 +70,6 @@ def _gen_select(name: str | None, params: dict[str, Any], choices_method: Any) -
     return select(name, params["choices"], 0.0 if temperature is None else temperature, method)
 
 
-def _refuse_unsupported(params: dict[str, Any]) -> None:
-    """SGLang gen keywords this runtime's protocol does not carry (yet): a clear error
-    rather than a silently different result."""
-    for key, what in _NEEDS_RUNTIME_SUPPORT.items():
-        if params.get(key) is not None and key not in SAMPLING_FIELDS and key not in REQUEST_OPTIONS:
-            raise UnsupportedFeatureError(f"gen({key}=...): {what}")
-
-
-_NEEDS_RUNTIME_SUPPORT = {
-    "stop_regex": "this runtime cannot stop generation on a regex yet; use stop=[...] strings, "
-    "or constrain the whole output with regex=...",
-    "return_text_in_logprobs": "this runtime's logprobs carry token ids only ([logprob, token_id]); "
-    "decode the ids with sl.Runtime(...).get_tokenizer().decode([token_id])",
-}
-
-
 def _sample_count(n: Any) -> int:
     if n is None:
         return 1
@@ -99,7 +81,7 @@ def _sample_count(n: Any) -> int:
 def _gen_signature() -> inspect.Signature:
     P = inspect.Parameter
     head = [P("name", P.POSITIONAL_OR_KEYWORD, default=None), P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None)]
-    extra = ("n", "stop_regex", "return_text_in_logprobs", "dtype", "choices_method", "separate_reasoning")
+    extra = ("n", "dtype", "choices_method", "separate_reasoning")
     names = dict.fromkeys(k for k in (*dsl_keywords(), *extra) if k != "max_tokens")
     rest = [P(k, P.KEYWORD_ONLY, default=None) for k in names]
     return inspect.Signature(head + rest, return_annotation=Gen)

@@ -27,6 +27,7 @@ class RequestLimits:
     max_stop_strings: int = 32  # entries of stop
     max_stop_string_chars: int = 512  # characters of one stop string
     max_stop_token_ids: int = 256  # entries of stop_token_ids
+    max_logit_bias: int = 1024  # entries of logit_bias
     max_constraint_chars: int = 200_000  # characters of a regex, a JSON schema or all choices
     max_choices: int = 4096  # entries of choices
 

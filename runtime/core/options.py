@@ -13,6 +13,7 @@ class RequestOptions:
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position with a logprob; -1 = output only
     top_logprobs_num: int = 0  # alternatives per position, with return_logprob
+    return_text_in_logprobs: bool = False  # logprob entries carry the token's text (native routes)
     stream: bool = False
     timeout_s: float | None = None  # deadline from arrival; the server aborts the request then
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -31,9 +32,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Python regexes searched in the output's decoded tail (the last STOP_REGEX_TAIL_TOKENS
+    # tokens); the first match stops the request, as a stop string does.
+    stop_regex: tuple[str, ...] = ()
+    no_stop_trim: bool = False  # keep the matched stop string / regex match / stop token in the text
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    # (token id, bias) pairs added to the logits (OpenAI's logit_bias; clipped to [-100, 100]);
+    # a {token id: bias} dict (JSON keys may be strings) is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # SGLang's parameters for custom logit processors: accepted and ignored (meta_info says so).
+    custom_params: dict[str, Any] | None = None
     # Constraints (spruce.constrained); at most one of them.
     regex: str | None = None
     json_schema: str | None = None
@@ -91,6 +101,8 @@ class SamplingParams:
         self._check_floats()
         self._check_flags()
         self._check_stops(limits)
+        self._check_stop_regex(limits)
+        self._check_logit_bias(limits)
         self._check_constraint(limits)
         cap = limits.max_new_tokens_limit
         _check(cap is None or self.max_new_tokens <= cap, f"max_new_tokens must be at most {cap} on this server")
@@ -125,8 +137,12 @@ class SamplingParams:
         )
 
     def _check_flags(self) -> None:
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        _check(
+            self.custom_params is None or isinstance(self.custom_params, dict),
+            "custom_params must be a JSON object (it is ignored: Spruce runs no custom logit processors)",
+        )
 
     def _check_stops(self, limits: RequestLimits) -> None:
         stop, ids = self.stop, self.stop_token_ids
@@ -148,6 +164,36 @@ class SamplingParams:
             len(ids) <= limits.max_stop_token_ids,
             f"stop_token_ids has {len(ids)} entries; at most {limits.max_stop_token_ids}",
         )
+
+    def _check_stop_regex(self, limits: RequestLimits) -> None:
+        patterns = self.stop_regex
+        _check(
+            isinstance(patterns, tuple) and all(isinstance(p, str) and p for p in patterns),
+            "stop_regex must be a regex string or a list of non-empty regex strings",
+        )
+        most = limits.max_stop_strings
+        _check(len(patterns) <= most, f"stop_regex has {len(patterns)} patterns; at most {most} (--max-stop-strings)")
+        for pattern in patterns:
+            _check_size("stop_regex", len(pattern), limits.max_stop_string_chars, "--max-stop-string-chars")
+            try:
+                compiled = re.compile(pattern)
+            except (re.error, RecursionError, OverflowError) as e:
+                raise InvalidRequestError(f"stop_regex {pattern!r} is not a valid Python regex: {e}") from None
+            _check(
+                compiled.search("") is None,
+                f"stop_regex {pattern!r} matches the empty string (it would stop at once)",
+            )
+
+    def _check_logit_bias(self, limits: RequestLimits) -> None:
+        bias = self.logit_bias
+        _check(
+            isinstance(bias, tuple)
+            and all(isinstance(p, tuple) and len(p) == 2 and _is_int64(p[0]) and p[0] >= 0 and _is_number(p[1])
+                    for p in bias),
+            "logit_bias must map token ids (integers >= 0) to finite numbers",
+        )  # fmt: skip
+        most = limits.max_logit_bias
+        _check(len(bias) <= most, f"logit_bias has {len(bias)} entries; at most {most} (--max-logit-bias)")
 
     def _check_constraint(self, limits: RequestLimits) -> None:
         for name in ("regex", "json_schema"):
@@ -182,18 +228,40 @@ class SamplingParams:
 def _normalized(data: dict[str, Any]) -> dict[str, Any]:
     """JSON-friendly input -> field types: lists to tuples, a schema dict to its JSON text."""
     out = dict(data)
-    if isinstance(out.get("stop"), str):
-        out["stop"] = (out["stop"],)
-    for name in ("stop", "stop_token_ids", "choices"):
+    for name in ("stop", "stop_regex"):
+        if isinstance(out.get(name), str):
+            out[name] = (out[name],)
+    for name in ("stop", "stop_token_ids", "stop_regex", "choices"):
         if isinstance(out.get(name), list):
             out[name] = tuple(out[name])
-    for name in ("stop", "stop_token_ids"):
+    for name in ("stop", "stop_token_ids", "stop_regex", "logit_bias"):
         if name in out and out[name] is None:
             out[name] = ()
+    if "logit_bias" in out:
+        out["logit_bias"] = _bias_pairs(out["logit_bias"])
     schema = out.get("json_schema")
     if schema is not None and not isinstance(schema, str):
         out["json_schema"] = _schema_text(schema)
     return out
+
+
+def _bias_pairs(bias: Any) -> Any:
+    """{token id: bias} (JSON keys are strings) or [[id, bias], ...] -> ((id, bias), ...) sorted
+    by id; anything else is left as it is, for validate() to name."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(items, (list, tuple)) and not isinstance(bias, dict):
+        return bias
+    pairs = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            return bias
+        token, value = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        pairs.append((token, value))
+    if not all(_is_int(t) for t, _ in pairs):
+        return tuple(pairs)
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))
 
 
 def _schema_text(schema: Any) -> str:
@@ -223,8 +291,8 @@ def _is_number(value: Any) -> bool:
         return False
 
 
-def _check_size(name: str, size: int, limit: int) -> None:
-    _check(size <= limit, f"{name} has {size} characters; at most {limit} (--max-constraint-chars)")
+def _check_size(name: str, size: int, limit: int, flag: str = "--max-constraint-chars") -> None:
+    _check(size <= limit, f"{name} has {size} characters; at most {limit} ({flag})")
 
 
 def _check(ok: bool, message: str) -> None:

@@ -54,6 +54,9 @@ def validate_request(
     bad_stop = [t for t in sampling.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
         raise InvalidRequestError(f"stop_token_ids {bad_stop[:5]} are not token ids (vocabulary: {limits.vocab_size})")
+    bad_bias = [t for t, _ in sampling.logit_bias if t >= limits.vocab_size]
+    if bad_bias:
+        raise InvalidRequestError(f"logit_bias keys {bad_bias[:5]} are not token ids (vocabulary: {limits.vocab_size})")
     check_options(options, limits.request)
     if options.logprob_start_len >= len(ids):
         raise InvalidRequestError(f"logprob_start_len must be -1 or a prompt position (< {len(ids)})")
@@ -68,6 +71,8 @@ def check_options(options: RequestOptions, limits: RequestLimits | None = None) 
         raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
     if not _is_int(options.top_logprobs_num) or not 0 <= options.top_logprobs_num <= most:
         raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {most}]")
+    if not isinstance(options.return_text_in_logprobs, bool):
+        raise InvalidRequestError("return_text_in_logprobs must be true or false")
     if not isinstance(options.stream, bool):
         raise InvalidRequestError("stream must be true or false")
     timeout = options.timeout_s

@@ -1,6 +1,6 @@
 """Batched sampling over requests with different parameters.
 
-Per step: penalties from per-request token counts, suppression of EOS / stop ids before
+Per step: penalties from per-request token counts, logit_bias, suppression of EOS / stop ids before
 `min_new_tokens`, the grammar bitmask, then greedy rows by argmax and the others by
 temperature, top-k, top-p and min-p filtering, all as [batch, vocab] tensor ops. A request
 with a seed samples from its own generator, so its output does not depend on the batch.
@@ -23,6 +23,7 @@ from spruce.runtime.core.request import Req, TokenLogprobs
 
 logger = logging.getLogger("spruce.sampler")
 MIN_TEMPERATURE = 1e-5  # below: sampled by argmax (logits / temperature would overflow)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(slots=True)
@@ -57,8 +58,9 @@ class Sampler:
         return SampleOutput(ids, self._token_logprobs(raw_logprobs, ids, reqs, errors), errors)
 
     def process_logits(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """In place: penalties, and EOS / stop ids suppressed before min_new_tokens."""
+        """In place: penalties, logit_bias, and EOS / stop ids suppressed before min_new_tokens."""
         self._apply_penalties(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
         self._suppress_stops(logits, reqs)
         return logits
 
@@ -87,6 +89,20 @@ class Sampler:
         seen = self._seen_anywhere([reqs[i] for i in rows])
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         logits[rows] = torch.where(seen, penalized, sub)
+
+    def _apply_logit_bias(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """OpenAI's logit_bias: each (token, bias) of a row added to its logit, the bias
+        clipped to [-100, 100]; one scatter for the rows that have a bias, nothing otherwise."""
+        rows, cols, values = [], [], []
+        for i, r in enumerate(reqs):
+            for token, bias in r.sampling.logit_bias:
+                rows.append(i)
+                cols.append(token)
+                values.append(min(max(float(bias), -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS))
+        if not rows:
+            return
+        index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
 
     def _output_counts(self, reqs: list[Req]) -> torch.Tensor:
         counts = torch.zeros(len(reqs), self.vocab_size, device=self.device)

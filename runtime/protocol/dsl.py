@@ -6,7 +6,8 @@ Transport: the client opens a DEALER socket to the server's ROUTER socket
 
 Client -> server, one message per call:
   {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...},
-   "return_logprob", "logprob_start_len", "top_logprobs_num", "stream", "timeout_s"}
+   "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+   "stream", "timeout_s"}
       text / input_ids may be a list (a batch); a batch is answered by one "final"
       message whose "results" holds one result per input (streaming a batch is an error).
       For a batch, sampling_params may also be a list (one dict per input).
@@ -75,6 +76,7 @@ class GenerateMsg:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     stream: bool = False
     timeout_s: float | None = None
     type: str = "generate"

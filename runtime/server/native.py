@@ -15,10 +15,12 @@ from spruce.runtime.core.validation import (
     ModelLimits,
     ValidRequest,
     batch_inputs,
+    check_batch_size,
     check_options,
     sampling_list,
     validate_request,
 )  # fmt: skip
+from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
@@ -82,18 +84,67 @@ class ModelContext:
 
 
 async def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
-    """(one ValidRequest per prompt, whether the call was a single prompt)."""
+    """(the ValidRequests: n per prompt, prompt-major as SGLang orders them; whether the
+    call was a single prompt with n = 1, answered by one result rather than a list)."""
     limits = model.limits.request
     prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text", limits=limits)
-    params = sampling_list(msg.sampling_params, len(prompts))
+    sampling, n = parallel_samples(msg.sampling_params, limits)
+    check_batch_size(len(prompts) * n, limits)
+    params = sampling_list(sampling, len(prompts))
     options = request_options(msg, limits)
-    return await model.prepare_all(list(zip(prompts, params)), options), single
+    requests = [(prompt, _sample(p, j)) for prompt, p in zip(prompts, params) for j in range(n)]
+    return await model.prepare_all(requests, options), single and n == 1
+
+
+def parallel_samples(sampling: Any, limits: RequestLimits) -> tuple[Any, int]:
+    """SGLang's `n` in sampling_params: (the sampling_params without it, n). The n requests
+    of a prompt go out together; the scheduler admits the first alone and the others next
+    step (in-batch prefix sharing), so they find the prompt in the radix cache."""
+    dicts = sampling if isinstance(sampling, list) else [sampling]
+    counts = {d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts}
+    if len(counts) > 1:
+        raise InvalidRequestError(f"n must be the same in every sampling_params of a batch; got {sorted(counts)}")
+    n = counts.pop() if counts else 1  # an empty list: sampling_list says what is wrong
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
+        raise InvalidRequestError(f"n must be an integer from 1 to {limits.max_n} (--max-n); got {n!r}")
+    stripped = [{k: v for k, v in d.items() if k != "n"} if isinstance(d, dict) else d for d in dicts]
+    return (stripped if isinstance(sampling, list) else stripped[0]), n
+
+
+def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
+    """Sample j of a prompt: with a seed, seed + j (the samples differ, each reproducible)."""
+    return sampling if j == 0 or sampling.seed is None else sampling.replace(seed=sampling.seed + j)
+
+
+def present_meta(meta: dict[str, Any], options: RequestOptions, model: ModelContext) -> dict[str, Any]:
+    """A result's meta_info as the caller asked for it: with return_text_in_logprobs, each
+    logprob entry [logprob, token_id] (top entries too) gets the token's text as a third item."""
+    if not options.return_text_in_logprobs:
+        return meta
+    out = dict(meta)
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if out.get(key) is not None:
+            out[key] = [_with_text(entry, model) for entry in out[key]]
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if out.get(key) is not None:
+            out[key] = [None if top is None else [_with_text(e, model) for e in top] for top in out[key]]
+    return out
+
+
+def present_result(result: dict[str, Any], options: RequestOptions, model: ModelContext) -> dict[str, Any]:
+    return {**result, "meta_info": present_meta(result["meta_info"], options, model)}
+
+
+def _with_text(entry: list, model: ModelContext) -> list:
+    logprob, token = entry[0], entry[1]
+    return [logprob, token, model.tokenizer.decode([token], False)]
 
 
 def request_options(msg: GenerateMsg, limits: RequestLimits) -> RequestOptions:
     options = RequestOptions(
         return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-        top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, timeout_s=msg.timeout_s,
+        top_logprobs_num=msg.top_logprobs_num, return_text_in_logprobs=msg.return_text_in_logprobs,
+        stream=msg.stream, timeout_s=msg.timeout_s,
     )  # fmt: skip
     check_options(options, limits)
     return options

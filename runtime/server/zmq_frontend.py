@@ -20,6 +20,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol import dsl as protocol
 from spruce.runtime.protocol.dsl import (
@@ -38,6 +39,8 @@ from spruce.runtime.server.native import (
     batch_error,
     flush_cache,
     prepare_generate,
+    present_meta,
+    present_result,
     too_large,
 )
 from spruce.runtime.server.request_manager import Call, Refused, RequestManager
@@ -138,7 +141,7 @@ class ZmqFrontend:
 
     async def _on_generate(self, identity: bytes, msg: GenerateMsg) -> None:
         try:
-            call, single = await self._submit(identity, msg)
+            call, single, options = await self._submit(identity, msg)
         except Refused as e:
             if e.retry_after_s is not None:
                 self.metrics.refused.labels(str(e.status)).inc()
@@ -152,14 +155,14 @@ class ZmqFrontend:
         self.calls[key] = call
         try:
             if msg.stream:
-                await self._stream(identity, msg.rid, call)
+                await self._stream(identity, msg.rid, call, options)
             else:
-                await self._reply_final(identity, msg.rid, call, single)
+                await self._reply_final(identity, msg.rid, call, single, options)
         finally:
             del self.calls[key]
             call.close()
 
-    async def _submit(self, identity: bytes, msg: GenerateMsg) -> tuple[Call, bool]:
+    async def _submit(self, identity: bytes, msg: GenerateMsg) -> tuple[Call, bool, RequestOptions]:
         """Validates and submits; raises Refused saying why not."""
         if not self.accepting:
             raise Refused(503, "the server is shutting down")
@@ -174,29 +177,31 @@ class ZmqFrontend:
         client = f"z{identity.hex()}"
         base = f"{client}:{msg.rid}"
         rids = [base] if single else [f"{base}/{i}" for i in range(len(items))]
-        return self.manager.submit(items, rids, client_rids=[msg.rid] * len(items), client=client), single
+        call = self.manager.submit(items, rids, client_rids=[msg.rid] * len(items), client=client)
+        return call, single, items[0].options
 
-    async def _stream(self, identity: bytes, rid: str, call: Call) -> None:
+    async def _stream(self, identity: bytes, rid: str, call: Call, options: RequestOptions) -> None:
         async for event in call:
             if event.error is not None:
                 await self._send(identity, ErrorMsg(rid, event.error, event.status))
                 return
-            chunk = ChunkMsg(rid, event.text, event.output_ids, event.meta_info)
+            chunk = ChunkMsg(rid, event.text, event.output_ids, present_meta(event.meta_info, options, self.model))
             if (event.text or event.output_ids) and not await self._send(identity, chunk):
                 return  # the client is gone: its call is closed, nothing more to send
             if event.finished:
-                await self._send(identity, FinalMsg(rid, **event.result))
+                await self._send(identity, FinalMsg(rid, **present_result(event.result, options, self.model)))
 
-    async def _reply_final(self, identity: bytes, rid: str, call: Call, single: bool) -> None:
+    async def _reply_final(self, identity: bytes, rid: str, call: Call, single: bool, options: RequestOptions) -> None:
         events = await call.results()
         failed = batch_error(events, single)
         if failed is not None:
             status, message = failed
             await self._send(identity, ErrorMsg(rid, message, status))
         elif single:
-            await self._send(identity, FinalMsg(rid, **events[0].result))
+            await self._send(identity, FinalMsg(rid, **present_result(events[0].result, options, self.model)))
         else:
-            await self._send(identity, FinalMsg(rid, results=[e.result for e in events]))
+            results = [present_result(e.result, options, self.model) for e in events]
+            await self._send(identity, FinalMsg(rid, results=results))
 
     async def _on_abort(self, identity: bytes, msg: AbortMsg) -> None:
         call = self.calls.get((identity, msg.rid))

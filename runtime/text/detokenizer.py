@@ -7,19 +7,26 @@ from typing import Any
 
 from spruce.constrained.report import schema_report
 from spruce.runtime.core.request import Req
-from spruce.runtime.text.stop import find_stop, stop_prefix_len
+from spruce.runtime.text.stop import find_regex_stop, find_stop, stop_prefix_len
 from spruce.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+CUSTOM_PARAMS_NOTE = "Spruce runs no custom logit processors; custom_params changed nothing"
 
 
 class OutputText:
     """Tracks one request's visible text. `update(req)` returns the text to send now:
     never half a character, never text that may turn out to start a stop string, never
-    the stop string or stop token itself."""
+    the stop string, stop_regex match or stop token itself (with no_stop_trim: the text ends
+    with it). A stop_regex match is trimmed once the request finished: a stream may have
+    sent the start of the match already."""
 
     def __init__(self, tokenizer: Tokenizer, req: Req) -> None:
         self.tokenizer = tokenizer
         self.skip_special = req.sampling.skip_special_tokens
         self.stops = req.sampling.stop
+        self.stop_regex = req.sampling.stop_regex
+        self.keep_stop = req.sampling.no_stop_trim
         self.prompt_tail = req.prompt_ids[-4:]
         self._restart([])
         self.sent = 0  # characters already returned
@@ -45,12 +52,26 @@ class OutputText:
         return delta
 
     def _visible(self, text: str, finished: bool) -> str:
-        if not self.stops:
+        end = self._stop_end(text, finished)
+        if end is not None:
+            return text[:end]
+        if finished or not self.stops:
             return text
-        found = find_stop(text, self.stops)
+        return text[: len(text) - stop_prefix_len(text, self.stops)]
+
+    def _stop_end(self, text: str, finished: bool) -> int | None:
+        """Where the text ends at its first stop: the match's start (its end with no_stop_trim)."""
+        matches = []
+        found = find_stop(text, self.stops) if self.stops else None
         if found is not None:
-            return text[: found[0]]
-        return text if finished else text[: len(text) - stop_prefix_len(text, self.stops)]
+            matches.append((found[0], found[0] + len(found[1])))
+        regex_found = find_regex_stop(text, self.stop_regex) if finished and self.stop_regex else None
+        if regex_found is not None:
+            matches.append(regex_found[:2])
+        if not matches:
+            return None
+        start, end = min(matches)
+        return end if self.keep_stop else start
 
     @property
     def text(self) -> str:
@@ -65,6 +86,8 @@ class OutputText:
 def _visible_ids(req: Req) -> list[int]:
     """Output ids whose text is shown: a stop token that ended the request is not."""
     reason = req.finish_reason
+    if req.sampling.no_stop_trim:
+        return req.output_ids
     if reason is not None and reason.type == "stop" and isinstance(reason.matched, int):
         return req.output_ids[:-1]
     return req.output_ids
@@ -81,6 +104,8 @@ def meta_info(req: Req) -> dict[str, Any]:
         "e2e_latency": (end - req.created_at) if end is not None else None,
         "jump_forward_tokens": req.jump_forward_tokens,
     }
+    if req.sampling.custom_params is not None:
+        info["ignored"] = {"custom_params": CUSTOM_PARAMS_NOTE}
     report = _schema_report(req)
     if report is not None:
         info["json_schema"] = report

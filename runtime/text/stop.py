@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -13,6 +15,19 @@ def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
         i = text.find(stop)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, stop)
+    return best
+
+
+STOP_REGEX_TAIL_TOKENS = 256  # a stop_regex match must lie within the output's last tokens
+
+
+def find_regex_stop(text: str, patterns: tuple[str, ...], start: int = 0) -> tuple[int, int, str] | None:
+    """Earliest match of any stop regex in text[start:]: (match start, match end, pattern)."""
+    best = None
+    for pattern in patterns:
+        m = re.compile(pattern).search(text, start)  # re caches compiled patterns
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), m.end(), pattern)
     return best
 
 
@@ -40,6 +55,8 @@ class StopChecker:
             matched = self._stop_token(req)
             if matched is None:
                 matched = self._stop_string(req, num_new)
+            if matched is None:
+                matched = self._stop_regex(req, num_new)
             if matched is not None:
                 return FinishReason("stop", matched)
         if req.cursor is not None and req.cursor.is_terminated():
@@ -65,3 +82,15 @@ class StopChecker:
         tail = self.tokenizer.decode(req.output_ids[-window:], req.sampling.skip_special_tokens)
         found = find_stop(tail, req.sampling.stop)
         return found[1] if found else None
+
+    def _stop_regex(self, req: Req, num_new: int) -> str | None:
+        """The pattern of the first stop_regex that matches the decoded tail. When the output
+        is longer than the tail, the search starts at the tail's second character, so `^`
+        does not match in the middle of the output."""
+        patterns = req.sampling.stop_regex
+        if not patterns:
+            return None
+        window = num_new + STOP_REGEX_TAIL_TOKENS
+        tail = self.tokenizer.decode(req.output_ids[-window:], req.sampling.skip_special_tokens)
+        found = find_regex_stop(tail, patterns, 1 if len(req.output_ids) > window else 0)
+        return found[2] if found else None

@@ -324,10 +324,12 @@ def test_bad_gen_arguments_get_clear_errors():
         sgl.ProgramError, match="n=...\\) must be an integer from 1 to 128; got 129"
     ):
         sgl.gen("x", n=129)
-    with pytest.raises(sgl.UnsupportedFeatureError, match="stop_regex"):
-        sgl.gen("x", stop_regex=r"\d+")
-    with pytest.raises(sgl.UnsupportedFeatureError, match="return_text_in_logprobs"):
-        sgl.gen("x", return_logprob=True, return_text_in_logprobs=True)
+
+
+def test_stop_regex_and_token_text_reach_the_request():
+    node = sgl.gen("x", stop_regex=r"\d+", return_logprob=True, return_text_in_logprobs=True)
+    assert dict(node.sampling)["stop_regex"] == (r"\d+",)
+    assert dict(node.options)["return_text_in_logprobs"] is True
 
 
 def test_fork_position_ids_offset_is_refused():

@@ -9,12 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, validation_message
+from spruce.runtime.server.openai.sglang_fields import ACCEPTED_FIELDS, SAMPLING_ALIASES, renamed
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's; the server's --max-top-logprobs may be lower
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "logit_bias", "best_of"}
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "best_of"} | ACCEPTED_FIELDS
 SAMPLING_EXTENSIONS = set(SamplingParams.field_names()) - {"max_new_tokens"}
+KNOWN_EXTENSIONS = SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES)
 
 
 class _Strict(BaseModel):
@@ -60,19 +62,17 @@ class SamplingRequest(BaseModel):
     def extensions(self) -> dict[str, Any]:
         """The extra fields that are SamplingParams fields; anything unknown is a 400."""
         extra = dict(self.model_extra or {})
-        if extra.get("logit_bias"):
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
         if extra.get("best_of") not in (None, self.n):
             raise ApiError(400, "best_of is not supported (use n)", param="best_of")
-        unknown = sorted(set(extra) - SAMPLING_EXTENSIONS - IGNORED_FIELDS)
+        unknown = sorted(set(extra) - KNOWN_EXTENSIONS - IGNORED_FIELDS)
         if unknown:
             raise ApiError(
                 400,
                 f"unknown field(s) {unknown}; besides OpenAI's fields this server accepts the sampling "
-                f"parameters {', '.join(sorted(SAMPLING_EXTENSIONS))}",
+                f"parameters {', '.join(sorted(KNOWN_EXTENSIONS))}",
                 param=unknown[0],
             )
-        return {k: v for k, v in extra.items() if k in SAMPLING_EXTENSIONS}
+        return renamed({k: v for k, v in extra.items() if k in KNOWN_EXTENSIONS})
 
 
 class CompletionRequest(SamplingRequest):
@@ -142,6 +142,7 @@ class ChatRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
     separate_reasoning: bool = True  # False: the reasoning block stays in content (with --reasoning-parser)
+    continue_final_message: bool = False  # SGLang's: continue the last (assistant) message, no new turn
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

@@ -1,0 +1,226 @@
+"""SGLang's request fields against a real server on the tiny model: /generate's sampling_params
+(n, stop_regex, no_stop_trim, logit_bias, custom_params) and return_text_in_logprobs, and the
+OpenAI routes' extension fields as SGLang clients send them (`extra_body`). Each field is
+shown to change the output as documented; bad values are a 400 naming the field."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+from test_server import API_KEY, AUTH, start_server, stop_server, zmq_call
+
+MAX_N = 4
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("sglang-fields") / "server.log"
+    srv = start_server(tiny_llama_dir, log, "--api-key", API_KEY, "--max-n", str(MAX_N))
+    yield srv
+    assert stop_server(srv) == 0, srv.log()
+
+
+@pytest.fixture()
+def http(sglang_server):
+    with httpx.Client(base_url=sglang_server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture()
+def client(sglang_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sglang_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def generate(http, text="The quick brown fox", **sampling) -> dict | list:
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 12, **sampling}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(http, body: dict, field: str, path="/generate") -> str:
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.text, r.text
+    return r.text
+
+
+# -- /generate ------------------------------------------------------------------------------
+
+
+def test_logit_bias_changes_the_greedy_token(http):
+    first = generate(http, max_new_tokens=1)["output_ids"][0]
+    banned = generate(http, max_new_tokens=1, logit_bias={str(first): -100})["output_ids"][0]
+    assert banned != first
+    forced = generate(http, max_new_tokens=3, logit_bias={"42": 100})
+    assert forced["output_ids"] == [42, 42, 42]
+    clipped = generate(http, max_new_tokens=1, logit_bias={str(first): -1e9, "42": 1e9})  # clipped to ±100
+    assert clipped["output_ids"] == [42]
+
+
+def test_n_samples_share_the_prompt_in_the_cache(http):
+    prompt = "n samples of one prompt share its KV " * 3
+    out = generate(http, prompt, n=3, temperature=1.0, seed=7, max_new_tokens=6)
+    assert isinstance(out, list) and len(out) == 3
+    assert all(o["meta_info"]["prompt_tokens"] == out[0]["meta_info"]["prompt_tokens"] for o in out)
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in out[1:]), [o["meta_info"] for o in out]
+    assert len({tuple(o["output_ids"]) for o in out}) > 1  # seeds 7, 8, 9: different samples
+
+
+def test_n_with_a_batch_is_prompt_major(http):
+    prompts = ["short one", "a somewhat longer second prompt"]
+    out = generate(http, prompts, n=2, max_new_tokens=3)
+    lengths = [o["meta_info"]["prompt_tokens"] for o in out]
+    assert len(out) == 4 and lengths[0] == lengths[1] < lengths[2] == lengths[3]
+    assert out[0]["output_ids"] == out[1]["output_ids"]  # greedy: the same sample twice
+
+
+def test_stop_regex_stops_at_the_first_match_and_trims_it(http):
+    free = generate(http, max_new_tokens=16)
+    text = free["text"]
+    char = next(c for c in text[2:] if c.isalnum())
+    pattern = f"[{re.escape(char)}]"
+    at = text.find(char)
+    stopped = generate(http, max_new_tokens=16, stop_regex=pattern)
+    assert stopped["text"] == text[:at]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert len(stopped["output_ids"]) < len(free["output_ids"])
+    kept = generate(http, max_new_tokens=16, stop_regex=[pattern], no_stop_trim=True)
+    assert kept["text"] == text[: at + 1]
+
+
+def test_no_stop_trim_keeps_a_stop_string(http):
+    text = generate(http, max_new_tokens=16)["text"]
+    stop = text[3:5]
+    at = text.find(stop)
+    assert generate(http, max_new_tokens=16, stop=stop)["text"] == text[:at]
+    assert generate(http, max_new_tokens=16, stop=stop, no_stop_trim=True)["text"] == text[: at + len(stop)]
+
+
+def test_return_text_in_logprobs(http, tiny_tokenizer):
+    body = {
+        "text": "The quick brown fox", "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+        "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+    }  # fmt: skip
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    for logprob, token, text in meta["output_token_logprobs"]:
+        assert text == tiny_tokenizer.decode([token])
+    assert all(len(entry) == 3 for top in meta["output_top_logprobs"] for entry in top)
+    plain = http.post("/generate", json={**body, "return_text_in_logprobs": False}).json()["meta_info"]
+    assert all(len(entry) == 2 for entry in plain["output_token_logprobs"])
+
+
+def test_return_text_in_logprobs_over_zeromq(sglang_server, tiny_tokenizer):
+    import zmq
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30000)
+    sock.connect(sglang_server.zmq_url)
+    try:
+        msg = {
+            "type": "generate", "rid": "t", "text": "hello", "return_logprob": True,
+            "return_text_in_logprobs": True, "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+        }  # fmt: skip
+        final = zmq_call(sock, msg)[-1]
+    finally:
+        sock.close()
+        context.term()
+    assert [len(e) for e in final["meta_info"]["output_token_logprobs"]] == [3, 3, 3]
+
+
+def test_custom_params_are_ignored_with_a_note(http):
+    plain = generate(http, max_new_tokens=4)
+    noted = generate(http, max_new_tokens=4, custom_params={"token_id": 5})
+    assert noted["output_ids"] == plain["output_ids"]
+    assert "custom_params" in noted["meta_info"]["ignored"]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"n": MAX_N + 1}, "n"),
+        ({"n": 0}, "n"),
+        ({"stop_regex": "(unclosed"}, "stop_regex"),
+        ({"stop_regex": "x*"}, "stop_regex"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"no_stop_trim": "yes"}, "no_stop_trim"),
+        ({"custom_params": [1]}, "custom_params"),
+        ({"not_a_field": 1}, "not_a_field"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(http, sampling, field):
+    refused(http, {"text": "hi", "sampling_params": sampling}, field)
+
+
+def test_n_differs_across_a_batch(http):
+    body = {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}
+    refused(http, body, "n must be the same")
+
+
+# -- OpenAI routes: SGLang's extension fields --------------------------------------------------
+
+
+def test_completions_accept_sglang_extensions(client):
+    model = client.models.list().data[0].id
+    extra = {
+        "top_k": 5, "min_p": 0.1, "min_tokens": 2, "repetition_penalty": 1.1, "stop_token_ids": [3],
+        "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True, "rid": "my-request",
+    }  # fmt: skip
+    out = client.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0, extra_body=extra)
+    assert out.usage.completion_tokens >= 2
+    regex = client.completions.create(
+        model=model, prompt="hello", max_tokens=8, temperature=0, extra_body={"regex": "(yes|no)"}
+    )
+    assert regex.choices[0].text in ("yes", "no")
+
+
+def test_completions_logit_bias_is_honoured(client):
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt="hello", max_tokens=3, temperature=0, logit_bias={"42": 100})
+    plain = client.completions.create(model=model, prompt="hello", max_tokens=3, temperature=0)
+    assert out.choices[0].text != plain.choices[0].text
+    with_bias = client.completions.create(
+        model=model, prompt="hello", max_tokens=1, temperature=0, logprobs=1, logit_bias={"42": 100}
+    )
+    assert with_bias.usage.completion_tokens == 1
+
+
+def test_min_tokens_alias_sets_min_new_tokens(client):
+    model = client.models.list().data[0].id
+    out = client.completions.create(
+        model=model, prompt="hello", max_tokens=8, temperature=0, logit_bias={"42": 100},
+        extra_body={"min_tokens": 3, "stop_token_ids": [42]},
+    )  # fmt: skip
+    assert out.usage.completion_tokens == 4  # 42 is held back for 3 tokens, then it stops
+
+
+def test_openai_bad_extensions(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    base = {"model": model, "prompt": "hi", "max_tokens": 2}
+    refused(http, {**base, "suffix": "tail"}, "suffix", "/v1/completions")
+    refused(http, {**base, "no_such_field": 1}, "no_such_field", "/v1/completions")
+    refused(http, {**base, "logit_bias": {"999999": 5}}, "logit_bias", "/v1/completions")
+    refused(http, {**base, "min_tokens": 1, "min_new_tokens": 1}, "min_tokens", "/v1/completions")
+
+
+def test_chat_continue_final_message(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello the"}]
+    body = {
+        "model": model, "messages": messages, "max_tokens": 3, "temperature": 0,
+        "continue_final_message": True, "chat_template_kwargs": {}, "separate_reasoning": False,
+    }  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    prompt = r.json()["usage"]["prompt_tokens"]
+    r2 = http.post("/v1/chat/completions", json={**body, "continue_final_message": False})
+    assert r2.status_code == 200, r2.text
+    assert prompt != r2.json()["usage"]["prompt_tokens"]  # no end of turn, no new assistant header
+    bad = {**body, "messages": messages[:1]}
+    refused(http, bad, "continue_final_message", "/v1/chat/completions")
