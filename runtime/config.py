@@ -125,6 +125,12 @@ class ServerOptions:
     chat_template: str | None = None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
     reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1
     tool_call_parser: str = "auto"  # chat: how the model writes tool calls: auto (from the chat template) | hermes | llama3_json | mistral | pythonic | json
+    dp: int = 1  # data-parallel replicas: scheduler processes, each with its own KV pool and radix cache
+    router_policy: str = "cache-aware"  # --dp: cache-aware (longest cached prefix unless unbalanced) | round-robin
+    router_cache_threshold: float = 0.5  # share of a prompt a replica must hold for the prefix to win
+    router_balance_abs_threshold: int = 32  # unbalanced (least-loaded wins) when busiest - idlest exceeds this ...
+    router_balance_rel_threshold: float = 1.5  # ... and busiest exceeds this times the idlest (requests in flight)
+    exit_on_replica_death: bool = False  # exit when one replica dies (default: serve on the others; exit when none is left)
     request_limits: RequestLimits = field(default_factory=RequestLimits)  # flags of their own (limits.py)
     serving_limits: ServingLimits = field(default_factory=ServingLimits)
 

@@ -8,6 +8,9 @@ the only (de)serializers. No pickle anywhere.
 The scheduler answers with one `StepOutput` per step (not one message per request): the
 news of every streaming request that got tokens and of every request that finished.
 Non-streaming requests are reported once, when they finish.
+
+With `--dp N` there are N schedulers (replicas), each with an inbox of its own; all push to
+the one front-end socket, so every message a scheduler sends carries its `replica` index.
 """
 
 from __future__ import annotations
@@ -72,12 +75,14 @@ class Ready:
     vocab_size: int
     kv_slots: int
     config: dict[str, Any]
+    replica: int = 0  # the sender (--dp)
     type: str = "ready"
 
 
 @dataclass(slots=True)
 class StartupFailed:
     message: str
+    replica: int = 0  # the sender (--dp)
     type: str = "startup_failed"
 
 
@@ -102,6 +107,7 @@ class StepOutput:
     updates: list[ReqUpdate]
     num_running: int
     num_waiting: int
+    replica: int = 0  # the sender (--dp)
     type: str = "step_output"
 
     def __post_init__(self) -> None:
@@ -115,6 +121,7 @@ class RequestFailed:
     rid: str
     message: str
     status: int = 400
+    replica: int = 0  # the sender (--dp)
     type: str = "request_failed"
 
 
@@ -124,6 +131,7 @@ class ControlReply:
     ok: bool
     data: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    replica: int = 0  # the sender (--dp)
     type: str = "control_reply"
 
 

@@ -4,7 +4,11 @@ Processes (multiprocessing, spawn context, daemon children):
 
 - this process, the front end: HTTP (FastAPI on uvicorn) and the ZeroMQ ROUTER socket for
   DSL clients on one asyncio loop; tokenization, validation and detokenization happen here;
-- the scheduler process: EngineCore (model, KV pool, radix cache, grammars).
+- the scheduler process: EngineCore (model, KV pool, radix cache, grammars); with `--dp N`,
+  N of them (replicas), each with its own inbox, all pushing to the one front-end socket;
+  the request manager routes each request to one (replicas.py, router.py). A replica that
+  dies fails only its own requests (503) and the others keep serving, unless
+  --exit-on-replica-death; the server exits when none is left.
 
 They exchange the typed messages of protocol/ipc.py over ipc:// sockets in a private
 folder. A watchdog here notices a dead scheduler at once (its process sentinel); the
@@ -77,10 +81,12 @@ class Launcher:
     def __init__(self, options: ServerOptions, engine_options: dict, ipc_dir: str) -> None:
         self.options = options
         self.engine_options = engine_options
-        self.to_scheduler = f"ipc://{ipc_dir}/to_scheduler"
+        if options.dp < 1:
+            raise StartupError(f"--dp must be at least 1, not {options.dp}")
+        self.to_schedulers = [f"ipc://{ipc_dir}/to_scheduler_{i}" for i in range(options.dp)]
         self.from_scheduler = f"ipc://{ipc_dir}/from_scheduler"
         self.context = zmq.asyncio.Context()
-        self.scheduler: multiprocessing.Process | None = None
+        self.schedulers: list[multiprocessing.Process] = []  # one per replica
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self.draining = False  # set on shutdown: new requests get 503
@@ -96,15 +102,16 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_shutdown, sig)
+        router = _router(self.options)
         http_socket = _bind_http(self.options.host, self.options.port)
         self.zmq = _bind_zmq(self.context, self.options)
-        sender, receiver = self._scheduler_sockets()
+        senders, receiver = self._scheduler_sockets()
         http_task = self._start_http(http_socket)  # answers 503 until the model is loaded
         try:
-            self._start_scheduler()
+            self._start_schedulers()
             ready = await self._wait_ready(receiver)
             if ready is not None:
-                await self._serve(ready, sender, receiver)
+                await self._serve(ready, senders, receiver, router)
         finally:
             self.http.should_exit = True
             await http_task
@@ -117,7 +124,8 @@ class Launcher:
                 tasks["receiver"].cancel()
             self.zmq.close()
             http_socket.close()
-            sender.close(linger=0)
+            for sender in senders:
+                sender.close(linger=0)
             receiver.close(linger=0)
             self.context.term()
         return self.exit_code
@@ -142,47 +150,49 @@ class Launcher:
         return asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
 
     def _scheduler_sockets(self):
-        sender = zmq.Context.instance().socket(zmq.PUSH)
-        sender.setsockopt(zmq.SNDHWM, 0)
-        sender.bind(self.to_scheduler)
+        senders = []
+        for address in self.to_schedulers:
+            sender = zmq.Context.instance().socket(zmq.PUSH)
+            sender.setsockopt(zmq.SNDHWM, 0)
+            sender.bind(address)
+            senders.append(sender)
         receiver = self.context.socket(zmq.PULL)
         receiver.bind(self.from_scheduler)
-        return sender, receiver
+        return senders, receiver
 
-    def _start_scheduler(self) -> None:
+    def _start_schedulers(self) -> None:
         from spruce.runtime.server.scheduler_process import run_scheduler
 
         level = self.engine_options.get("log_level") or logging.getLevelName(logging.getLogger().level)
         spawn = multiprocessing.get_context("spawn")
-        self.scheduler = spawn.Process(
-            target=run_scheduler,
-            args=(self.engine_options, self.to_scheduler, self.from_scheduler, str(level)),
-            name="spruce-scheduler",
-            daemon=True,
-        )
-        self.scheduler.start()
-        folder = os.path.dirname(self.to_scheduler.removeprefix("ipc://"))
-        logger.info(
-            "scheduler process %d started (scheduler sockets in %s); loading the model", self.scheduler.pid, folder
-        )
+        for replica, inbox in enumerate(self.to_schedulers):
+            name = "spruce-scheduler" if self.options.dp == 1 else f"spruce-scheduler-{replica}"
+            args = (self.engine_options, inbox, self.from_scheduler, str(level), replica)
+            proc = spawn.Process(target=run_scheduler, args=args, name=name, daemon=True)
+            proc.start()
+            self.schedulers.append(proc)
+            folder = os.path.dirname(inbox.removeprefix("ipc://"))
+            logger.info("scheduler process %d started (%s; sockets in %s); loading the model", proc.pid, name, folder)
 
     async def _wait_ready(self, receiver) -> Ready | None:
+        """Every replica's Ready (the first one's is returned), or a StartupError."""
         deadline = time.monotonic() + self.options.startup_timeout_s
-        while not self.stopping.is_set():
+        ready: dict[int, Ready] = {}
+        while not self.stopping.is_set() and len(ready) < len(self.schedulers):
             if await receiver.poll(200):
                 msg = decode(await receiver.recv())
                 if isinstance(msg, Ready):
-                    return msg
+                    ready[msg.replica] = msg
                 if isinstance(msg, StartupFailed):
                     raise StartupError(f"the model could not be loaded: {msg.message}")
-            elif not self.scheduler.is_alive():
-                code = self.scheduler.exitcode
+            elif any(not p.is_alive() for p in self.schedulers):
+                code = next(p.exitcode for p in self.schedulers if not p.is_alive())
                 raise StartupError(f"the scheduler process exited while starting (exit code {code})")
             elif time.monotonic() > deadline:
                 raise StartupError(f"the model did not load within {self.options.startup_timeout_s:g} s")
-        return None
+        return ready.get(0) if len(ready) == len(self.schedulers) else None
 
-    async def _serve(self, ready: Ready, sender, receiver) -> None:
+    async def _serve(self, ready: Ready, senders, receiver, router) -> None:
         from spruce.runtime.models.loading.files import load_tokenizer
         from spruce.runtime.server.app import build_app
 
@@ -195,8 +205,9 @@ class Launcher:
         metrics = Metrics()
         max_running = ready.config["scheduler"]["max_running_requests"]
         self.manager = RequestManager(
-            sender, receiver, tokenizer, observer=metrics, limits=self.options.serving_limits, max_running=max_running
-        )
+            senders, receiver, tokenizer, observer=metrics, limits=self.options.serving_limits,
+            max_running=max_running * len(senders), router=router,
+        )  # fmt: skip
         self.zmq.attach(self.manager, model, metrics)
         self.supervisor.on_restart = lambda name: metrics.task_restarts.labels(name).inc()
         self.supervisor.start("receiver", self.manager.receive_forever)
@@ -206,7 +217,7 @@ class Launcher:
             in_flight = lambda: self.manager.in_flight
             period = self.options.throughput_log_s
             self.supervisor.start("throughput-log", lambda: metrics.log_throughput(period, stats, in_flight))
-        self._watch_scheduler()
+        self._watch_schedulers()
         if self.options.parent_pid:
             self.supervisor.start("parent-watch", lambda: self._watch_parent(self.options.parent_pid))
         self.guard.app = build_app(self, model, metrics, ready)
@@ -215,8 +226,9 @@ class Launcher:
 
     def _announce(self, ready: Ready, name: str) -> None:
         host, port = self.options.host, self.options.port
+        replicas = f", {self.options.dp} replicas ({self.options.router_policy} routing)" if self.options.dp > 1 else ""
         print(
-            f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots)\n"
+            f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots{replicas})\n"
             f"  HTTP    http://{host}:{port}  (native: /generate; OpenAI: /v1; /health, /metrics)\n"
             f"  ZeroMQ  {self.zmq.address}",
             flush=True,
@@ -226,9 +238,10 @@ class Launcher:
 
     # -- watchdog ---------------------------------------------------------------------------
 
-    def _watch_scheduler(self) -> None:
+    def _watch_schedulers(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.add_reader(self.scheduler.sentinel, self._on_scheduler_exit)
+        for replica, proc in enumerate(self.schedulers):
+            loop.add_reader(proc.sentinel, self._on_scheduler_exit, replica)
 
     async def _watch_parent(self, pid: int) -> None:
         """The launching process (e.g. sl.Runtime) died without shutting us down: exit."""
@@ -243,12 +256,19 @@ class Launcher:
         self.exit_code = 1
         self.request_shutdown(None, grace_s=0.0)
 
-    def _on_scheduler_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.scheduler.sentinel)
+    def _on_scheduler_exit(self, replica: int) -> None:
+        proc = self.schedulers[replica]
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
         if self.stopping.is_set() and self.draining:
             return  # expected during shutdown
-        self.scheduler.join(0.1)
-        reason = f"the scheduler process exited unexpectedly (exit code {self.scheduler.exitcode})"
+        proc.join(0.1)
+        who = "the scheduler process" if len(self.schedulers) == 1 else f"scheduler replica {replica} (pid {proc.pid})"
+        reason = f"{who} exited unexpectedly (exit code {proc.exitcode})"
+        self.manager.replica_died(replica, reason)
+        if self.manager.dead is None and not self.options.exit_on_replica_death:
+            left = len(self.manager.replicas.live())
+            logger.error("%s; its requests failed, serving on the %d other replica(s)", reason, left)
+            return
         logger.error("%s; the server shuts down", reason)
         self.manager.scheduler_died(reason)
         self.exit_code = 1
@@ -287,8 +307,8 @@ class Launcher:
         return self.manager.in_flight if self.manager is not None else 0
 
     async def _stop_scheduler(self) -> None:
-        proc = self.scheduler
-        if proc is None or not proc.is_alive():
+        """Every live replica is told to stop, then joined (killed past CHILD_EXIT_S)."""
+        if not any(p.is_alive() for p in self.schedulers):
             return
         if self.manager is None:  # still loading: nothing to drain
             self._kill_scheduler()
@@ -297,19 +317,33 @@ class Launcher:
             with contextlib.suppress(SchedulerUnavailable):
                 await self.manager.control("shutdown", 2.0)
             self.manager.dead = "the server is shutting down"
-        await asyncio.to_thread(proc.join, CHILD_EXIT_S)
-        if proc.is_alive():
-            logger.warning("the scheduler did not stop in %g s; terminating it", CHILD_EXIT_S)
+        for proc in self.schedulers:
+            await asyncio.to_thread(proc.join, CHILD_EXIT_S)
+        if any(p.is_alive() for p in self.schedulers):
+            logger.warning("a scheduler did not stop in %g s; terminating it", CHILD_EXIT_S)
             self._kill_scheduler()
 
     def _kill_scheduler(self) -> None:
-        proc = self.scheduler
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
+        for proc in self.schedulers:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+
+
+def _router(options: ServerOptions):
+    """The --router-policy router over --dp replicas (a ValueError is a StartupError)."""
+    from spruce.runtime.server.router import RouterOptions, make_router
+
+    thresholds = RouterOptions(
+        options.router_cache_threshold, options.router_balance_abs_threshold, options.router_balance_rel_threshold
+    )
+    try:
+        return make_router(options.router_policy, options.dp, thresholds)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
 
 
 def _alive(pid: int) -> bool:

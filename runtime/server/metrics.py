@@ -64,7 +64,34 @@ class Metrics:
             "spruce_refused_requests", "calls refused for load: 503 full, 429 per-client cap", ["status"],
             registry=registry,
         )  # fmt: skip
+        self._add_replica_metrics(registry)
         self.window = Window()
+
+    def _add_replica_metrics(self, registry: CollectorRegistry) -> None:
+        """The same figures per scheduler replica (--dp), under a `replica` label; the
+        unlabelled ones above are the totals."""
+        by_replica = ["replica"]
+        self.replica_requests = Counter(
+            "spruce_replica_requests", "finished requests, by replica", by_replica, registry=registry
+        )
+        self.replica_prompt_tokens = Counter(
+            "spruce_replica_prompt_tokens", "prompt tokens of finished requests, by replica", by_replica,
+            registry=registry,
+        )  # fmt: skip
+        self.replica_cached_tokens = Counter(
+            "spruce_replica_cached_tokens", "prompt tokens served from the prefix cache, by replica", by_replica,
+            registry=registry,
+        )  # fmt: skip
+        self.replica_up = Gauge("spruce_replica_up", "1 while the replica is alive", by_replica, registry=registry)
+        self.replica_running = Gauge(
+            "spruce_replica_running_requests", "requests running, by replica", by_replica, registry=registry
+        )
+        self.replica_waiting = Gauge(
+            "spruce_replica_waiting_requests", "requests waiting, by replica", by_replica, registry=registry
+        )
+        self.replica_kv_usage = Gauge(
+            "spruce_replica_kv_usage_ratio", "KV slots used / total, by replica", by_replica, registry=registry
+        )
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -77,6 +104,10 @@ class Metrics:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(completion)
         self.cached_tokens.inc(cached)
+        replica = str(state.replica)
+        self.replica_requests.labels(replica).inc()
+        self.replica_prompt_tokens.labels(replica).inc(prompt)
+        self.replica_cached_tokens.labels(replica).inc(cached)
         self.e2e.observe(latency)
         if update.decode_s is not None:
             self.ttft.observe(max(latency - update.decode_s, 0.0))
@@ -99,6 +130,16 @@ class Metrics:
         self.kv_total.set(stats["kv_slots_total"])
         self.kv_usage.set(stats["kv_slots_used"] / max(stats["kv_slots_total"], 1))
         self.kv_locked.set(stats["cache_locked_tokens"])
+        for one in stats.get("replicas", [{**stats, "replica": 0}]):
+            replica = str(one["replica"])
+            self.replica_running.labels(replica).set(one["running_requests"])
+            self.replica_waiting.labels(replica).set(one["waiting_requests"])
+            self.replica_kv_usage.labels(replica).set(one["kv_slots_used"] / max(one["kv_slots_total"], 1))
+
+    def refresh_liveness(self, replicas) -> None:
+        """`replicas`: replicas.Replica records (dead ones included)."""
+        for replica in replicas:
+            self.replica_up.labels(str(replica.index)).set(0 if replica.dead else 1)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,11 @@ A streamed call whose reader leaves more than --max-stream-backlog events per re
 unread is aborted with an error (memory stays bounded however slowly a client reads). A
 request past its deadline (options.timeout_s, or --request-timeout-s) is aborted: its
 final event has finish_reason abort and says why.
+
+With `--dp N` (replicas.py) each request goes to the replica the router picks; aborts go
+where the request runs; control commands go to every live replica (stats are summed, with
+each replica's own under "replicas"). A dead replica fails only its own requests (503);
+the manager is dead once no replica is left.
 """
 
 from __future__ import annotations
@@ -52,17 +57,13 @@ from spruce.runtime.protocol.ipc import (
     ReqUpdate,
     StepOutput,
     decode,
-    encode,
 )
+from spruce.runtime.server.replicas import Replicas, SchedulerUnavailable, merge_stats
 from spruce.runtime.text.detokenizer import OutputText
 from spruce.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce.server")
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
-
-
-class SchedulerUnavailable(Exception):
-    """The scheduler did not answer (dead, shutting down or too busy)."""
 
 
 class Refused(Exception):
@@ -102,6 +103,7 @@ class RequestState:
         "done",
         "error",
         "index",
+        "replica",
         "rid",
         "shadow",
         "stream",
@@ -116,6 +118,7 @@ class RequestState:
         self.text = OutputText(call.tokenizer, self.shadow)
         self.stream = valid.options.stream
         self.cached = 0
+        self.replica = 0  # the scheduler replica it runs on
         self.done = False
         self.aborted = False  # the front end asked for the abort (client gone, shutdown)
         self.error: tuple[int, str] | None = None  # the front end aborted it as a failure: (status, message)
@@ -207,31 +210,23 @@ class Call:
             self.manager.abort(rids, message)
 
 
-@dataclass(slots=True)
-class Load:
-    """What the scheduler said about its queues in its latest step output."""
-
-    running: int = 0
-    waiting: int = 0
-
-
 class RequestManager:
     def __init__(
-        self, sender: zmq.Socket, receiver: zmq.asyncio.Socket, tokenizer: Tokenizer, observer=None,
-        limits: ServingLimits | None = None, max_running: int = 128,
+        self, sender: zmq.Socket | list[zmq.Socket], receiver: zmq.asyncio.Socket, tokenizer: Tokenizer,
+        observer=None, limits: ServingLimits | None = None, max_running: int = 128, router=None,
     ) -> None:  # fmt: skip
+        """`sender`: the scheduler's inbox, or one per replica (`router` then picks)."""
         self.limits = limits or ServingLimits()
         self.capacity = max_running + self.limits.max_waiting_requests  # requests in flight at most
         self.per_client: dict[str, int] = {}  # requests in flight by client (address / identity)
-        self.sender = sender  # PUSH, a plain (blocking-API) socket with no high-water mark: never waits
+        self.replicas = Replicas(sender if isinstance(sender, list) else [sender], router)
         self.receiver = receiver  # PULL
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
-        self.replies: dict[int, asyncio.Future] = {}
+        self.replies: dict[int, tuple[int, asyncio.Future]] = {}  # control id -> (replica, reply)
         self.control_ids = itertools.count()
-        self.load = Load()
         self.observer = observer  # metrics: on_finished(state, event, update), on_failed(state, ...)
-        self.dead: str | None = None  # why the scheduler is unusable, once it is
+        self.dead: str | None = None  # why the scheduler (every replica) is unusable, once it is
 
     @property
     def in_flight(self) -> int:
@@ -249,20 +244,30 @@ class RequestManager:
         self._admit(rids, client)
         call = Call(self, self.tokenizer, len(items))
         client_rids = client_rids or rids
+        replicas = self.replicas.assign([v.input_ids for v in items])
         for i, (valid, rid) in enumerate(zip(items, rids)):
             state = RequestState(rid, client_rids[i], i, call, valid, client)
+            state.replica = replicas[i]
             call.states.append(state)
             self.states[rid] = state
         self.per_client[client] = self.per_client.get(client, 0) + len(items)
-        try:
-            if self.dead:
-                raise SchedulerUnavailable(self.dead)
-            self._send(NewRequests([_spec(s.rid, v) for s, v in zip(call.states, items)]))
-        except SchedulerUnavailable as e:
-            for state in call.states:
-                self._fail(state, str(e), 503)
+        self._send_new(call.states, items)
         self._set_deadline(call, items)
         return call
+
+    def _send_new(self, states: list[RequestState], items: list[ValidRequest]) -> None:
+        """One NewRequests per replica; a replica that cannot take them fails them (503)."""
+        groups: dict[int, list[tuple[RequestState, ValidRequest]]] = {}
+        for state, valid in zip(states, items):
+            groups.setdefault(state.replica, []).append((state, valid))
+        for replica, group in groups.items():
+            try:
+                if self.dead:
+                    raise SchedulerUnavailable(self.dead)
+                self.replicas.send(replica, NewRequests([_spec(s.rid, v) for s, v in group]))
+            except SchedulerUnavailable as e:
+                for state, _ in group:
+                    self._fail(state, str(e), 503)
 
     def _admit(self, rids: list[str], client: str) -> None:
         busy = [r for r in rids if r in self.states]
@@ -294,12 +299,16 @@ class RequestManager:
         self.abort(rids, f"the request passed its deadline (timeout_s {timeout:g} s)")
 
     def abort(self, rids: list[str], message: str = "aborted by the client") -> None:
-        live = [rid for rid in rids if rid in self.states]
-        for rid in live:
-            self.states[rid].aborted = True
-        if live and not self.dead:
-            with contextlib.suppress(SchedulerUnavailable):  # gone: the watchdog fails them
-                self._send(AbortRequests(live, message))
+        by_replica: dict[int, list[str]] = {}
+        for rid in rids:
+            state = self.states.get(rid)
+            if state is not None:
+                state.aborted = True
+                by_replica.setdefault(state.replica, []).append(rid)
+        for replica, live in by_replica.items():
+            if not self.dead:
+                with contextlib.suppress(SchedulerUnavailable):  # gone: the watchdog fails them
+                    self.replicas.send(replica, AbortRequests(live, message))
 
     def abort_all(self, message: str) -> int:
         rids = list(self.states)
@@ -314,21 +323,32 @@ class RequestManager:
     # -- control round trips ---------------------------------------------------------------
 
     async def control(self, command: str, timeout: float) -> dict:
-        """Raises SchedulerUnavailable on timeout or a dead scheduler, ValueError on refusal."""
-        if self.dead:
-            raise SchedulerUnavailable(self.dead)
+        """The command on every live replica. Raises SchedulerUnavailable on timeout or a dead
+        scheduler, ValueError on refusal. With several replicas: merged (`merge_stats`)."""
+        live = [r.index for r in self.replicas.live()]
+        if self.dead or not live:
+            raise SchedulerUnavailable(self.dead or "no scheduler replica is alive")
+        answers = await asyncio.gather(*(self._control_one(r, command, timeout) for r in live))
+        if len(self.replicas) == 1:
+            return answers[0]
+        return merge_stats(dict(zip(live, answers)))
+
+    async def _control_one(self, replica: int, command: str, timeout: float) -> dict:
         msg_id = next(self.control_ids)
         future = asyncio.get_running_loop().create_future()
-        self._send(ControlRequest(msg_id, command))
-        self.replies[msg_id] = future
+        self.replies[msg_id] = (replica, future)
         try:
+            self.replicas.send(replica, ControlRequest(msg_id, command))
             reply: ControlReply = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            raise SchedulerUnavailable(f"the scheduler did not answer {command!r} within {timeout:g} s") from None
+            who = "the scheduler" if len(self.replicas) == 1 else f"scheduler replica {replica}"
+            raise SchedulerUnavailable(f"{who} did not answer {command!r} within {timeout:g} s") from None
         finally:
             self.replies.pop(msg_id, None)
         if not reply.ok:
             raise ValueError(reply.error)
+        if command == "flush_cache":
+            self.replicas.flushed(replica)
         return reply.data
 
     # -- receiving --------------------------------------------------------------------------
@@ -343,12 +363,13 @@ class RequestManager:
                 if state is not None:
                     self._fail(state, msg.message, msg.status)
             elif isinstance(msg, ControlReply):
-                future = self.replies.get(msg.id)
+                _, future = self.replies.get(msg.id, (None, None))
                 if future is not None and not future.done():
                     future.set_result(msg)
 
     def _on_step(self, msg: StepOutput) -> None:
-        self.load.running, self.load.waiting = msg.num_running, msg.num_waiting
+        replica = self.replicas.all[msg.replica]
+        replica.running, replica.waiting = msg.num_running, msg.num_waiting
         for update in msg.updates:
             state = self.states.get(update.rid)
             if state is None:
@@ -378,6 +399,7 @@ class RequestManager:
     def _forget(self, state: RequestState) -> None:
         if self.states.pop(state.rid, None) is None:
             return
+        self.replicas.finished(state.replica)
         left = self.per_client.get(state.client, 0) - 1
         if left > 0:
             self.per_client[state.client] = left
@@ -393,22 +415,24 @@ class RequestManager:
 
     def scheduler_died(self, reason: str) -> None:
         """Fails everything in flight; later calls fail at once."""
+        for replica in self.replicas.live():
+            self.replica_died(replica.index, reason)
         self.dead = reason
-        for state in list(self.states.values()):
-            self._fail(state, reason, 503)
-        for future in self.replies.values():
-            if not future.done():
-                future.set_exception(SchedulerUnavailable(reason))
 
-    def _send(self, msg) -> None:
-        """Never waits: with no scheduler connected (gone, or stopping) the message fails."""
-        try:
-            self.sender.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            raise SchedulerUnavailable("the scheduler is not connected") from None
+    def replica_died(self, index: int, reason: str) -> None:
+        """Fails the requests and control round trips of that replica; the router sends no
+        more there. With none left, the manager is dead."""
+        self.replicas.mark_dead(index, reason)
+        for state in [s for s in self.states.values() if s.replica == index]:
+            self._fail(state, reason, 503)
+        for replica, future in self.replies.values():
+            if replica == index and not future.done():
+                future.set_exception(SchedulerUnavailable(reason))
+        if not self.replicas.live():
+            self.dead = reason
 
     def close(self) -> None:
-        self.sender.close(linger=500)
+        self.replicas.close()
         self.receiver.close(linger=0)
 
 

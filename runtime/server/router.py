@@ -137,13 +137,33 @@ class CacheAwareRouter:
 
 
 class RoundRobinRouter:
-    """The baseline the cache-aware router is measured against."""
+    """The baseline the cache-aware router is measured against: live replicas in turn."""
 
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int, options: RouterOptions | None = None) -> None:
         self.num_replicas = num_replicas
+        self.alive = [True] * num_replicas
         self.next = 0
 
     def route(self, ids: list[int], loads: list[int]) -> int:
-        replica = self.next
-        self.next = (self.next + 1) % self.num_replicas
+        assert any(self.alive), "no live replica"
+        while not self.alive[self.next % self.num_replicas]:
+            self.next += 1
+        replica = self.next % self.num_replicas
+        self.next = replica + 1
         return replica
+
+    def forget(self, replica: int) -> None:
+        pass  # it remembers nothing
+
+    def mark_dead(self, replica: int) -> None:
+        self.alive[replica] = False
+
+
+ROUTERS = {"cache-aware": CacheAwareRouter, "round-robin": RoundRobinRouter}
+
+
+def make_router(policy: str, num_replicas: int, options: RouterOptions | None = None):
+    """The router of a --router-policy name; an unknown name is a ValueError listing the known."""
+    if policy not in ROUTERS:
+        raise ValueError(f"unknown router policy {policy!r}; known: {', '.join(ROUTERS)}")
+    return ROUTERS[policy](num_replicas, options)

@@ -49,8 +49,9 @@ MAX_CONSECUTIVE_STEP_ERRORS = 3
 PARENT_CHECK_S = 0.5
 
 
-def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> None:
-    """Entry point of the spawned process: load the model, say Ready, serve until told to stop."""
+def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replica: int = 0) -> None:
+    """Entry point of the spawned process: load the model, say Ready, serve until told to stop.
+    `replica`: this scheduler's index under --dp, written into every message it sends."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end drains
     watch_parent(os.getppid(), os.path.dirname(inbox.removeprefix("ipc://")))
@@ -59,13 +60,13 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str) -> Non
     receiver.connect(inbox)
     sender = context.socket(zmq.PUSH)
     sender.connect(outbox)
-    core = _load_core(options, sender)
+    core = _load_core(options, sender, replica)
     if core is None:
         sender.close(linger=2000)
         raise SystemExit(1)
-    sender.send(encode(_ready(core)))
+    sender.send(encode(_ready(core, replica)))
     try:
-        SchedulerLoop(core, receiver, sender).run()
+        SchedulerLoop(core, receiver, sender, replica).run()
     finally:
         core.close()  # stops the grammar build workers
         sender.close(linger=1000)
@@ -88,7 +89,7 @@ def watch_parent(parent_pid: int, ipc_dir: str) -> None:
     threading.Thread(target=check, name="spruce-parent-watch", daemon=True).start()
 
 
-def _load_core(options: dict, sender: zmq.Socket):
+def _load_core(options: dict, sender: zmq.Socket, replica: int = 0):
     from spruce.runtime.config import EngineConfig
     from spruce.runtime.engine.core import EngineCore
 
@@ -96,11 +97,11 @@ def _load_core(options: dict, sender: zmq.Socket):
         return EngineCore(EngineConfig.from_options(**options))
     except Exception as e:  # every load failure goes back to the launcher as a message
         logger.error("the scheduler could not start: %s", e)
-        sender.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        sender.send(encode(StartupFailed(f"{type(e).__name__}: {e}", replica)))
         return None
 
 
-def _ready(core) -> Ready:
+def _ready(core, replica: int = 0) -> Ready:
     return Ready(
         model_name=core.loaded.name,
         model_path=core.loaded.path,
@@ -108,6 +109,7 @@ def _ready(core) -> Ready:
         vocab_size=core.vocab_size,
         kv_slots=core.runner.pool.capacity,
         config=core.config.to_dict(),
+        replica=replica,
     )
 
 
@@ -123,8 +125,9 @@ class Tracked:
 
 
 class SchedulerLoop:
-    def __init__(self, core, receiver: zmq.Socket, sender: zmq.Socket) -> None:
+    def __init__(self, core, receiver: zmq.Socket, sender: zmq.Socket, replica: int = 0) -> None:
         self.core = core
+        self.replica = replica
         self.receiver = receiver
         self.sender = sender
         self.tracked: dict[str, Tracked] = {}
@@ -269,6 +272,7 @@ class SchedulerLoop:
             raise RuntimeError("the scheduler failed repeatedly; exiting")
 
     def _send(self, msg) -> None:
+        msg.replica = self.replica
         self.sender.send(encode(msg))
 
 

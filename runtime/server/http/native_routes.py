@@ -54,6 +54,7 @@ def native_routes() -> APIRouter:
             "kv_slots_total": server.ready.kv_slots,
             "in_flight_requests": server.in_flight(),
             "scheduler": stats,
+            "replicas": _replicas(server),
         })  # fmt: skip
 
     @router.post("/flush_cache")
@@ -77,6 +78,7 @@ def native_routes() -> APIRouter:
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
         server = server_of(request)
+        server.metrics.refresh_liveness(server.manager.replicas.all)
         try:
             server.metrics.refresh(await server.manager.control("stats", STATS_TIMEOUT_S))
         except SchedulerUnavailable:
@@ -101,6 +103,12 @@ def native_routes() -> APIRouter:
         return json_response(results[0] if single else results)
 
     return router
+
+
+def _replicas(server: ServerState) -> list[dict]:
+    """Each scheduler replica (--dp): its pid, whether it is alive, its load."""
+    pids = [p.pid for p in server.launcher.schedulers]
+    return [dict(r.info(), pid=pid) for r, pid in zip(server.manager.replicas.all, pids)]
 
 
 async def _stats(server: ServerState) -> dict:
