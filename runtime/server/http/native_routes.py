@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -14,7 +14,7 @@ from spruce.runtime.server.http.common import (
     SSE_DONE, ApiError, ServerState, all_results, client_key, error_response, json_body, json_response,
     server_of, sse, stream_error, stream_response,
 )  # fmt: skip
-from spruce.runtime.server.native import batch_error, flush_cache, prepare_generate
+from spruce.runtime.server.native import batch_error, flush_cache, prepare_generate, present_meta, present_result
 from spruce.runtime.server.request_manager import Call, SchedulerUnavailable
 
 STATS_TIMEOUT_S = 5.0
@@ -93,13 +93,14 @@ def native_routes() -> APIRouter:
         client_rids = _request_ids(rids, len(items), single)
         rids = [HTTP_RID_PREFIX + r for r in client_rids]  # apart from ZeroMQ clients' rids
         call = server.manager.submit(items, rids, client_rids, client=client_key(request))
+        shown = (items[0].options, server.model)  # how results are shown (return_text_in_logprobs)
         if msg.stream:
-            return await stream_response(request, call, _generate_stream(call))
+            return await stream_response(request, call, _generate_stream(call, lambda m: present_meta(m, *shown)))
         events = await all_results(request, call)
         failed = batch_error(events, single)
         if failed is not None:
             raise ApiError(*failed)
-        results = [e.result for e in events]
+        results = [present_result(e.result, *shown) for e in events]
         return json_response(results[0] if single else results)
 
     return router
@@ -142,7 +143,7 @@ def _request_ids(rids: Any, n: int, single: bool) -> list[str]:
     return rids
 
 
-async def _generate_stream(call: Call) -> AsyncIterator[bytes]:
+async def _generate_stream(call: Call, present: Callable[[dict], dict]) -> AsyncIterator[bytes]:
     first = True
     async for event in call:
         if event.error is not None:
@@ -154,6 +155,6 @@ async def _generate_stream(call: Call) -> AsyncIterator[bytes]:
             "text": event.text,
             "output_ids": event.output_ids,
             "finished": event.finished,
-            "meta_info": event.meta_info,
+            "meta_info": present(event.meta_info),
         })  # fmt: skip
     yield SSE_DONE
