@@ -7,7 +7,6 @@ import json
 
 import jsonschema
 import pytest
-
 from spruce.runtime import ConstraintError, InvalidRequestError
 from spruce.runtime.engine.offline import Engine
 
