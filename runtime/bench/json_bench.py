@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--corpus", default=None,
+        help="folder of {schema, valid, invalid} files: pass rates at the regex level side by side with raw "
+        "outlines-core and XGrammar (if installed: pip install --no-deps xgrammar apache-tvm-ffi); no model run",
+    )  # fmt: skip
 
 
 # A typical flat 8-field schema, for the compile-time figure.
@@ -123,6 +128,11 @@ def measure(engine, prompts: list[str], params: list[dict]) -> dict:
 def run(args: argparse.Namespace, engine_options: dict) -> int:
     from spruce.runtime.engine.offline import Engine
 
+    if args.corpus:
+        result = corpus_report(args.corpus)
+        print_corpus(result)
+        write_json(args.output_json, result)
+        return 0
     options = dict(engine_options)
     options.pop("disable_jump_forward", None)
     schemas = load_schemas(args.schemas)
@@ -159,3 +169,91 @@ def print_report(r: dict, n: int) -> None:
           f" ({b['decode_step_ms']:.1f} ms at batch {b['batch']})")
     for name, c in r["compile"].items():
         print(f"  compile {name:16s} {c['fields']:2d} fields  cold {c['cold_s'] * 1e3:7.1f} ms  cached {c['cached_us']:6.1f} us")
+
+
+# -- --corpus: pass rates (compiles, accepts every valid example, refuses every invalid one) ------
+
+
+def corpus_report(folder: str) -> dict:
+    entries = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
+    checkers = {"spruce": _spruce_checker, "outlines-core": _outlines_checker, "xgrammar": _xgrammar_checker}
+    out = {"schemas": len(entries), "engines": {}}
+    for name, make in checkers.items():
+        checker = make()
+        if checker is not None:
+            out["engines"][name] = _run_checker(checker, entries)
+    return out
+
+
+def _run_checker(checker, entries: list[dict]) -> dict:
+    passed = compiled = accepted_invalid = 0
+    times, unenforced = [], {}
+    for entry in entries:
+        start = time.perf_counter()
+        try:
+            accepts, keywords = checker(entry["schema"])
+        except Exception:  # noqa: BLE001 - a refused or crashing schema counts as not compiled
+            continue
+        times.append(time.perf_counter() - start)
+        compiled += 1
+        for keyword in keywords:
+            unenforced[keyword] = unenforced.get(keyword, 0) + 1
+        wrong = sum(accepts(v) for v in entry["invalid"])
+        accepted_invalid += wrong
+        passed += all(accepts(v) for v in entry["valid"]) and not wrong
+    times.sort()
+    pct = {f"p{q}": times[min(len(times) - 1, len(times) * q // 100)] for q in (50, 90, 99)} if times else {}
+    return {"passed": passed, "compiled": compiled, "accepted_invalid": accepted_invalid,
+            "compile_s": pct, "unenforced": unenforced}  # fmt: skip
+
+
+def _spruce_checker():
+    import re
+
+    from spruce.constrained.json_schema import canonical_instance, convert_schema
+
+    def check(schema):
+        converted = convert_schema(schema)
+        regex = re.compile(converted.regex)
+        return (lambda v: bool(regex.fullmatch(canonical_instance(v, converted.orders)))), converted.unenforced
+
+    return check
+
+
+def _outlines_checker():
+    import re
+
+    import outlines_core
+
+    from spruce.constrained.json_schema import canonical_instance
+
+    def check(schema):  # compact output, top-level properties in definition order
+        regex = re.compile(outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), ""))
+        order = tuple(schema.get("properties", {})) if isinstance(schema, dict) else ()
+        return (lambda v: bool(regex.fullmatch(canonical_instance(v, (order,))))), ()
+
+    return check
+
+
+def _xgrammar_checker():
+    try:
+        import xgrammar
+        from xgrammar.testing import _is_grammar_accept_string
+    except ImportError:
+        return None
+
+    def check(schema):
+        grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        return (lambda v: _is_grammar_accept_string(grammar, json.dumps(v, separators=(",", ":")))), ()
+
+    return check
+
+
+def print_corpus(r: dict) -> None:
+    print(f"{r['schemas']} schemas")
+    for name, e in r["engines"].items():
+        pct = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["compile_s"].items())
+        print(f"  {name:14s} pass {e['passed']:4d}  compiled {e['compiled']:4d}  invalid accepted {e['accepted_invalid']:4d}  {pct}")
+        if e["unenforced"]:
+            top = sorted(e["unenforced"].items(), key=lambda kv: -kv[1])[:8]
+            print("    unenforced (lenient): " + ", ".join(f"{k} {n}" for k, n in top))
