@@ -20,7 +20,7 @@ _CLASS_SPECIAL = set("\\]^-[&~|")
 def regex_fsm(regex: str) -> FSM:
     try:
         return interegular.parse_pattern(regex).to_fsm()
-    except Exception as e:  # interegular raises its own Unsupported / InvalidSyntax types
+    except Exception as e:  # noqa: BLE001 - interegular raises its own Unsupported / InvalidSyntax types
         raise ConstraintError(f"unsupported regex {regex[:80]!r}: {e}") from None
 
 

@@ -28,7 +28,7 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         error = jsonschema.exceptions.best_match(
             cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)
         )
-    except Exception as e:  # a $ref to another document, a regex jsonschema cannot compile
+    except Exception as e:  # noqa: BLE001 - a $ref to another document, a regex jsonschema cannot compile
         return {"valid": None, "error": f"could not validate: {e}"}
     if error is None:
         return {"valid": True, "error": None}

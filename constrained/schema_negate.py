@@ -174,7 +174,7 @@ def _strings_disjoint(a: dict, b: dict) -> bool:
         return False
     try:
         return regexes_disjoint(_full(first[0][0]), _full(second[0][0]))
-    except Exception:  # an unsupported pattern: unsure
+    except Exception:  # noqa: BLE001 - an unsupported pattern: unsure
         return False
 
 

@@ -68,7 +68,7 @@ class RegexBuilder:
         """Whether `value` is valid under every schema (jsonschema; True when it cannot tell)."""
         try:
             return all(self._validator.evolve(schema=s).is_valid(value) for s in schemas if isinstance(s, (dict, bool)))
-        except Exception:  # a schema jsonschema itself cannot evaluate (an odd regex, a bad $ref)
+        except Exception:  # noqa: BLE001 - a schema jsonschema itself cannot evaluate (an odd regex, a bad $ref)
             return True
 
     def _literals(self, schema: Any, flats: list[dict]) -> list[str]:
@@ -82,9 +82,9 @@ class RegexBuilder:
     def _kinds(self, flat: dict, refs: tuple) -> list[str]:
         kinds = KINDS if flat.get("types") is None else flat["types"]
         refs = flat.get("refs", refs)
-        if kinds == KINDS and not any(k in flat for keys in _TYPE_KEYS.values() for k in keys):
-            if not flat.get("not_values"):
-                return [json_value_regex(self.ctx.options.any_json_depth)]
+        free = not any(k in flat for keys in _TYPE_KEYS.values() for k in keys)
+        if kinds == KINDS and free and not flat.get("not_values"):
+            return [json_value_regex(self.ctx.options.any_json_depth)]
         out = []
         if "null" in kinds:
             out.append("null")

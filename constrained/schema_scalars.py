@@ -92,7 +92,7 @@ def pattern_regex(pattern: Any, path: str, ctx: Context) -> str | None:
         parse_regex(regex)
         if CharAutomaton(regex).can_emit(_JSON_ESCAPED):
             regex = _intersect([regex, f"{SAFE_CHAR}*"])
-    except Exception as e:  # ConstraintError from the parsers, or interegular's own errors
+    except Exception as e:  # noqa: BLE001 - ConstraintError from the parsers, or interegular's own errors
         ctx.skip("pattern", path, f"the regex {pattern!r} is not supported ({e})")
         return None
     return regex
