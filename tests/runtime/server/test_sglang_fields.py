@@ -10,7 +10,7 @@ import re
 import httpx
 import openai
 import pytest
-from test_server import API_KEY, AUTH, start_server, stop_server, zmq_call
+from test_server import API_KEY, AUTH, sse_events, start_server, stop_server, zmq_call
 
 MAX_N = 4
 
@@ -18,7 +18,7 @@ MAX_N = 4
 @pytest.fixture(scope="module")
 def sglang_server(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("sglang-fields") / "server.log"
-    srv = start_server(tiny_llama_dir, log, "--api-key", API_KEY, "--max-n", str(MAX_N))
+    srv = start_server(tiny_llama_dir, log, "--api-key", API_KEY, "--max-n", str(MAX_N), timeout=180.0)
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -76,6 +76,17 @@ def test_n_with_a_batch_is_prompt_major(http):
     lengths = [o["meta_info"]["prompt_tokens"] for o in out]
     assert len(out) == 4 and lengths[0] == lengths[1] < lengths[2] == lengths[3]
     assert out[0]["output_ids"] == out[1]["output_ids"]  # greedy: the same sample twice
+
+
+def test_n_streams_each_sample_by_index(http):
+    body = {"text": "stream two", "sampling_params": {"n": 2, "temperature": 0, "max_new_tokens": 5}}
+    whole = http.post("/generate", json=body).json()
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    texts = {0: "", 1: ""}
+    for e in events:
+        texts[e["index"]] += e["text"]
+    assert [texts[0], texts[1]] == [w["text"] for w in whole]
 
 
 def test_stop_regex_stops_at_the_first_match_and_trims_it(http):
