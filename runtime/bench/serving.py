@@ -3,7 +3,12 @@
 Sends N streaming requests (synthetic token-id prompts, greedy, ignore_eos so every request
 makes exactly --output-len tokens) to /generate or /v1/completions, with Poisson arrivals
 at --request-rate and/or at most --max-concurrency in flight. Reports request throughput,
-output tokens/s and TTFT / inter-token / end-to-end latency percentiles.
+output tokens/s, TTFT / inter-token / end-to-end latency percentiles and the prefix-cache
+hit rate (the server's cached / prompt tokens over the run, all replicas together).
+
+`--shared-prefixes K` puts one of K few-shot prefixes (`--prefix-len` tokens) before each
+prompt, in turn: the workload of data-parallel routing (`spruce serve --dp 2`, cache-aware
+vs `--router-policy round-robin`, vs `--dp 1`).
 
 `--compare-offline` then runs the same requests through the offline Engine in this process
 (at most --max-concurrency running at once, the server idle meanwhile) and prints the
@@ -43,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-max", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
+    parser.add_argument(
+        "--shared-prefixes", type=int, default=0, help="prompts start with one of this many prefixes (0: none)"
+    )
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens of each shared prefix")
     parser.add_argument(
         "--compare-offline", action="store_true", help="also run the requests through the offline Engine"
     )
@@ -155,6 +164,22 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
+def with_shared_prefixes(tokenizer, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """Prompt i gets prefix i mod --shared-prefixes (the prefixes are seeded random tokens)."""
+    if args.shared_prefixes <= 0:
+        return prompts
+    length = args.prefix_len
+    prefixes = synthetic_prompts(tokenizer, args.shared_prefixes, length, length, args.prompt_seed + 1)
+    return [prefixes[i % len(prefixes)] + p for i, p in enumerate(prompts)]
+
+
+def hit_rate(before: dict, after: dict) -> float:
+    """Share of the run's prompt tokens the server found in its prefix cache(s)."""
+    prompt = after["prompt_tokens_total"] - before["prompt_tokens_total"]
+    cached = after["cached_prompt_tokens_total"] - before["cached_prompt_tokens_total"]
+    return cached / max(prompt, 1)
+
+
 def summarize(results: list[RequestResult], seconds: float, prompts: list[list[int]]) -> dict:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
@@ -181,6 +206,7 @@ def print_report(r: dict) -> None:
     print(f"request throughput    {s['requests_per_s']:.3f} req/s")
     print(f"input tokens/s        {s['input_tokens_per_s']:.1f}")
     print(f"output tokens/s       {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)")
+    print(f"prefix cache hit rate {s['cache_hit_rate']:.3f}  (server: {s['replicas']})")
     for name, key in (("TTFT", "ttft_s"), ("inter-token latency", "itl_s"), ("end-to-end latency", "e2e_s")):
         ms = {k: v * 1e3 for k, v in s[key].items()}
         print(f"{name:<22}mean {ms['mean']:.1f} ms, p50 {ms['p50']:.1f}, p90 {ms['p90']:.1f}, p99 {ms['p99']:.1f}")
@@ -229,14 +255,25 @@ async def _serving(args: argparse.Namespace) -> tuple[dict, list[list[int]], dic
         tokenizer = load_tokenizer(info["model_path"])
         lengths = (args.input_len_min, args.input_len_max)
         prompts = synthetic_prompts(tokenizer, args.num_prompts, *lengths, args.prompt_seed)
+        prompts = with_shared_prefixes(tokenizer, prompts, args)
         client = Client(args, info["model"])
         await run_load(client, prompts[:2], math.inf, None, args.prompt_seed)  # warm-up
         await http.post("/flush_cache")
+        before = (await http.get("/server_info")).json()["scheduler"]
         results, seconds = await run_load(
             client, prompts, args.request_rate, args.max_concurrency, args.prompt_seed
         )
+        after = (await http.get("/server_info")).json()["scheduler"]
         await client.close()
-    return summarize(results, seconds, prompts), prompts, info
+    summary = summarize(results, seconds, prompts)
+    summary["cache_hit_rate"] = hit_rate(before, after)
+    summary["replicas"] = _replicas_line(server["server_options"])
+    return summary, prompts, info
+
+
+def _replicas_line(options: dict) -> str:
+    dp = options.get("dp", 1)
+    return "1 replica" if dp == 1 else f"{dp} replicas, {options.get('router_policy')} routing"
 
 
 def run(args: argparse.Namespace, engine_options: dict) -> int:
