@@ -22,6 +22,7 @@ from spruce.runtime.limits import RequestLimits, ServingLimits
 class ModelOptions:
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    quantization: str = "auto"  # CPU weights: auto (a GGUF's own where a kernel exists, else Q8_0; float stays float) | none | q8_0 | q4_0 | q4_1
     device: str = "auto"  # auto: cuda if available, else cpu
     attention_backend: str = "auto"  # auto | native (C kernels on CPU, torch ops elsewhere; alias torch) | triton | flashinfer
     context_length: int | None = None  # cap below the model's own

@@ -57,20 +57,21 @@ def mean_decode_step(steps) -> tuple[float, int]:
 
 
 def bare_matmul_seconds(model, batch: int, repeats: int = 5) -> float:
-    """Time of the model's linear layers alone for `batch` rows (the decode step's floor)."""
-    params = next(model.parameters())
-    x = torch.randn(batch, model.config.hidden_size, dtype=params.dtype)
-    weights = []
+    """Time of the model's linear layers alone for `batch` rows (the decode step's floor),
+    through the same modules the model runs (quantized ones included)."""
+    dtype = next(model.parameters()).dtype
+    linears = []
     for layer in model.layers:
-        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
-        weights += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=params.dtype) for w in weights}
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    head = model.embed_tokens.as_linear if model.lm_head is None else model.lm_head
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
+    x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
 
     def run():
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
-        torch.nn.functional.linear(x, head)
+        for m in linears:
+            m(inputs[m.in_features])
+        head(x)
 
     with torch.inference_mode():
         run()
@@ -167,9 +168,14 @@ def hf_model_from(loaded):
 
 
 def run(args: argparse.Namespace, engine_options: dict) -> int:
+    from spruce.runtime.config import EngineConfig
     from spruce.runtime.engine.offline import Engine
+    from spruce.runtime.models.loading.loader import load_model
 
-    engine = Engine(**engine_options)
+    config = EngineConfig.from_options(**engine_options)
+    model = config.model
+    loaded = load_model(model.model_path, config.resolved_dtype, config.resolved_device, model.quantization)
+    engine = Engine(**engine_options, loaded=loaded)
     tokenizer = engine.tokenizer
     if args.dataset:
         prompts = dataset_prompts(tokenizer, args.dataset, args.num_prompts)

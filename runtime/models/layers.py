@@ -20,8 +20,9 @@ from spruce.runtime.executor.attention.base import (
     AttentionOptions,
     ForwardContext,
 )
-from spruce.runtime.executor.kernels import cpu_layer_ops
+from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_quant_ops
 from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.loading.quantize import QuantizedTensor
 from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
 from spruce.runtime.models.weights import load_hf_state_dict
 
@@ -31,6 +32,63 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_layer_ops.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ table.T: the output projection of a model with tied embeddings."""
+        return cpu_layer_ops.linear(x, self.weight)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer on weights kept in a llama.cpp block format (CPU only): decode rows
+    meet the weights in integer dot products (executor/kernels/cpu_quant_ops.py)."""
+
+    def __init__(self, qtype: str, in_features: int, out_features: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        row_bytes = cpu_quant_ops.row_bytes(qtype, in_features)
+        self.register_buffer("blocks", torch.empty(out_features, row_bytes, dtype=torch.uint8))
+        self.bias = bias
+
+    def load_quantized(self, weight: QuantizedTensor) -> None:
+        if (weight.qtype, weight.shape) != (self.qtype, (self.out_features, self.in_features)):
+            raise ValueError(
+                f"quantized weight {weight.qtype} {weight.shape} does not fit "
+                f"{self.qtype} {(self.out_features, self.in_features)}"
+            )
+        self.blocks = weight.blocks.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_quant_ops.linear(x.float().reshape(-1, self.in_features), self.qtype, self.blocks, self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantizedEmbedding(QuantizedLinear):
+    """An embedding table kept quantized: rows are dequantized as they are looked up, and
+    the table serves as the output projection of tied models."""
+
+    def __init__(self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__(qtype, embedding_dim, num_embeddings, None)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_quant_ops.dequantize(self.qtype, self.blocks, self.in_features, input_ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*input_ids.shape, self.in_features)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantizedLinear.forward(self, x)
+
+
+def quantized_module(module: nn.Module, weight: QuantizedTensor, dtype: torch.dtype) -> nn.Module | None:
+    """The quantized replacement of a Linear or Embedding module for `weight` (None for
+    other modules: their weights are dequantized)."""
+    n, k = weight.shape
+    if isinstance(module, nn.Embedding):
+        return QuantizedEmbedding(weight.qtype, n, k, dtype)
+    if isinstance(module, nn.Linear):
+        return QuantizedLinear(weight.qtype, k, n, module.bias)
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -229,7 +287,7 @@ class DecoderModel(nn.Module):
             config.attention_scale, config.layer_windows, config.attn_logit_softcap
         )
         self.rotaries = nn.ModuleDict(self._rotaries(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(
                 config, self.attention_cls(config, i, self._rotary_of(i)), self.make_mlp(config, i)
@@ -288,8 +346,19 @@ class DecoderModel(nn.Module):
         if logits_rows is not None:
             x, residual = x[logits_rows], residual[logits_rows]
         x, _ = self.norm(x, residual)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.cap_logits(cpu_layer_ops.linear(x, weight))
+        head = self.embed_tokens.as_linear if self.lm_head is None else self.lm_head
+        return self.cap_logits(head(x))
+
+    def use_quantized_weights(self, weights: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
+        """Replaces (before the weights are loaded) each Linear / Embedding module whose
+        weight `<module>.weight` is in `weights` by its quantized counterpart; `dtype` is
+        the model's (embedding rows come out in it)."""
+        for name, module in list(self.named_modules()):
+            weight = weights.get(f"{name}.weight")
+            replacement = None if weight is None else quantized_module(module, weight, dtype)
+            if replacement is not None:
+                parent, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(parent), attr, replacement)
 
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face parameter names (split or fused q/k/v and gate/up, experts one

@@ -15,6 +15,8 @@ import re
 import torch
 from torch import nn
 
+from spruce.runtime.models.loading.quantize import QuantizedTensor, quantize
+
 _RENAMES = [
     (re.compile(r"^(language_model\.model|model\.language_model|model|language_model)\."), ""),
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -25,10 +27,15 @@ _RENAMES = [
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor | QuantizedTensor]) -> None:
     """Copies every parameter of `model` from `state_dict`; raises KeyError for missing or
-    unexpected weights and ValueError for a shape that does not fit."""
-    params = dict(model.named_parameters())
+    unexpected weights and ValueError for a shape that does not fit.
+
+    A quantized weight (`QuantizedTensor`) goes as it is into a module that keeps its
+    weights quantized (one with `load_quantized`, named `<module>.weight`), and is
+    dequantized for a plain parameter."""
+    params: dict[str, nn.Parameter | nn.Module] = dict(model.named_parameters())
+    params |= {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_quantized")}
     loaded = set()
     for name, tensor in spruce_names(state_dict).items():
         if name == "lm_head.weight" and "lm_head.weight" not in params:
@@ -36,6 +43,12 @@ def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) ->
         if name not in params:
             raise KeyError(f"unexpected weight {name!r}")
         target = params[name]
+        if isinstance(target, nn.Module):
+            target.load_quantized(tensor)
+            loaded.add(name)
+            continue
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
         if target.shape != tensor.shape:
             raise ValueError(
                 f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
@@ -75,7 +88,19 @@ def _fuse(sd: dict[str, torch.Tensor], parts: tuple[str, ...], fused: str) -> No
         prefix, kind = first.fullmatch(name).groups()
         names = [f"{prefix}.{p}.{kind}" for p in parts]
         if all(n in sd for n in names):
-            sd[f"{prefix}.{fused}.{kind}"] = torch.cat([sd.pop(n) for n in names], dim=0)
+            sd[f"{prefix}.{fused}.{kind}"] = concat_rows([sd.pop(n) for n in names])
+
+
+def concat_rows(tensors: list) -> torch.Tensor | QuantizedTensor:
+    """Row concatenation of float or quantized weights: quantized ones of one type stay
+    in it; a mix of types meets in Q8_0 (float parts included)."""
+    if not any(isinstance(t, QuantizedTensor) for t in tensors):
+        return torch.cat(tensors, dim=0)
+    kinds = {t.qtype if isinstance(t, QuantizedTensor) else None for t in tensors}
+    if len(kinds) == 1:
+        return tensors[0].with_blocks(torch.cat([t.blocks for t in tensors], dim=0))
+    floats = [t.dequantize() if isinstance(t, QuantizedTensor) else t.float() for t in tensors]
+    return quantize(torch.cat(floats, dim=0), "q8_0")
 
 
 def _stack_experts(sd: dict[str, torch.Tensor]) -> None:

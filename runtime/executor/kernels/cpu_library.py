@@ -23,7 +23,7 @@ from pathlib import Path
 logger = logging.getLogger("spruce")
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c"]
+SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c", _HERE / "cpu_quant_ops.c"]
 HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
@@ -38,8 +38,19 @@ SIGNATURES = {
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
     "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin
     "spruce_gemv": [_P, _I64, _I64, _P, _P, _I64, _P],  # x, rows, k, weight, bias, n, y
+    "spruce_quantize_rows_q16": [_P, _I64, _I64, _P, _P, _P],  # x, rows, k, qx, dx, sx
+    # type, blocks, n, k, qx, dx, sx, rows, bias, y, y_stride, isa
+    "spruce_quant_gemv": [_I64, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64],
+    "spruce_dequantize_rows": [_I64, _P, _I64, _P, _I64, _P],  # type, blocks, k, ids, count, out
+    "spruce_quant_best_isa": [],
 }
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
+
+_RESULT_TYPES = {  # the rest return nothing
+    "spruce_decode_attention_f32": ctypes.c_int,
+    "spruce_decode_attention_f16": ctypes.c_int,
+    "spruce_quant_best_isa": _I64,
+}
 
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -91,6 +102,6 @@ def load_library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name.startswith("spruce_decode_attention") else None
+        fn.restype = _RESULT_TYPES.get(name)
     _library = lib
     return lib

@@ -162,6 +162,14 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self.tensors)
 
+    def blocks(self, name: str) -> torch.Tensor:
+        """A 2-D tensor's stored bytes, copied, as uint8 [rows, bytes per row]: its blocks."""
+        import torch
+
+        info = self.tensors[name]
+        data = np.array(self.data[info.offset : info.offset + info.nbytes])
+        return torch.from_numpy(data.reshape(info.shape[0], -1))
+
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor dequantized to `dtype` (default float32), in torch orientation."""
         import torch

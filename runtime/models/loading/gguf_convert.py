@@ -45,15 +45,35 @@ _FOLDED = {_ROPE_FREQS, *_LONGROPE}  # tensors that become config, not weights
 _REQUIRED = object()
 
 
-def gguf_to_hf(f: GGUFFile, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def gguf_to_hf(
+    f: GGUFFile, dtype: torch.dtype, keep_quantized: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Hugging Face `config.json` dict and a state dict (HF names, HF row order, `dtype`).
 
     llama files get their Q/K rows un-permuted back to HF's rotate-half layout;
-    `lm_head.weight` is present only when the file has `output.weight` (else tied)."""
+    `lm_head.weight` is present only when the file has `output.weight` (else tied).
+    With `keep_quantized`, quantized 2-D tensors come as `QuantizedTensor`s: as stored
+    where the kernels compute on their type, else requantized to Q8_0."""
     arch_name = f.metadata.get("general.architecture")
     arch = architecture(arch_name, f.path)
     config = _hf_config(f, arch_name, arch, dtype)
-    return config, _hf_state_dict(f, config, arch, dtype)
+    read = _quantized_reader(f, dtype) if keep_quantized else (lambda name: f.tensor(name, dtype))
+    return config, _hf_state_dict(f, config, arch, read)
+
+
+def _quantized_reader(f: GGUFFile, dtype: torch.dtype) -> Callable[[str], Any]:
+    from spruce.runtime.models.loading.quantize import QUANT_TYPES, QuantizedTensor, quantize
+
+    def read(name: str) -> torch.Tensor | QuantizedTensor:
+        info = f.tensors[name]
+        if len(info.shape) != 2 or info.ggml_type.block_size == 1:
+            return f.tensor(name, dtype)  # float tensors, and stacked experts, stay float
+        qtype = info.ggml_type.name.lower()
+        if qtype not in QUANT_TYPES:  # no kernel for it (Q4_K, Q6_K, ...)
+            return quantize(f.tensor(name), "q8_0")
+        return QuantizedTensor(qtype, info.shape, f.blocks(name))
+
+    return read
 
 
 def _hf_config(f: GGUFFile, arch_name: str, arch: GGUFArchitecture, dtype: torch.dtype) -> dict:
@@ -173,8 +193,8 @@ def llama3_factors(scaling: dict, inv_wavelen: np.ndarray) -> np.ndarray:
 
 
 def _hf_state_dict(
-    f: GGUFFile, config: dict, arch: GGUFArchitecture, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    f: GGUFFile, config: dict, arch: GGUFArchitecture, read: Callable[[str], Any]
+) -> dict[str, Any]:
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     names = _LAYER_NAMES | arch.layer_names
     state = {}
@@ -182,9 +202,13 @@ def _hf_state_dict(
         if name in _FOLDED:
             continue  # folded into config["rope_scaling"]
         hf_name, role = _hf_name(f.path, name, names, config["model_type"])
-        tensor = f.tensor(name, dtype)
+        tensor = read(name)
         if arch.permuted_qk and role in heads:
-            tensor = unpermute_qk(tensor, heads[role])
+            tensor = (
+                tensor.with_blocks(unpermute_qk(tensor.blocks, heads[role]))
+                if hasattr(tensor, "qtype")  # a QuantizedTensor: its rows move as wholes
+                else unpermute_qk(tensor, heads[role])
+            )
         if arch.norm_shift and role.endswith("norm"):
             tensor = tensor - arch.norm_shift
         state[hf_name] = tensor

@@ -16,7 +16,10 @@ from torch import nn
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.models.loading.files import checkpoint_kind, default_model_path
+from spruce.runtime.models.loading.quantize import QuantizedTensor, check_quantization, quantize
+from spruce.runtime.models.weights import spruce_names
 from spruce.runtime.models import model_class
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -43,28 +46,56 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ModelLoadError(f"unknown dtype {name!r} (supported: {', '.join(DTYPES)})") from None
 
 
-def load_model(path: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """Loads weights and tokenizer; logs architecture, parameter count, dtype and seconds."""
+def load_model(
+    path: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    quantization: str = "auto",
+) -> LoadedModel:
+    """Loads weights and tokenizer; logs architecture, size in memory, dtype, quantization
+    and seconds. `quantization` (see loading/quantize.py) applies on the CPU only: `auto`
+    means `none` elsewhere, and an explicit format elsewhere is an error."""
     start = time.perf_counter()
     path = path or default_model_path()
     dtype = parse_dtype(dtype)
-    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype)
+    quantization = _effective_quantization(check_quantization(quantization), device)
+    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype, quantization != "none")
     config = ModelConfig.from_hf(hf_config)
-    model = _build(config, state_dict, dtype, torch.device(device))
-    params = sum(p.numel() for p in model.parameters())
+    model = _build(config, state_dict, dtype, torch.device(device), quantization)
     name = os.path.basename(os.path.normpath(path))
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s) in %.2f s",
-        name, config.architecture, params / 1e6, str(dtype).removeprefix("torch."), time.perf_counter() - start,
-    )
+        "loaded %s (%s, %.0f MB in memory, %s, quantization %s) in %.2f s",
+        name, config.architecture, model_bytes(model) / 1e6, str(dtype).removeprefix("torch."),
+        quantization, time.perf_counter() - start,
+    )  # fmt: skip
     return LoadedModel(model, config, tokenizer, path, name)
 
 
-def read_checkpoint(path: str, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor], Tokenizer]:
-    """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF file."""
+def model_bytes(model: nn.Module) -> int:
+    """The bytes of a model's parameters and buffers (quantized blocks included)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _effective_quantization(quantization: str, device: str) -> str:
+    if quantization == "none" or (torch.device(device).type == "cpu" and cpu_quant_ops.available()):
+        return quantization
+    if quantization == "auto":
+        return "none"
+    raise ModelLoadError(
+        f"--quantization {quantization} runs on the CPU with the C kernels only "
+        f"(device {device}{'' if cpu_quant_ops.available() else ', no C compiler'}); use --quantization none"
+    )
+
+
+def read_checkpoint(
+    path: str, dtype: torch.dtype, keep_quantized: bool = False
+) -> tuple[dict, dict[str, Any], Tokenizer]:
+    """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF
+    file; with `keep_quantized`, a GGUF file's quantized weights stay quantized."""
     if checkpoint_kind(path) == "folder":
         return _read_hf_folder(path)
-    return _read_gguf(path, dtype)
+    return _read_gguf(path, dtype, keep_quantized)
 
 
 def _read_hf_folder(folder: str):
@@ -94,23 +125,44 @@ def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _read_gguf(path: str, dtype: torch.dtype):
+def _read_gguf(path: str, dtype: torch.dtype, keep_quantized: bool):
     from spruce.runtime.models.loading.gguf import read_gguf
     from spruce.runtime.models.loading.gguf_convert import gguf_to_hf
 
     gguf_file = read_gguf(path)
-    hf_config, state_dict = gguf_to_hf(gguf_file, dtype)
+    hf_config, state_dict = gguf_to_hf(gguf_file, dtype, keep_quantized)
     return hf_config, state_dict, Tokenizer.from_gguf_metadata(gguf_file.metadata)
 
 
-def _build(config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _build(
+    config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device, quantization: str
+) -> nn.Module:
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
-    model.build_rotary(device)  # the rotary tables are computed, not loaded
     try:
+        if quantization != "none":
+            state_dict = spruce_names(state_dict)
+            model.use_quantized_weights(_quantized_weights(model, state_dict, quantization), dtype)
+        model = model.to_empty(device=device).to(dtype)
+        model.build_rotary(device)  # the rotary tables are computed, not loaded
         model.load_hf_weights(state_dict)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights do not fit {config.architecture}: {e}") from None
     return model.eval().requires_grad_(False)
+
+
+def _quantized_weights(model: nn.Module, state_dict: dict[str, Any], quantization: str) -> dict[str, QuantizedTensor]:
+    """The linear and embedding weights to keep quantized, in `quantization` (`auto`: as
+    they come); state_dict is updated to hold them."""
+    out = {}
+    for name, module in model.named_modules():
+        weight = state_dict.get(f"{name}.weight")
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None or weight.shape[-1] % 32:
+            continue
+        if quantization != "auto" and getattr(weight, "qtype", None) != quantization:
+            floats = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+            weight = quantize(floats, quantization)
+        if isinstance(weight, QuantizedTensor):
+            out[f"{name}.weight"] = state_dict[f"{name}.weight"] = weight
+    return out

@@ -50,7 +50,7 @@ def test_gguf_model_equals_safetensors_twin(tmp_path, tiny_llama_dir):
     twin.mkdir()
     write_safetensors_twin(twin, weights, vocab=weights["model.embed_tokens.weight"].shape[0])
     (twin / "tokenizer.json").write_text((tiny_llama_dir / "tokenizer.json").read_text())
-    from_gguf, from_hf = load_model(str(path)), load_model(str(twin))
+    from_gguf, from_hf = load_model(str(path), quantization="none"), load_model(str(twin))
     for name, tensor in from_hf.model.state_dict().items():
         torch.testing.assert_close(from_gguf.model.state_dict()[name], tensor, atol=0, rtol=0)
     ids = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
@@ -83,7 +83,8 @@ def test_bundled_greedy_equals_transformers(bundled):
 
     folder, name = bundled.rsplit("/", 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    engine = Engine(num_threads=1, kv_memory_gb=0.5, kv_cache_dtype="float32")  # transformers' precision
+    float32 = load_model(bundled, quantization="none")  # transformers' precision
+    engine = Engine(loaded=float32, num_threads=1, kv_memory_gb=0.5, kv_cache_dtype="float32")
     texts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ids = [engine.tokenizer.encode(t) for t in texts]
     ours = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})

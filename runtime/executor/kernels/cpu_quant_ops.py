@@ -1,0 +1,143 @@
+"""Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c).
+
+Weights stay in llama.cpp's block formats (`QUANT_TYPES`), as uint8 tensors of shape
+[n, k / 32 * block_bytes]. Up to `INTEGER_MAX_ROWS` activation rows (decode, small
+batches) are quantized to 16-bit blocks and meet the weights in integer dot products; more
+rows (prefill, large batches) dequantize tiles of the weights to float32 and use torch's
+GEMM, which is faster there.
+
+The instruction set (`ISAS`) is chosen at run time: the best this CPU runs, unless the
+caller forces one (the tests run every available one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spruce.runtime.executor.kernels.cpu_library import load_library
+
+BLOCK = 32
+
+
+@dataclass(frozen=True, slots=True)
+class QuantType:
+    name: str
+    ggml_id: int  # the ggml type id: the C kernels and GGUF files use it
+    block_bytes: int
+
+
+QUANT_TYPES = {
+    "q8_0": QuantType("q8_0", 8, 34),
+    "q4_0": QuantType("q4_0", 2, 18),
+    "q4_1": QuantType("q4_1", 3, 20),
+}
+ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
+# Above this many rows the dequantized-tile + float32 GEMM path wins: measured on 2 AVX2
+# cores, SmolLM2-135M shapes (576 x 3072, 1536 x 576, 576 x 49152) in Q4_1, the integer
+# kernel is 1.5-3x faster up to 16 rows, even at 32, and 1.3-2x slower from 64 rows on.
+INTEGER_MAX_ROWS = 32
+TILE_VALUES = 1 << 17  # weights dequantized per GEMM tile (512 KB of float32: stays in L2)
+
+_best_isa: int | None = None
+
+
+def available() -> bool:
+    return load_library() is not None
+
+
+def best_isa() -> str:
+    """The fastest instruction set of this CPU the kernels have a variant for."""
+    global _best_isa
+    if _best_isa is None:
+        _best_isa = int(load_library().spruce_quant_best_isa())
+    return ISAS[_best_isa]
+
+
+def available_isas() -> list[str]:
+    """Every variant this CPU can run (the portable one included)."""
+    return list(ISAS[: ISAS.index(best_isa()) + 1]) if available() else []
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    assert k % BLOCK == 0, f"a quantized row has a multiple of {BLOCK} values, not {k}"
+    return k // BLOCK * QUANT_TYPES[qtype].block_bytes
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, k] float32 -> (qx int16 [rows, k], dx [rows, k / 32], sx [rows, k / 32]):
+    per block of 32, dx = max|x| / 32767, qx = round(x / dx) (ties to even), sx = sum(qx)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    qx = torch.empty(rows, k, dtype=torch.int16)
+    dx, sx = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
+    load_library().spruce_quantize_rows_q16(
+        x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr()
+    )
+    return qx, dx, sx
+
+
+def linear(
+    x: torch.Tensor,
+    qtype: str,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """x [rows, k] float32 @ W.T (+ bias), W given as `blocks` of `qtype`, [n, row_bytes]."""
+    if x.shape[0] > INTEGER_MAX_ROWS:
+        return tiled_linear(x, qtype, blocks, bias)
+    return integer_linear(x, qtype, blocks, bias, isa)
+
+
+def integer_linear(
+    x: torch.Tensor,
+    qtype: str,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """`linear` through the integer kernel (any number of rows)."""
+    rows, k = x.shape
+    n = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
+    qx, dx, sx = quantize_activations(x)
+    y = torch.empty(rows, n)
+    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+    load_library().spruce_quant_gemv(
+        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, qx.data_ptr(), dx.data_ptr(),
+        sx.data_ptr(), rows, bias_ptr, y.data_ptr(), n, ISAS.index(isa or best_isa()),
+    )  # fmt: skip
+    return y
+
+
+def tiled_linear(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear` by tiles of weight rows dequantized to float32 and torch's GEMM (the
+    activations stay float: no quantization error from them)."""
+    rows, k = x.shape
+    n = blocks.shape[0]
+    y_t = torch.empty(n, rows)
+    tile = max(64, TILE_VALUES // k)
+    for start in range(0, n, tile):
+        w = dequantize(qtype, blocks[start : start + tile], k)
+        torch.mm(w, x.T, out=y_t[start : start + tile])
+    y = y_t.T.contiguous()
+    return y if bias is None else y.add_(bias)
+
+
+def dequantize(
+    qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The weight rows `ids` (all rows when None) as float32 [len(ids), k]."""
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    ids_ptr, count = None, blocks.shape[0]
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        ids_ptr, count = ids.data_ptr(), ids.numel()
+    out = torch.empty(count, k)
+    type_id = QUANT_TYPES[qtype].ggml_id
+    load_library().spruce_dequantize_rows(type_id, blocks.data_ptr(), k, ids_ptr, count, out.data_ptr())
+    return out

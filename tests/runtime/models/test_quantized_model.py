@@ -1,0 +1,124 @@
+"""Models with quantized weights (--quantization): the modules kept quantized, memory near
+the GGUF size, logits near the float model's; the bundled Q4_1 model against its own
+dequantized float32 twin over real text, and its greedy answer (slow)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import bundled_gguf_path
+from spruce.runtime.errors import ModelLoadError
+from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.models.layers import QuantizedEmbedding, QuantizedLinear
+from spruce.runtime.models.loading.loader import load_model, model_bytes
+
+pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C compiler")
+
+TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed \"La dame de fer\" (French for \"Iron Lady\"), it was "
+    "constructed as the centrepiece of the 1889 World's Fair, and to crown the centennial "
+    "anniversary of the French Revolution. Although initially criticised by some of France's "
+    "leading artists and intellectuals for its design, it has since become a global cultural "
+    "icon of France and one of the most recognisable structures in the world. The tower "
+    "received 5,889,000 visitors in 2022. The Eiffel Tower is the most visited monument with "
+    "an entrance fee in the world. The tower is 330 metres tall, about the same height as an "
+    "81-storey building, and the tallest structure in Paris. Its base is square, measuring "
+    "125 metres on each side. During its construction, the Eiffel Tower surpassed the "
+    "Washington Monument to become the tallest human-made structure in the world, a title it "
+    "held for 41 years until the Chrysler Building in New York City was finished in 1930."
+)
+
+
+def decode_logits(loaded, ids: list[int], chunk: int = 4) -> torch.Tensor:
+    """Logits of every position, fed a few tokens per step (the decode kernels' row counts)."""
+    runner = ModelRunner(loaded, num_slots=len(ids) + 8, max_requests=2, max_context_len=len(ids) + 8)
+    row, out = runner.req_to_token.alloc_row(), []
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        item = ForwardItem(row, start, part, runner.pool.alloc(len(part)), all_logits=True)
+        out.append(runner.forward([item]).logits)
+    return torch.cat(out)
+
+
+def agreement(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || quantized)) over positions."""
+    top1 = (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    log_p, log_q = torch.log_softmax(reference.double(), -1), torch.log_softmax(quantized.double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    return top1, kl
+
+
+@pytest.mark.parametrize("qtype", list(cpu_quant_ops.QUANT_TYPES))
+def test_hf_checkpoint_quantized_at_load(tiny_llama_dir, qtype):
+    plain = load_model(str(tiny_llama_dir), quantization="auto")  # HF floats stay float under auto
+    assert not any(isinstance(m, QuantizedLinear) for m in plain.model.modules())
+    loaded = load_model(str(tiny_llama_dir), quantization=qtype)
+    quantized = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(m.qtype == qtype for m in quantized)
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    assert model_bytes(loaded.model) < model_bytes(plain.model) / 3
+    ids = list(range(3, 40))
+    top1, kl = agreement(decode_logits(loaded, ids), decode_logits(plain, ids))
+    print(f"tiny llama {qtype}: top-1 {top1:.3f}, KL {kl:.5f}")
+    assert kl < {"q8_0": 1e-3, "q4_0": 0.05, "q4_1": 0.05}[qtype]
+
+
+def test_explicit_quantization_off_the_cpu_is_an_error(tiny_llama_dir):
+    with pytest.raises(ModelLoadError, match="quantization"):
+        load_model(str(tiny_llama_dir), device="meta", quantization="q8_0")
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        load_model(str(tiny_llama_dir), quantization="q3_x")
+
+
+needs_bundled = pytest.mark.skipif(bundled_gguf_path() is None, reason="bundled GGUF model not installed")
+
+
+@pytest.fixture(scope="module")
+def bundled_pair():
+    return load_model(bundled_gguf_path(), quantization="auto"), load_model(bundled_gguf_path(), quantization="none")
+
+
+@pytest.mark.slow
+@needs_bundled
+def test_bundled_q4_1_model_agrees_with_its_float_twin(bundled_pair):
+    quantized, plain = bundled_pair
+    assert {m.qtype for m in quantized.model.modules() if isinstance(m, QuantizedLinear)} == {"q4_1", "q8_0"}
+    size, file_size = model_bytes(quantized.model), os.path.getsize(bundled_gguf_path())
+    print(f"resident weights {size / 1e6:.1f} MB (GGUF file {file_size / 1e6:.1f} MB, float32 "
+          f"{model_bytes(plain.model) / 1e6:.1f} MB)")  # fmt: skip
+    assert size < 1.1 * file_size
+    ids = quantized.tokenizer.encode(TEXT)[:300]
+    top1, kl = agreement(decode_logits(quantized, ids), decode_logits(plain, ids))
+    print(f"bundled Q4_1, integer kernels vs dequantized float32, {len(ids)} positions: top-1 {top1:.4f}, mean KL {kl:.5f}")
+    assert top1 >= 0.98 and kl <= 0.02
+
+
+@pytest.mark.slow
+@needs_bundled
+def test_bundled_q4_1_model_answers_the_readme_question(bundled_pair):
+    """Greedy chat answer, a repeated prompt served from the radix cache with the same
+    tokens, and constrained outputs equal to the float32 model's."""
+    from spruce.runtime import Engine
+
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    constrained = [
+        {**greedy, "choices": ["Berlin", "Paris", "Rome"]},
+        {**greedy, "regex": r"(Paris|Berlin|Rome) is the capital of France\."},
+    ]
+    outputs = []
+    for loaded in bundled_pair:
+        with Engine(loaded=loaded, kv_memory_gb=0.5) as engine:
+            prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+            first = engine.generate(prompt, greedy)
+            again = engine.generate(prompt, greedy)
+            assert again["text"] == first["text"] and again["meta_info"]["cached_tokens"] > 0
+            outputs.append([first["text"], *(engine.generate(prompt, c)["text"] for c in constrained)])
+    print("quantized:", outputs[0], "float32:", outputs[1])
+    assert "Paris" in outputs[0][0]
+    assert outputs[0][1:] == outputs[1][1:]
