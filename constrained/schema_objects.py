@@ -16,12 +16,14 @@ from spruce.constrained.automata import (
     subtract_regexes,
     words_except_regex,
 )
+from spruce.constrained.patterns import json_value_regex
 from spruce.constrained.schema_normalize import alternatives
 from spruce.constrained.schema_scalars import SAFE_CHAR, pattern_regex, string_regex
 
 KEY_UNIT = r'[^"\\\x00-\x1F\x7F-\x9F]'  # one unescaped key character
 KEY_ESCAPE = r'\\["\\bfnrt]'  # escapes; no "\/" or "\u": every key has one spelling
 MAX_OVERLAPPING_PATTERNS = 4
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated"}
 _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required", "forbidden",
                 "propertyNames", "minProperties", "maxProperties")  # fmt: skip
 
@@ -129,7 +131,9 @@ def _extra_entry(builder, flat: dict, refs: tuple) -> str | None:
     extra = flat.get("additionalProperties", [] if builder.ctx.options.open_objects else [False])
     if False not in extra:
         plain = _plain_key_regex(excluded, list(patterns), names_regex)
-        value = builder.all_of([s for s in extra if s is not True] or [True], f"{path}/additionalProperties", refs)
+        schemas = [s for s in extra if s is not True and not (isinstance(s, dict) and set(s) <= _ANNOTATIONS)]
+        free = json_value_regex(max(builder.ctx.options.any_json_depth - 1, 0))  # nested: one level less
+        value = builder.all_of(schemas, f"{path}/additionalProperties", refs) if schemas else free
         if plain and value:
             options.append(f'"{plain}"{ws}:{ws}{value}')
     return None if not options else options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"

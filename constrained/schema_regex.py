@@ -172,8 +172,8 @@ def _tail(builder: RegexBuilder, flat: dict, path: str, refs: tuple) -> str | No
     if False in items:
         return None
     items = [s for s in items if s is not True and s != {}]
-    if not items:
-        return json_value_regex(builder.ctx.options.any_json_depth)
+    if not items:  # nested in the array: one level less
+        return json_value_regex(max(builder.ctx.options.any_json_depth - 1, 0))
     return builder.all_of(items, f"{path}/items", refs)
 
 

@@ -132,7 +132,7 @@ FEATURES = {
                    "required": ["next"], "additionalProperties": False}}, "$ref": "#/$defs/n"},
         ['{"next":null}', '{"next":{"next":null}}'], ["{}", '{"next":1}'],
     ),
-    "any_json_depth": ({"type": "object", "additionalProperties": {}}, ['{"a":{"b":[1]}}'], ['{"a":{"b":[[1]]}}']),
+    "any_json_depth": ({"type": "object", "additionalProperties": {}}, ['{"a":{"b":1}}', '{"a":[2]}'], ['{"a":{"b":[1]}}']),
 }
 
 
@@ -167,6 +167,11 @@ def test_open_objects_take_undeclared_keys_but_not_declared_ones_twice():
     regex = re.compile(convert_schema(schema, SchemaOptions(open_objects=True)).regex)
     assert regex.fullmatch('{"a":1,"zz":[1]}') and regex.fullmatch('{"zz":"x"}')
     assert not regex.fullmatch('{"a":1,"a":"x"}') and not regex.fullmatch('{"zz":1,"a":"x"}')
+
+
+def test_any_json_depth_is_an_option():
+    schema = {"type": "object", "additionalProperties": {}}
+    assert re.fullmatch(convert_schema(schema, SchemaOptions(any_json_depth=3)).regex, '{"a":{"b":[1]}}')
 
 
 def test_recursion_depth_is_an_option():
