@@ -4,13 +4,20 @@ Prints requests/s, input and output tokens/s, the mean decode-step time at the l
 batch, the model's bare matrix multiplications for that batch measured alone, batch-1
 decode tokens/s and the prefill tokens/s of one long prompt. `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
+`--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128, pp512) and
+`llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
+GGUF file and threads, runs the same workloads through Spruce, and prints the ratios in one
+table; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import subprocess
 import time
 
 import torch
@@ -27,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="max_new_tokens per request")
     parser.add_argument("--dataset", default=None, help="JSONL file with a 'prompt' (text) per line")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
-    parser.add_argument("--compare", choices=["hf"], default=None)
+    parser.add_argument("--compare", choices=["hf", "llama.cpp"], default=None)
+    parser.add_argument("--llama-cpp-bin", default=None, help="folder of llama-bench / llama-batched-bench (default: PATH)")
     parser.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     parser.add_argument("--skip-single", action="store_true", help="skip the batch-1 and long-prefill probes")
     parser.add_argument("--output-json", default=None)
@@ -190,6 +198,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     result["decode_step_over_matmul"] = spruce["decode_step_ms"] / result["bare_matmul_ms"]
     if not args.skip_single:
         result.update(single_probes(engine, tokenizer))
+    if args.compare == "llama.cpp":
+        compare_llama_cpp(engine, args, result)
     if args.compare == "hf":
         hf = run_hf(engine.core.loaded, prompts, args.output_len, args.hf_batch_size or len(prompts), args.ignore_eos)
         result["hf"] = _public(hf)
@@ -218,3 +228,78 @@ def print_report(r: dict) -> None:
     if "hf" in r:
         print(f"transformers output   {r['hf']['output_tokens_per_s']:.1f} tokens/s")
         print(f"speedup vs hf         {r['speedup_vs_hf']:.2f}x (identical outputs: {r['identical_outputs_vs_hf']})")
+
+
+# ---------------------------------------------------------------------------------------
+# llama.cpp on the same GGUF file
+# ---------------------------------------------------------------------------------------
+
+PARALLEL = (16, 64)  # sequences of 128 prompt + 128 generated tokens
+
+
+def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
+    path = bin_dir if bin_dir else os.environ.get("PATH")
+    found = [shutil.which(name, path=path) for name in ("llama-bench", "llama-batched-bench")]
+    return None if None in found else (found[0], found[1])
+
+
+def run_llama_cpp(tools: tuple[str, str], model: str, threads: int) -> dict[str, float]:
+    """tokens/s: batch-1 decode (tg128), prefill (pp512), and per parallel count, the decode
+    phase and end to end (generated tokens over the whole run)."""
+    bench = subprocess.run(
+        [tools[0], "-m", model, "-t", str(threads), "-p", "512", "-n", "128", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    out = {}
+    for row in json.loads(bench.stdout):
+        out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
+    batched = subprocess.run(
+        [tools[1], "-m", model, "-t", str(threads), "-c", str(256 * max(PARALLEL)), "-b", "2048", "-ub", "512",
+         "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, PARALLEL)), "--output-format", "jsonl"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    for line in batched.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[f"decode_{row['pl']}"] = row["speed_tg"]
+            out[f"end_to_end_{row['pl']}"] = row["pl"] * row["tg"] / row["t"]
+    return out
+
+
+def spruce_parallel(engine, tokenizer) -> dict[str, float]:
+    """The llama-batched-bench workload through Spruce: decode-phase and end-to-end tokens/s."""
+    out = {}
+    params = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}
+    for count in PARALLEL:
+        engine.flush_cache()
+        r = run_engine(engine, synthetic_prompts(tokenizer, count, 128, 128, seed=count), params)
+        out[f"decode_{count}"] = r["decode_step_batch"] / (r["decode_step_ms"] / 1e3)
+        out[f"end_to_end_{count}"] = r["output_tokens_per_s"]
+    return out
+
+
+def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
+    tools, path = llama_cpp_tools(args.llama_cpp_bin), engine.core.loaded.path
+    if tools is None or not path.endswith(".gguf"):
+        why = "llama-bench / llama-batched-bench not found" if tools is None else "the model is not a GGUF file"
+        print(f"llama.cpp comparison skipped: {why} (see --llama-cpp-bin)")
+        return
+    threads = engine.config.num_threads
+    ours = spruce_parallel(engine, engine.tokenizer)
+    probes = result if "batch1_decode_tokens_per_s" in result else single_probes(engine, engine.tokenizer)
+    ours["tg128"], ours["pp512"] = probes["batch1_decode_tokens_per_s"], probes["prefill_512_tokens_per_s"]
+    theirs = run_llama_cpp(tools, path, threads)
+    result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs}
+    print(f"\n| workload ({threads} threads, same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
+    print("| --- | --- | --- | --- |")
+    for key, label in _LLAMA_ROWS:
+        if key in theirs and key in ours:
+            print(f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
+
+
+_LLAMA_ROWS = [
+    ("tg128", "batch-1 decode (tg128)"),
+    ("pp512", "prefill, 512-token prompt (pp512)"),
+    *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
+    *((f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated") for n in PARALLEL),
+]
