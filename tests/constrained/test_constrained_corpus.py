@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import DATA_DIR
+from support import DATA_DIR
 from spruce.constrained import ConstraintError, make_spec
 from spruce.constrained.json_schema import canonical_instance, convert_schema
 from spruce.constrained.schema_context import SchemaOptions

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from conftest import DATA_DIR
+from support import DATA_DIR
 
 import jsonschema
 import pytest

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bundled_gguf_path
+from support import bundled_gguf_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXPECTED = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from conftest import DATA_DIR
+from support import DATA_DIR
 
 import jsonschema
 import pytest
@@ -154,7 +154,7 @@ def test_compile_failure_reaches_a_streaming_client(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_bundled_model_schemas_with_and_without_jump_forward():
-    from conftest import bundled_gguf_path
+    from support import bundled_gguf_path
     from spruce.runtime import Engine
 
     if bundled_gguf_path() is None:

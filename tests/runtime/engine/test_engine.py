@@ -11,7 +11,7 @@ from spruce.runtime import Engine, InvalidRequestError, SamplingParams
 from spruce.runtime.core.request import Req
 from spruce.runtime.executor.sampler import Sampler
 
-from conftest import add_request
+from support import add_request
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 

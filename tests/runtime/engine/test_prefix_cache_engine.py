@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spruce.runtime import InvalidRequestError
-from conftest import add_request
+from support import add_request
 from test_engine import GREEDY, ids_of, make_engine
 
 

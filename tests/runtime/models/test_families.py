@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import write_tiny_model
+from support import write_tiny_model
 from spruce.runtime import Engine
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
@@ -327,7 +327,7 @@ def test_bad_configs_are_refused_in_one_line(mixtral_dir, tmp_path):
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tmp_path):
     """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model under
     language_model., image weights beside it, config defaults left to transformers."""
-    from conftest import write_tokenizer_files
+    from support import write_tokenizer_files
 
     write_tokenizer_files(tmp_path)
     text = dict(

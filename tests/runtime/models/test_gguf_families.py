@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import write_tiny_model
+from support import write_tiny_model
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models.loading.loader import load_model

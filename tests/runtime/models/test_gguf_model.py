@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import DATA_DIR, bundled_gguf_path
+from support import DATA_DIR, bundled_gguf_path
 from spruce.runtime.models.loading.loader import load_model
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from test_gguf import HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, Q8_ROLES, LAYER_TENSORS, write_tiny_model

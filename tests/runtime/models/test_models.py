@@ -12,7 +12,7 @@ from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
 from spruce.runtime.models.loading.loader import load_model
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
-from conftest import write_tiny_model
+from support import write_tiny_model
 
 ATOL = 2e-5
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import bundled_gguf_path
+from support import bundled_gguf_path
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
