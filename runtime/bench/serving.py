@@ -165,12 +165,14 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def with_shared_prefixes(tokenizer, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
-    """Prompt i gets prefix i mod --shared-prefixes (the prefixes are seeded random tokens)."""
+    """Each prompt gets one of --shared-prefixes prefixes (seeded random tokens), picked at
+    random (a fixed cycle would line up with round-robin routing and flatter it)."""
     if args.shared_prefixes <= 0:
         return prompts
     length = args.prefix_len
     prefixes = synthetic_prompts(tokenizer, args.shared_prefixes, length, length, args.prompt_seed + 1)
-    return [prefixes[i % len(prefixes)] + p for i, p in enumerate(prompts)]
+    rng = random.Random(args.prompt_seed + 2)
+    return [rng.choice(prefixes) + p for p in prompts]
 
 
 def hit_rate(before: dict, after: dict) -> float:

@@ -8,6 +8,7 @@ Real servers on the tiny model (two scheduler processes each), few tokens per re
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,11 +38,13 @@ def generate(url: str, text: str, max_new_tokens: int = 2, **sampling) -> httpx.
 
 
 def run_few_shot(url: str) -> float:
-    """The workload: each prefix's first question, then the rest (8 at a time); returns the
+    """The workload: each prefix's first question, then the rest in a seeded random order (a
+    fixed cycle over the prefixes would line up with round-robin), 8 at a time; returns the
     share of prompt tokens served from the prefix caches."""
     prompts = few_shot_prompts()
     first = [questions[0] for questions in prompts]
     rest = [questions[q] for q in range(1, QUESTIONS) for questions in prompts]
+    random.Random(0).shuffle(rest)
     metas = []
     with ThreadPoolExecutor(8) as pool:
         for batch in (first, rest):
