@@ -22,30 +22,28 @@ RENAMED = {
     "random_seed": "seed",
     "disable_regex_jump_forward": "disable_jump_forward",
     "constrained_json_whitespace_pattern": "grammar_whitespace_pattern",
+    "dp_size": "dp",  # data-parallel scheduler replicas behind one server
 }
 
 VALUE_ALIASES = {
     "dtype": {"half": "float16", "float": "float32"},
     "kv_cache_dtype": {"fp16": "float16", "bf16": "bfloat16"},
-    "attention_backend": {"torch_native": "torch"},
+    "attention_backend": {"torch_native": "native"},
 }
 
 HARMLESS_VALUES = {
     "tp_size": 1,
-    "dp_size": 1,
     "trust_remote_code": False,
     "skip_tokenizer_init": False,
 }
 
 NO_EQUIVALENT = {
     "tp_size": "Spruce runs a model on one device (no tensor parallelism)",
-    "dp_size": "Spruce runs one model replica per server (start several servers instead)",
     "trust_remote_code": "Spruce runs its own model code, never a repository's",
     "skip_tokenizer_init": "Spruce always tokenizes in the server",
     "tokenizer_path": "the tokenizer is read from the model path",
     "max_prefill_tokens": "use chunked_prefill_size (Spruce's prefill tokens per step, all requests together)",
     "max_total_tokens": "size the KV pool with kv_memory_gb (or mem_fraction_static on a GPU)",
-    "quantization": "Spruce loads GGUF quantized weights as they are; there is no quantize-on-load",
     "grammar_backend": "Spruce's constraints always use outlines-core",
     "enable_torch_compile": "Spruce does not compile the model with torch.compile",
     "stream_interval": "Spruce streams every step's new text",

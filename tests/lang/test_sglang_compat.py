@@ -378,13 +378,13 @@ def test_sglang_server_options_map_to_spruces():
         "mem_fraction_static": 0.7, "random_seed": 3, "context_length": 512, "chunked_prefill_size": 256,
         "schedule_policy": "lpm", "disable_radix_cache": True, "max_running_requests": 8,
         "attention_backend": "torch_native", "kv_cache_dtype": "bf16", "dtype": "half", "tp_size": 1,
-        "disable_regex_jump_forward": True, "constrained_json_whitespace_pattern": "[ ]?",
+        "disable_regex_jump_forward": True, "constrained_json_whitespace_pattern": "[ ]?", "dp_size": 2,
     })  # fmt: skip
     assert options == {
         "gpu_memory_fraction": 0.7, "seed": 3, "context_length": 512, "chunked_prefill_size": 256,
         "schedule_policy": "lpm", "disable_radix_cache": True, "max_running_requests": 8,
-        "attention_backend": "torch", "kv_cache_dtype": "bfloat16", "dtype": "float16",
-        "disable_jump_forward": True, "grammar_whitespace_pattern": "[ ]?",
+        "attention_backend": "native", "kv_cache_dtype": "bfloat16", "dtype": "float16",
+        "disable_jump_forward": True, "grammar_whitespace_pattern": "[ ]?", "dp": 2,
     }  # fmt: skip
 
 
