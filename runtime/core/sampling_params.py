@@ -7,11 +7,11 @@ a clear `InvalidRequestError` for every value a user can get wrong.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from spruce.runtime.core.values import is_int, is_int64, is_number
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
@@ -110,29 +110,29 @@ class SamplingParams:
             self.validate_length(prompt_len, context_len)
 
     def _check_counts(self) -> None:
-        _check(_is_int64(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
-        _check(_is_int64(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
+        _check(is_int64(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
+        _check(is_int64(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
         _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must not exceed max_new_tokens")
-        _check(_is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
+        _check(is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
         _check(
-            self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= INT64_MAX),
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed <= INT64_MAX),
             f"seed must be an integer in [0, {INT64_MAX}]",
         )
 
     def _check_floats(self) -> None:
         temperature = self.temperature
-        _check(_is_number(temperature) and temperature >= 0, "temperature must be >= 0 (0 means greedy) and finite")
+        _check(is_number(temperature) and temperature >= 0, "temperature must be >= 0 (0 means greedy) and finite")
         _check(
             temperature == 0 or temperature >= MIN_TEMPERATURE,
             f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows the logits",
         )
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+            _check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
         _check(
-            _is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+            is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]",
         )
 
@@ -157,7 +157,7 @@ class SamplingParams:
             f"a stop string has {longest} characters; at most {limits.max_stop_string_chars}",
         )
         _check(
-            isinstance(ids, tuple) and all(_is_int64(t) and t >= 0 for t in ids),
+            isinstance(ids, tuple) and all(is_int64(t) and t >= 0 for t in ids),
             "stop_token_ids must be a list of token ids (ints >= 0)",
         )
         _check(
@@ -188,7 +188,7 @@ class SamplingParams:
         bias = self.logit_bias
         _check(
             isinstance(bias, tuple)
-            and all(isinstance(p, tuple) and len(p) == 2 and _is_int64(p[0]) and p[0] >= 0 and _is_number(p[1])
+            and all(isinstance(p, tuple) and len(p) == 2 and is_int64(p[0]) and p[0] >= 0 and is_number(p[1])
                     for p in bias),
             "logit_bias must map token ids (integers >= 0) to finite numbers",
         )  # fmt: skip
@@ -259,7 +259,7 @@ def _bias_pairs(bias: Any) -> Any:
         if isinstance(token, str) and token.strip().isdigit():
             token = int(token)
         pairs.append((token, value))
-    if not all(_is_int(t) for t, _ in pairs):
+    if not all(is_int(t) for t, _ in pairs):
         return tuple(pairs)
     return tuple(sorted(pairs, key=lambda pair: pair[0]))
 
@@ -271,24 +271,6 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(schema)
     except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequestError(f"json_schema must be a dict, a JSON string or a pydantic model: {e}") from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_int64(value: Any) -> bool:
-    return _is_int(value) and -INT64_MAX - 1 <= value <= INT64_MAX
-
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float (NaN and infinities are refused; an int too large for a float too)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def _check_size(name: str, size: int, limit: int, flag: str = "--max-constraint-chars") -> None:

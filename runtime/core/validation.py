@@ -8,7 +8,6 @@ call into `ValidRequest`s here, once; the scheduler trusts what it gets (asserts
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ from spruce.constrained import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec, make_spec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.values import is_int, is_number
 from spruce.runtime.errors import ConstraintError, InvalidRequestError, constraint_error
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
@@ -46,7 +46,7 @@ def validate_request(
 ) -> ValidRequest:
     """Everything about one request that can be checked before it is queued; raises
     InvalidRequestError (ConstraintError for a bad constraint) saying what to change."""
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < limits.vocab_size for t in ids):
         raise InvalidRequestError(f"input_ids must be token ids in [0, {limits.vocab_size})")
     if not isinstance(sampling, SamplingParams):
         raise InvalidRequestError("sampling_params must be a JSON object (a dict) or a SamplingParams")
@@ -67,16 +67,16 @@ def check_options(options: RequestOptions, limits: RequestLimits | None = None) 
     most = (limits or RequestLimits()).max_top_logprobs
     if not isinstance(options.return_logprob, bool):
         raise InvalidRequestError("return_logprob must be true or false")
-    if not _is_int(options.logprob_start_len) or not -1 <= options.logprob_start_len <= INT64_MAX:
+    if not is_int(options.logprob_start_len) or not -1 <= options.logprob_start_len <= INT64_MAX:
         raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
-    if not _is_int(options.top_logprobs_num) or not 0 <= options.top_logprobs_num <= most:
+    if not is_int(options.top_logprobs_num) or not 0 <= options.top_logprobs_num <= most:
         raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {most}]")
     if not isinstance(options.return_text_in_logprobs, bool):
         raise InvalidRequestError("return_text_in_logprobs must be true or false")
     if not isinstance(options.stream, bool):
         raise InvalidRequestError("stream must be true or false")
     timeout = options.timeout_s
-    if timeout is not None and not (_is_finite(timeout) and timeout > 0):
+    if timeout is not None and not (is_number(timeout) and timeout > 0):
         raise InvalidRequestError("timeout_s must be a number of seconds > 0 (or null: the server's default)")
 
 
@@ -143,16 +143,3 @@ def sampling_from(params: Any) -> SamplingParams:
         return SamplingParams.from_dict(params)
     except TypeError as e:  # a value of a type no field can hold
         raise InvalidRequestError(f"bad sampling_params: {e}") from None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite(value: Any) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False

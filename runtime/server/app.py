@@ -8,11 +8,18 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
-from spruce.runtime.server.http.common import ApiError, ServerState, error_response, server_of, validation_message
+from spruce.runtime.server.http.common import (
+    ApiError,
+    ServerState,
+    error_response,
+    first_param,
+    server_of,
+    validation_message,
+)
 from spruce.runtime.server.http.native_routes import native_routes
+from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.openai.routes import router as openai_router
@@ -24,6 +31,7 @@ logger = logging.getLogger("spruce.server")
 def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:
     app = FastAPI(title="Spruce", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(launcher, model, metrics, ready)
+    app.include_router(sglang_routes())  # SGLang's route names; first: it wraps POST /abort_request
     app.include_router(native_routes())
     app.include_router(openai_router)
     _add_error_handlers(app)
@@ -49,18 +57,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> Response:
-        return error_response(400, validation_message(e.errors()), param=_first_param(e.errors()))
+        return error_response(400, validation_message(e.errors()), param=first_param(e.errors()))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
         logger.exception("internal error on %s", request.url.path)
         return error_response(500, f"internal server error: {type(e).__name__}")
-
-
-def _first_param(errors: list[dict]) -> str | None:
-    for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if loc:
-            return ".".join(loc)
-    return None
-

@@ -15,7 +15,6 @@ from typing import Any, AsyncIterator
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
@@ -86,7 +85,7 @@ def validation_message(errors: list[dict]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _first_param(errors: list[dict]) -> str | None:
+def first_param(errors: list[dict]) -> str | None:
     for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if loc:

@@ -28,6 +28,12 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return None if reason is None else reason["type"]
 
 
+def schema_report(meta: dict[str, Any]) -> dict[str, Any]:
+    """Extension field `json_schema` of a JSON-schema choice: the keywords its grammar did not
+    enforce and whether the output validated (see spruce.constrained.report)."""
+    return {"json_schema": meta["json_schema"]} if "json_schema" in meta else {}
+
+
 def matched_stop(meta: dict[str, Any]) -> Any:
     reason = meta.get("finish_reason")
     return None if reason is None else reason.get("matched")
@@ -99,6 +105,7 @@ class CompletionView(_View):
             "logprobs": self._logprobs(meta) if self.req.logprobs is not None else None,
             "finish_reason": finish_reason(meta),
             "matched_stop": matched_stop(meta),
+            **schema_report(meta),
         }
 
     def _echo(self, index: int) -> str:
@@ -161,6 +168,7 @@ class ChatView(_View):
             "logprobs": self._logprobs(meta) if self.req.logprobs else None,
             "finish_reason": reason,
             "matched_stop": matched_stop(meta),
+            **schema_report(meta),
             **answer_report(self.answer_spec, self.prompt.split(e.result["text"])[1]),
         }
 
