@@ -50,7 +50,9 @@ class EngineCore:
         if device == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model.model_path, config.resolved_dtype, device)
+        self.loaded = loaded or load_model(
+            config.model.model_path, config.resolved_dtype, device, config.model.quantization
+        )
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
