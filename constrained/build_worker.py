@@ -24,6 +24,11 @@ parent's object.
 Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
 outlines `Vocabulary` once, then one `BuildRequest` per build; the worker answers each with a
 `BuildResult` or an error message.
+
+Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
+child this process spawned), never on a socket or a file. Both ends are this module; what
+crosses is objects our own code built (the vocabulary, a regex string, the built index), so
+a user's constraint is only ever pickled as a string, never unpickled from bytes they chose.
 """
 
 from __future__ import annotations
