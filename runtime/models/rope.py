@@ -94,13 +94,18 @@ def _scaling(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> Ro
     )
 
 
-def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
+def _original_and_factor(kind: str, config: dict, params: dict, max_pos: int) -> tuple[int, float]:
+    """(the pre-scaling context, the scaling factor) of a longrope / yarn config."""
     original = params.get("original_max_position_embeddings") or config.get(
         "original_max_position_embeddings"
     )
     if original is None:
-        raise ModelLoadError("longrope scaling needs original_max_position_embeddings")
-    factor = params.get("factor") or max_pos / original
+        raise ModelLoadError(f"{kind} rope scaling needs original_max_position_embeddings")
+    return original, params.get("factor") or max_pos / original
+
+
+def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
+    original, factor = _original_and_factor("longrope", config, params, max_pos)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = (
@@ -117,12 +122,7 @@ def _longrope(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> R
 
 
 def _yarn(config: dict[str, Any], params: dict[str, Any], max_pos: int) -> RopeScaling:
-    original = params.get("original_max_position_embeddings") or config.get(
-        "original_max_position_embeddings"
-    )
-    if original is None:
-        raise ModelLoadError("yarn rope scaling needs original_max_position_embeddings")
-    factor = params.get("factor") or max_pos / original
+    original, factor = _original_and_factor("yarn", config, params, max_pos)
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
