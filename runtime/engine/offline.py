@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 from spruce.runtime.config import EngineConfig, use_passive_omp_threads
@@ -16,6 +17,8 @@ from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import batch_inputs, sampling_list, validate_request
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.limits import RequestLimits
 from spruce.runtime.text.detokenizer import OutputText, meta_info
 
 if TYPE_CHECKING:
@@ -23,9 +26,18 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, loaded: LoadedModel | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        loaded: LoadedModel | None = None,
+        request_limits: RequestLimits | dict | None = None,
+        **options: Any,
+    ) -> None:
         """`options` are EngineConfig's (see `spruce serve --help`); `loaded`, an already
-        loaded model (e.g. another engine's `engine.core.loaded`), shares its weights."""
+        loaded model (e.g. another engine's `engine.core.loaded`), shares its weights;
+        `request_limits`, what one call may ask for (a RequestLimits or a dict of its fields,
+        the `spruce serve` flags of the same names; default: RequestLimits())."""
+        self.request_limits = request_limits_from(request_limits)
         self.config = EngineConfig.from_options(model_path=model_path, **options)
         use_passive_omp_threads()  # before torch is imported, if it was not yet
         from spruce.runtime.engine.core import EngineCore  # torch and the model code
@@ -57,13 +69,13 @@ class Engine:
         its error is raised (ConstraintError, scheduler.faults.RequestFault), or when
         streamed, its last chunk has finish_reason {"type": "abort", "message": ...}. Other
         requests, of this call or others, go on."""
-        prompts, single = batch_inputs(prompt, input_ids)
+        prompts, single = batch_inputs(prompt, input_ids, limits=self.request_limits)
         params = sampling_list(sampling_params, len(prompts))
         options = RequestOptions(
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=stream,
         )  # fmt: skip
-        limits = self.core.limits
+        limits = replace(self.core.limits, request=self.request_limits)
         valid = [validate_request(self._ids(p), sp, options, limits) for p, sp in zip(prompts, params)]
         reqs = [self.core.add_request(v) for v in valid]
         self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated
@@ -157,6 +169,19 @@ class Engine:
         for req in reqs:
             self._live.discard(req.rid)
             self._news.pop(req.rid, None)
+
+
+def request_limits_from(value: RequestLimits | dict | None) -> RequestLimits:
+    if value is None or isinstance(value, RequestLimits):
+        return value or RequestLimits()
+    if not isinstance(value, dict):
+        raise InvalidRequestError("request_limits must be a RequestLimits or a dict of its fields")
+    known = {f.name for f in fields(RequestLimits)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        known_list = ", ".join(sorted(known))
+        raise InvalidRequestError(f"request_limits: unknown {unknown}; known: {known_list}")
+    return RequestLimits(**value)
 
 
 def _result(req: Req, text: str) -> dict:

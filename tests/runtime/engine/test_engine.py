@@ -296,6 +296,17 @@ def test_unknown_engine_option(tiny_llama_dir):
         Engine(str(tiny_llama_dir), max_batch=3)
 
 
+def test_request_limits_are_configurable(tiny_llama_dir):
+    with Engine(str(tiny_llama_dir), request_limits={"max_stop_strings": 1, "max_batch_size": 2}) as engine:
+        with pytest.raises(InvalidRequestError, match="at most 1"):
+            engine.generate("hi", {"stop": ["a", "b"], "max_new_tokens": 2})
+        with pytest.raises(InvalidRequestError, match="max-batch-size"):
+            engine.generate(["a", "b", "c"], {"max_new_tokens": 2})
+        assert engine.generate("hi", {"stop": ["a"], "max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
+    with pytest.raises(InvalidRequestError, match="unknown \\['max_stops'\\]"):
+        Engine(str(tiny_llama_dir), request_limits={"max_stops": 1})
+
+
 def test_text_prompt_and_chat_template(engine):
     text = engine.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
