@@ -21,9 +21,13 @@ deadline (then the GIL hold is the lesser harm). interegular's `anything_else` s
 not a singleton after unpickling, so it travels as a persistent id and comes back as the
 parent's object.
 
+The same workers convert JSON schemas to regexes (`ConvertRequest`, see `convert.py`): the
+front door's conversion of a pathological schema (thousands of properties, `$ref`s that
+unroll exponentially) is stopped at its deadline the same way, wherever the front end runs.
+
 Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
-outlines `Vocabulary` once, then one `BuildRequest` per build; the worker answers each with a
-`BuildResult` or an error message.
+outlines `Vocabulary` once (None for a worker that only converts schemas), then one request
+per job; the worker answers each with a `BuildResult` / `ConstraintSpec` or an error message.
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
@@ -42,6 +46,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from importlib import import_module
 from multiprocessing.connection import Connection
 
 from interegular.fsm import anything_else
@@ -59,6 +64,21 @@ class BuildRequest:
     automaton_wait_s: float  # how long to wait for the automaton once the index is built
     max_transfer_bytes: int  # a larger index is built again by the parent (see above)...
     max_rebuild_s: float  # ...unless it took longer than this here (a rebuild would be late)
+
+    @property
+    def describe(self) -> str:
+        return _short(self.automaton_regex)
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertRequest:
+    schema_text: str  # the JSON schema as JSON text (already parsed once by the parent)
+    whitespace_pattern: str
+    schema_mode: str  # lenient | strict
+
+    @property
+    def describe(self) -> str:
+        return f"json_schema {_short(self.schema_text)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +118,11 @@ def loads(data: bytes) -> object:
 
 
 class BuildWorker:
-    """One worker process. `build` sends a request and waits until the deadline; past it
+    """One worker process. `run` sends a request and waits until the deadline; past it
     (or if the worker dies, e.g. on its memory cap) the worker is killed and a
-    ConstraintError raised. Not thread-safe: one build at a time (see WorkerPool)."""
+    ConstraintError raised. Not thread-safe: one job at a time (see WorkerPool)."""
 
-    def __init__(self, vocabulary: object, memory_mb: int) -> None:
+    def __init__(self, vocabulary: object | None, memory_mb: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         fds = (str(to_child_r), str(from_child_w))
@@ -122,8 +142,8 @@ class BuildWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def build(self, request: BuildRequest, timeout_s: float) -> BuildResult:
-        """Raises WorkerGone if the worker was dead before the build started."""
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
+        """Raises WorkerGone if the worker was dead before the job started."""
         self._wait_ready()
         start = time.monotonic()
         try:
@@ -134,21 +154,23 @@ class BuildWorker:
         if not self._recv.poll(timeout_s):
             self.kill()
             raise ConstraintError(
-                f"constraint not compiled within {timeout_s:g} s (the build was stopped): "
-                f"{_short(request.automaton_regex)}"
+                f"constraint not {_verb(request)} within {timeout_s:g} s (the work was stopped): "
+                f"{request.describe}"
             )
         try:
             kind, payload = loads(self._recv.recv_bytes())
         except (EOFError, OSError):
             self.kill()
             raise ConstraintError(
-                f"the grammar build stopped after {time.monotonic() - start:.1f} s (out of its "
-                f"{self.memory_mb} MB memory cap, or crashed): {_short(request.automaton_regex)}; "
+                f"the grammar worker stopped after {time.monotonic() - start:.1f} s (out of its "
+                f"{self.memory_mb} MB memory cap, or crashed): {request.describe}; "
                 "simplify the constraint"
             ) from None
         self.ready = True
         if kind == "error":
             raise ConstraintError(payload)
+        if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
+            raise RuntimeError(f"the grammar worker failed: {payload}")
         return payload
 
     def _wait_ready(self) -> None:
@@ -180,7 +202,7 @@ class WorkerPool:
     """Idle workers kept for reuse (at most `size`); a killed or dead one is dropped and the
     next build starts a fresh process. Thread-safe."""
 
-    def __init__(self, vocabulary: object, memory_mb: int, size: int) -> None:
+    def __init__(self, vocabulary: object | None, memory_mb: int, size: int) -> None:
         self.vocabulary = vocabulary
         self.memory_mb = memory_mb
         self.size = size
@@ -188,11 +210,11 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def build(self, request: BuildRequest, timeout_s: float) -> BuildResult:
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
         for _ in range(2):  # an idle worker may have died meanwhile: once more, fresh
             worker = self._take()
             try:
-                return worker.build(request, timeout_s)
+                return worker.run(request, timeout_s)
             except WorkerGone:
                 continue
             finally:
@@ -234,6 +256,10 @@ def _short(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")
 
 
+def _verb(request: BuildRequest | ConvertRequest) -> str:
+    return "converted" if isinstance(request, ConvertRequest) else "compiled"
+
+
 # -- the worker process ------------------------------------------------------------------------------
 
 
@@ -241,19 +267,40 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    import outlines_core  # after the cap: its allocations count
-
     vocabulary = loads(receive.recv_bytes())
+    outlines_core = None if vocabulary is None else import_module("outlines_core")  # after the cap
     send.send_bytes(b"ready")
     while True:
         try:
             request = loads(receive.recv_bytes())
         except EOFError:  # the parent is gone or closed us
             return
-        reply, stray_thread = _build(outlines_core, vocabulary, request)
+        if isinstance(request, ConvertRequest):
+            reply, stray_thread = _convert(request), False
+        else:
+            reply, stray_thread = _build(outlines_core, vocabulary, request)
         send.send_bytes(dumps(reply))
         if stray_thread:  # an automaton still building holds a core: start afresh
             os._exit(0)
+
+
+def _convert(request: ConvertRequest) -> tuple[str, object]:
+    from spruce.constrained.spec import make_spec
+
+    try:
+        spec = make_spec(
+            json_schema=request.schema_text, whitespace_pattern=request.whitespace_pattern,
+            schema_mode=request.schema_mode,
+        )  # fmt: skip
+    except ConstraintError as e:
+        return "error", str(e)
+    except RecursionError:
+        return "error", "json_schema is nested too deeply; flatten it or use $defs"
+    except MemoryError:
+        return "error", "converting the json_schema ran out of the worker's memory cap; simplify it"
+    except Exception as e:  # a bug in the converter: reported as such, the worker lives on
+        return "crash", f"{type(e).__name__}: {e}"
+    return "ok", spec
 
 
 def _build(outlines_core, vocabulary, request: BuildRequest) -> tuple[tuple[str, object], bool]:

@@ -114,7 +114,7 @@ class GrammarCompiler:
             regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
             max_transfer_bytes=MAX_TRANSFER_BYTES, max_rebuild_s=self.timeout_s / 3,
         )  # fmt: skip
-        result = self._workers.build(request, self.timeout_s)
+        result = self._workers.run(request, self.timeout_s)
         index = result.index
         if index is None:  # too large to unpickle without stalling the GIL: build it here
             index = outlines_core.Index(regex, self.vocab.vocabulary)  # releases the GIL

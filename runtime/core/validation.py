@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spruce.constrained import errors as constrained_errors
-from spruce.constrained.spec import ConstraintSpec, make_spec
+from spruce.constrained.convert import Conversion
+from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.values import is_int, is_number
@@ -26,8 +27,8 @@ class ModelLimits:
 
     vocab_size: int
     context_length: int
-    whitespace_pattern: str = ""  # JSON schemas: allowed whitespace between tokens
     request: RequestLimits = field(default_factory=RequestLimits)  # what one call may ask for
+    conversion: Conversion = field(default_factory=Conversion)  # JSON whitespace; a schema's deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ def validate_request(
     check_options(options, limits.request)
     if options.logprob_start_len >= len(ids):
         raise InvalidRequestError(f"logprob_start_len must be -1 or a prompt position (< {len(ids)})")
-    return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits.whitespace_pattern))
+    return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits))
 
 
 def check_options(options: RequestOptions, limits: RequestLimits | None = None) -> None:
@@ -88,15 +89,18 @@ def check_batch_size(count: int, limits: RequestLimits) -> None:
         )
 
 
-def _constraint(sampling: SamplingParams, whitespace_pattern: str) -> ConstraintSpec | None:
+def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec | None:
+    """The constraint converted to its regex, once. A JSON schema converts in a worker
+    process that is stopped at the deadline (`constrained.convert`)."""
+    if not sampling.has_constraint:
+        return None
     try:
-        return make_spec(
-            regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
-            whitespace_pattern=whitespace_pattern, schema_mode=sampling.schema_mode or "lenient",
-        )  # fmt: skip
+        return limits.conversion.spec(
+            sampling.regex, sampling.json_schema, sampling.choices, sampling.schema_mode or "lenient"
+        )
     except constrained_errors.ConstraintError as e:
         raise constraint_error(e) from None
-    except RecursionError:  # a schema nested deeper than the converter's recursion allows
+    except RecursionError:  # a schema nested deeper than the JSON parser's recursion allows
         raise ConstraintError("json_schema is nested too deeply; flatten it or use $defs") from None
 
 

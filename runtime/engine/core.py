@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.constrained import GrammarCompiler
+from spruce.constrained.convert import Conversion
 from spruce.radix import NoPrefixCache, RadixCache
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.config import EngineConfig
@@ -115,8 +116,9 @@ class EngineCore:
     @property
     def limits(self) -> ModelLimits:
         """What the validation boundary needs to know of this model and configuration."""
-        whitespace = self.config.constraint.grammar_whitespace_pattern or ""
-        return ModelLimits(self.vocab_size, self.context_len, whitespace)
+        c = self.config.constraint
+        conversion = Conversion(c.grammar_whitespace_pattern or "", c.grammar_timeout_s, c.grammar_memory_mb)
+        return ModelLimits(self.vocab_size, self.context_len, conversion=conversion)
 
     def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:
         """Queues a validated request (see core.validation: the scheduler trusts it); a

@@ -37,6 +37,7 @@ import uvicorn
 import zmq
 import zmq.asyncio
 from spruce.runtime.config import ServerOptions
+from spruce.constrained.convert import Conversion
 from spruce.runtime.core.validation import ModelLimits
 from spruce.runtime.errors import ModelLoadError, SpruceError
 from spruce.runtime.protocol.ipc import Ready, StartupFailed, decode
@@ -199,8 +200,9 @@ class Launcher:
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
         _set_chat_formats(tokenizer, self.options)
         name = self.options.served_model_name or ready.model_name
-        whitespace = ready.config["constraint"]["grammar_whitespace_pattern"] or ""
-        limits = ModelLimits(ready.vocab_size, ready.context_length, whitespace, self.options.request_limits)
+        c = ready.config["constraint"]
+        conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"])
+        limits = ModelLimits(ready.vocab_size, ready.context_length, self.options.request_limits, conversion)
         model = ModelContext(tokenizer, name, ready.model_path, limits)
         metrics = Metrics()
         max_running = ready.config["scheduler"]["max_running_requests"]

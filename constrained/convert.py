@@ -1,0 +1,133 @@
+"""JSON schema -> regex conversion with a deadline, for the front door.
+
+Converting a schema is usually milliseconds, but a pathological one (thousands of optional
+properties, `$ref`s that unroll exponentially, a huge `enum`) can take long or eat memory.
+A thread cannot be stopped, so the conversion runs in a worker process of
+`build_worker` (memory-capped, killed past the deadline, replaced on the next call); the
+caller gets a ConstraintError naming the deadline and the other requests never wait on it.
+
+    conversion = Conversion(whitespace_pattern="", timeout_s=30, memory_mb=4096)
+    spec = conversion.spec(json_schema=..., schema_mode="lenient")   # ConstraintSpec | None
+    regex = conversion.schema_regex({"type": "object", ...})
+
+Regexes, choices and dtypes are converted in the calling thread (`spec.make_spec`): checking
+them is linear in their size, which the request limits bound. Converted schemas are kept
+in a small LRU (keyed by the schema's text and the options), so a client sending the same
+schema again pays one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from spruce.constrained.build_worker import ConvertRequest, WorkerPool
+from spruce.constrained.json_schema import load_schema
+from spruce.constrained.spec import ConstraintSpec, make_spec
+
+DEFAULT_TIMEOUT_S = 30.0  # the grammar timeout's default (--grammar-timeout-s)
+DEFAULT_MEMORY_MB = 4096  # the grammar workers' default memory cap (--grammar-memory-mb)
+MAX_PARALLEL = 2  # conversions at once (each in its own worker); the others wait their turn
+CACHE_BYTES = 32 * 2**20  # converted schemas kept: regex + schema text, roughly
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """How a front end converts constraints: the whitespace JSON output may hold, and the
+    deadline and memory cap of a JSON schema's conversion."""
+
+    whitespace_pattern: str = ""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    memory_mb: int = DEFAULT_MEMORY_MB
+
+    def spec(
+        self, regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
+        schema_mode: str = "lenient",
+    ) -> ConstraintSpec | None:  # fmt: skip
+        """The constraint (at most one) as a spec with its regex; ConstraintError if bad."""
+        return shared_converter(self.memory_mb).make_spec(
+            regex, json_schema, choices, self.whitespace_pattern, schema_mode, self.timeout_s
+        )
+
+    def schema_regex(self, schema: Any) -> str:
+        """The regex the constrained decoder would use for a JSON schema."""
+        return self.spec(json_schema=schema).regex
+
+
+class SpecConverter:
+    """`make_spec` whose JSON schema conversions run in killable worker processes. Thread-safe."""
+
+    def __init__(self, memory_mb: int, cache_bytes: int = CACHE_BYTES) -> None:
+        self._workers = WorkerPool(None, memory_mb, MAX_PARALLEL)
+        self._slots = threading.BoundedSemaphore(MAX_PARALLEL)
+        self._cache: OrderedDict[tuple, ConstraintSpec] = OrderedDict()
+        self._cache_bytes = 0
+        self._max_bytes = cache_bytes
+        self._lock = threading.Lock()
+
+    def make_spec(
+        self,
+        regex: str | None = None,
+        json_schema: Any = None,
+        choices: list[str] | None = None,
+        whitespace_pattern: str = "",
+        schema_mode: str = "lenient",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> ConstraintSpec | None:
+        """As `spec.make_spec`; a JSON schema is converted in a worker within `timeout_s`."""
+        if json_schema is None or regex is not None or choices is not None:
+            return make_spec(regex=regex, json_schema=json_schema, choices=choices)  # checks "at most one"
+        text = load_schema_text(json_schema)
+        key = (text, whitespace_pattern, schema_mode)
+        with self._lock:
+            spec = self._cache.get(key)
+            if spec is not None:
+                self._cache.move_to_end(key)
+                return spec
+        with self._slots:
+            spec = self._workers.run(ConvertRequest(text, whitespace_pattern, schema_mode), timeout_s)
+        self._remember(key, spec)
+        return spec
+
+    def start(self) -> None:
+        """Starts a worker ahead of the first schema (a fresh interpreter takes a moment)."""
+        self._workers.start()
+
+    def close(self) -> None:
+        self._workers.close()
+
+    def _remember(self, key: tuple, spec: ConstraintSpec) -> None:
+        size = len(key[0]) + len(spec.regex)
+        if size > self._max_bytes:
+            return
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = spec
+            self._cache_bytes += size
+            while self._cache_bytes > self._max_bytes:
+                old_key, old = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old_key[0]) + len(old.regex)
+
+
+def load_schema_text(json_schema: Any) -> str:
+    """The schema as JSON text (a dict, JSON text or a pydantic model class); ConstraintError
+    for anything that is not a schema. Parsing is linear: the caller's thread does it."""
+    return json.dumps(load_schema(json_schema), ensure_ascii=False)
+
+
+_shared: dict[int, SpecConverter] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_converter(memory_mb: int) -> SpecConverter:
+    """One converter per process (per memory cap): every front end in the process shares
+    its workers and its cache."""
+    with _shared_lock:
+        converter = _shared.get(memory_mb)
+        if converter is None:
+            converter = _shared[memory_mb] = SpecConverter(memory_mb)
+        return converter
