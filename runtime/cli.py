@@ -17,15 +17,19 @@ from spruce.runtime.errors import SpruceError
 from spruce.runtime.limits import RequestLimits, ServingLimits
 
 
+FLAG_ALIASES = {"tp_size": ["--tp"]}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags default to None: an unset flag leaves the config's default."""
     group = parser.add_argument_group("engine options")
     for name, kind, default in option_fields():
-        flag = "--model" if name == "model_path" else "--" + name.replace("_", "-")
+        flags = ["--model" if name == "model_path" else "--" + name.replace("_", "-")]
+        flags += FLAG_ALIASES.get(name, [])
         if kind is bool:
-            group.add_argument(flag, dest=name, action="store_true", default=None)
+            group.add_argument(*flags, dest=name, action="store_true", default=None)
         else:
-            group.add_argument(flag, dest=name, type=kind, default=None, help=f"default: {default}")
+            group.add_argument(*flags, dest=name, type=kind, default=None, help=f"default: {default}")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

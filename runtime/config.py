@@ -60,11 +60,22 @@ class ConstraintOptions:
 
 
 @dataclass(frozen=True)
+class ParallelOptions:
+    tp_size: int = 1  # tensor parallelism (--tp): processes that each hold a slice of every layer
+    nnodes: int = 1  # machines the tp ranks span (tp_size / nnodes ranks on each)
+    node_rank: int = 0  # this machine's index; node 0 runs the scheduler (rank 0)
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous; None: a free local port
+    dist_backend: str = "auto"  # auto: gloo on CPU, nccl on CUDA | gloo | nccl
+    dist_timeout_s: float = 60.0  # a rank that cannot reach the others fails after this (clear error)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     constraint: ConstraintOptions = field(default_factory=ConstraintOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
     seed: int = 0
     log_level: str | None = None  # None: leave the "spruce" logger as the application set it
 
@@ -83,6 +94,11 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {name: vars(getattr(self, name)) for name in _SECTIONS}
         return {**out, "seed": self.seed, "log_level": self.log_level}
+
+    def to_options(self) -> dict[str, Any]:
+        """The flat options `from_options` rebuilds this config from (tp ranks get them)."""
+        flat = {k: v for name in _SECTIONS for k, v in vars(getattr(self, name)).items()}
+        return {**flat, "seed": self.seed, "log_level": self.log_level}
 
     @property
     def resolved_device(self) -> str:
@@ -103,7 +119,10 @@ class EngineConfig:
         return self.model.num_threads or os.cpu_count() or 1
 
 
-_SECTIONS = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions, "constraint": ConstraintOptions}
+_SECTIONS = {
+    "model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
+    "constraint": ConstraintOptions, "parallel": ParallelOptions,
+}  # fmt: skip
 _OWNER = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
 _TOP_LEVEL = {"seed", "log_level"}
 

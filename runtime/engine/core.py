@@ -17,7 +17,10 @@ import torch
 from spruce.constrained import GrammarCompiler
 from spruce.constrained.convert import Conversion
 from spruce.radix import NoPrefixCache, RadixCache
+from spruce.runtime.engine import tp_worker
 from spruce.runtime.executor.attention import resolve_backend
+from spruce.runtime.executor.distributed import close_group
+from spruce.runtime.executor.distributed import send_stop as send_stop_message
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.executor.logits_mask import GrammarMask
@@ -51,9 +54,39 @@ class EngineCore:
         if device == "cpu":
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(
-            config.model.model_path, config.resolved_dtype, device, config.model.quantization
-        )
+        self.tp, self.followers = None, []
+        try:
+            if config.parallel.tp_size > 1:
+                self._start_tensor_parallel(loaded)
+            self._build(config, device, loaded)
+        except BaseException:
+            self._stop_tensor_parallel(send_stop=hasattr(self, "runner"))  # followers follow
+            raise
+
+    def _start_tensor_parallel(self, loaded: LoadedModel | None) -> None:
+        """This process becomes rank 0 and starts this machine's other ranks."""
+        if loaded is not None:
+            raise InvalidRequestError("a tensor-parallel engine loads its own slices: no loaded=")
+        where = tp_worker.place(self.config)
+        if where.rank != 0:
+            raise InvalidRequestError(
+                f"this process is tensor-parallel rank {where.rank}; only rank 0 runs the engine "
+                "(`spruce serve` runs the other ranks as followers)"
+            )
+        self.followers = tp_worker.start_followers(self.config, where)
+        self.tp = tp_worker.join(self.config, where)
+
+    def _stop_tensor_parallel(self, send_stop: bool = True) -> None:
+        if self.tp is not None and send_stop:
+            send_stop_message(self.tp)
+        if self.tp is not None:
+            close_group()
+        tp_worker.stop_followers(self.followers)
+        self.tp, self.followers = None, []
+
+    def _build(self, config: EngineConfig, device: str, loaded: LoadedModel | None) -> None:
+        m, dtype = config.model, config.resolved_dtype
+        self.loaded = loaded or load_model(m.model_path, dtype, device, m.quantization, self.tp)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
         self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
@@ -67,7 +100,10 @@ class EngineCore:
             device=device,
             cuda_graph=not config.model.disable_cuda_graph,
             kv_dtype=kv_dtype,
+            tp=self.tp,
         )
+        if self.tp is not None:
+            tp_worker.share_pool_sizes(self.runner, self.tp)
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
         prefix_cache = NoPrefixCache(pool.allocator) if config.cache.disable_radix_cache else RadixCache(pool.allocator)
@@ -214,6 +250,7 @@ class EngineCore:
 
     def close(self) -> None:
         self.compiler.close()
+        self._stop_tensor_parallel()
 
     def check_integrity(self) -> None:
         """Debug check (tests call it after failures): used KV slots == slots referenced by

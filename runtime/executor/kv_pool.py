@@ -146,6 +146,10 @@ class ReqToTokenTable:
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
         self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        # tensor parallel rank 0: the writes since the last step, which the other ranks'
+        # tables repeat (the model runner's own writes are not journaled: they follow from
+        # the step itself). None: not recorded.
+        self.journal: list[tuple[int, int, torch.Tensor]] | None = None
 
     @property
     def num_free_rows(self) -> int:
@@ -162,6 +166,12 @@ class ReqToTokenTable:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)
+        if self.journal is not None and slots.numel():
+            self.journal.append((row, start, slots.to("cpu", torch.int64).clone()))
+
+    def take_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+        writes, self.journal = self.journal or [], []
+        return writes
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         """Slots of positions [start, end) of a row, as int64 on the CPU (bookkeeping)."""

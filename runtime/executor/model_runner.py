@@ -10,6 +10,7 @@ import torch
 
 from spruce.runtime.executor.attention import create_backend
 from spruce.runtime.executor.attention.base import ForwardContext
+from spruce.runtime.executor.distributed import StepMessage, TPGroup, receive_step, send_step
 from spruce.runtime.executor.kv_pool import KVPool, KVShape, ReqToTokenTable
 
 
@@ -45,10 +46,14 @@ class ModelRunner:
         device: str = "cpu",
         cuda_graph: bool = False,
         kv_dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """`tp`: this rank's tensor-parallel group (the model holds this rank's slices);
+        rank 0 sends each step to the others, which run `follow()`."""
         config = loaded.config
         self.model = loaded.model
         self.config = config
+        self.tp = tp
         self.device = torch.device(device)
         dtype = kv_dtype or next(self.model.parameters()).dtype
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
@@ -59,7 +64,10 @@ class ModelRunner:
             options=self.model.attention_options,
         )
         self.graphs = None
-        if cuda_graph and self.device.type == "cuda" and attention_backend == "triton" and self.model.capturable:
+        if tp is not None and tp.is_leader:
+            self.req_to_token.journal = []
+        graphs_fit = self.device.type == "cuda" and attention_backend == "triton" and self.model.capturable
+        if tp is None and cuda_graph and graphs_fit:
             from spruce.runtime.executor.cuda_graph import CudaGraphRunner
 
             padding_row = self.req_to_token.alloc_row()  # a spare row for padded graph batches
@@ -67,6 +75,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> ForwardOutput:
+        if self.tp is not None and self.tp.is_leader:
+            steps = [(i.row, i.prefix_len, i.new_ids, i.new_slots, i.all_logits) for i in items]
+            send_step(self.tp, StepMessage(steps, self.req_to_token.take_journal()))
         ctx, input_ids = self._build(items)
         logits_rows, offsets = self._logits_rows(items)
         if self.graphs is not None and ctx.is_decode and logits_rows is None and self.graphs.can_run(len(items)):
@@ -112,3 +123,10 @@ class ModelRunner:
         if len(rows) == start:
             return None, offsets
         return torch.tensor(rows, device=self.device), offsets
+
+    def follow(self) -> None:
+        """A tensor-parallel follower: runs rank 0's steps until it says stop."""
+        while (msg := receive_step(self.tp)) is not None:
+            for row, start, slots in msg.writes:
+                self.req_to_token.write(row, start, slots)
+            self.forward([ForwardItem(*item) for item in msg.items])

@@ -17,7 +17,10 @@ from torch import nn
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.distributed import TPGroup
 from spruce.runtime.models.loading.files import checkpoint_kind, default_model_path
+from spruce.runtime.models.loading.sharded import read_safetensors_slices, slice_state_dict
+from spruce.runtime.models.parallel import parallelize, shard_config
 from spruce.runtime.models.loading.quantize import QuantizedTensor, check_quantization, quantize
 from spruce.runtime.models.weights import spruce_names
 from spruce.runtime.models import model_class
@@ -51,17 +54,21 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     quantization: str = "auto",
+    tp: TPGroup | None = None,
 ) -> LoadedModel:
     """Loads weights and tokenizer; logs architecture, size in memory, dtype, quantization
     and seconds. `quantization` (see loading/quantize.py) applies on the CPU only: `auto`
-    means `none` elsewhere, and an explicit format elsewhere is an error."""
+    means `none` elsewhere, and an explicit format elsewhere is an error. With `tp`, this
+    rank's slices only (models/parallel.py), in float: the config is the rank's."""
     start = time.perf_counter()
     path = path or default_model_path()
     dtype = parse_dtype(dtype)
-    quantization = _effective_quantization(check_quantization(quantization), device)
-    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype, quantization != "none")
+    quantization = _effective_quantization(check_quantization(quantization), device, tp)
+    hf_config, state_dict, tokenizer = read_checkpoint(path, dtype, quantization != "none", tp)
     config = ModelConfig.from_hf(hf_config)
-    model = _build(config, state_dict, dtype, torch.device(device), quantization)
+    if tp is not None:
+        config = shard_config(config, tp.world)
+    model = _build(config, state_dict, dtype, torch.device(device), quantization, tp)
     name = os.path.basename(os.path.normpath(path))
     logger.info(
         "loaded %s (%s, %.0f MB in memory, %s, quantization %s) in %.2f s",
@@ -77,7 +84,14 @@ def model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _effective_quantization(quantization: str, device: str) -> str:
+def _effective_quantization(quantization: str, device: str, tp: TPGroup | None = None) -> str:
+    if tp is not None and quantization not in ("auto", "none"):
+        raise ModelLoadError(
+            f"--quantization {quantization} does not combine with --tp {tp.world}: tensor-parallel "
+            "ranks hold float weights (use --quantization none)"
+        )
+    if tp is not None:
+        return "none"
     if quantization == "none" or (torch.device(device).type == "cpu" and cpu_quant_ops.available()):
         return quantization
     if quantization == "auto":
@@ -89,16 +103,22 @@ def _effective_quantization(quantization: str, device: str) -> str:
 
 
 def read_checkpoint(
-    path: str, dtype: torch.dtype, keep_quantized: bool = False
+    path: str, dtype: torch.dtype, keep_quantized: bool = False, tp: TPGroup | None = None
 ) -> tuple[dict, dict[str, Any], Tokenizer]:
     """(Hugging Face config dict, state dict in HF names, tokenizer) of a folder or GGUF
-    file; with `keep_quantized`, a GGUF file's quantized weights stay quantized."""
+    file; with `keep_quantized`, a GGUF file's quantized weights stay quantized; with `tp`,
+    this rank's slices (a folder's read as slices; a GGUF file's read whole, then sliced)."""
     if checkpoint_kind(path) == "folder":
-        return _read_hf_folder(path)
-    return _read_gguf(path, dtype, keep_quantized)
+        return _read_hf_folder(path, tp)
+    hf_config, state_dict, tokenizer = _read_gguf(path, dtype, keep_quantized)
+    if tp is not None:
+        config = ModelConfig.from_hf(hf_config)
+        shard_config(config, tp.world)  # heads that do not split: one line, before slicing
+        state_dict = slice_state_dict(state_dict, config, tp.rank, tp.world)
+    return hf_config, state_dict, tokenizer
 
 
-def _read_hf_folder(folder: str):
+def _read_hf_folder(folder: str, tp: TPGroup | None = None):
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(
@@ -106,11 +126,18 @@ def _read_hf_folder(folder: str):
         )
     with open(config_path, encoding="utf-8") as f:
         hf_config = json.load(f)
-    model_class(ModelConfig.from_hf(hf_config))  # fail on an unknown model before reading weights
+    config = ModelConfig.from_hf(hf_config)
+    model_class(config)  # an unknown model (or one --tp cannot split) fails before the weights
+    if tp is not None:
+        shard_config(config, tp.world)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{folder} has no *.safetensors weights (PyTorch .bin files are not loaded)")
-    return hf_config, _read_safetensors(files), Tokenizer.from_folder(folder, hf_config)
+    if tp is not None:
+        state_dict = read_safetensors_slices(files, config, tp.rank, tp.world)
+    else:
+        state_dict = _read_safetensors(files)
+    return hf_config, state_dict, Tokenizer.from_folder(folder, hf_config)
 
 
 def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
@@ -135,11 +162,14 @@ def _read_gguf(path: str, dtype: torch.dtype, keep_quantized: bool):
 
 
 def _build(
-    config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device, quantization: str
+    config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device,
+    quantization: str, tp: TPGroup | None = None,
 ) -> nn.Module:
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
+        if tp is not None:
+            parallelize(model, tp)
     try:
         if quantization != "none":
             state_dict = spruce_names(state_dict)
