@@ -6,6 +6,11 @@ model's own answers), a tree (one long prefix, many short continuations), and al
 prompts (the cache's cost when nothing is shared). For each: throughput and hit rate with
 the cache and without, their ratio, and the hit rate as a share of the best possible.
 Both engines share one copy of the weights and run in the same process.
+
+`--dp N`: instead, the workloads through Engine(dp_size=N) (N EngineCores, each with its
+own KV pool and radix cache, stepped in turn in this process) routed cache-aware and
+round-robin, next to one core: hit rate and throughput side by side. On a CPU the cores
+share the machine, so the figure that matters is the hit rate a server's replicas would get.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="runs per side, in A-B-B-A order; the mean is reported")
     parser.add_argument("--policies", default=None, help="also run few-shot with each of these policies, e.g. fcfs,lpm,dfs-weight")
+    parser.add_argument("--dp", type=int, default=1, help="N cores, cache-aware vs round-robin vs one")
     parser.add_argument("--output-json", default=None)
 
 
@@ -139,6 +145,10 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     vocab = with_cache.tokenizer.vocab_size - 256  # stay clear of special tokens at the end
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     with_cache.generate(input_ids=[[5, 6, 7]], sampling_params=params)  # warm-up
+    if args.dp > 1:
+        results = {"dp": compare_dp(args, options, with_cache, vocab, params)}
+        write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results})
+        return 0
     results = {}
     for name in args.workloads.split(","):
         on, off = measure_both(with_cache, without, name, args, vocab, params)
@@ -157,6 +167,31 @@ def compare_policies(args, options: dict, base, vocab: int, params: dict) -> dic
         engine = engine or type(base)(loaded=base.core.loaded, **{**options, "schedule_policy": policy})
         out[policy] = measure(engine, "few-shot", args, vocab, params)
         print(f"  policy {policy:10s} few-shot {out[policy]['output_tokens_per_s']:8.1f} out tok/s  hit {out[policy]['hit_rate']:.3f}")
+    return out
+
+
+def compare_dp(args, options: dict, single, vocab: int, params: dict) -> dict:
+    """Each workload through one core, then N cores routed cache-aware and round-robin."""
+    from spruce.runtime.server.router import make_router
+
+    engines = {"dp 1": single}
+    for policy in ("cache-aware", "round-robin"):
+        router = make_router(policy, args.dp)
+        engines[f"dp {args.dp} {policy}"] = type(single)(
+            loaded=single.core.loaded, dp_size=args.dp, router=router, **options
+        )
+    out = {}
+    for name in args.workloads.split(","):
+        out[name] = {label: measure(e, name, args, vocab, params) for label, e in engines.items()}
+        for label, r in out[name].items():
+            print(
+                f"{name:10s} {label:24s} {r['output_tokens_per_s']:8.1f} out tok/s  "
+                f"{r['prompt_tokens_per_s']:8.1f} prompt tok/s  "
+                f"hit {r['hit_rate']:.3f} (best {r['best_hit_rate']:.3f})"
+            )
+    for label, engine in engines.items():
+        if engine is not single:
+            engine.shutdown()
     return out
 
 

@@ -4,6 +4,14 @@
     with Engine() as engine:                       # the bundled SmolLM2-135M-Instruct
         out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
         print(out["text"], out["meta_info"]["finish_reason"])
+
+`Engine(tp_size=2)` splits every layer over two processes (this one is rank 0; the other
+is started here and stopped by `shutdown()`; see executor/distributed.py).
+`Engine(dp_size=2, router=CacheAwareRouter(2))` runs two EngineCores, each with its own
+KV pool and radix cache, over one copy of the weights, stepped in turn in this process;
+each prompt goes to the core the router picks (server/router.py's routers fit). On a CPU
+the point is the cache (what a server's replicas would hit), not speed: the cores share
+the same cores.
 """
 
 from __future__ import annotations
@@ -31,19 +39,30 @@ class Engine:
         model_path: str | None = None,
         loaded: LoadedModel | None = None,
         request_limits: RequestLimits | dict | None = None,
+        dp_size: int = 1,
+        router: Any = None,
         **options: Any,
     ) -> None:
         """`options` are EngineConfig's (see `spruce serve --help`); `loaded`, an already
         loaded model (e.g. another engine's `engine.core.loaded`), shares its weights;
         `request_limits`, what one call may ask for (a RequestLimits or a dict of its fields,
-        the `spruce serve` flags of the same names; default: RequestLimits())."""
+        the `spruce serve` flags of the same names; default: RequestLimits()); `dp_size`,
+        the number of EngineCores, and `router`, what picks one per prompt: an object with
+        route(ids, loads) -> core index and forget(index), such as
+        spruce.runtime.server.router.CacheAwareRouter(dp_size) (required when dp_size > 1)."""
         self.request_limits = request_limits_from(request_limits)
         self.config = EngineConfig.from_options(model_path=model_path, **options)
+        check_data_parallel(dp_size, router, self.config)
         use_passive_omp_threads()  # before torch is imported, if it was not yet
         from spruce.runtime.engine.core import EngineCore  # torch and the model code
         if self.config.log_level:
             logging.getLogger("spruce").setLevel(self.config.log_level.upper())
         self.core = EngineCore(self.config, loaded)
+        more = [EngineCore(self.config, self.core.loaded) for _ in range(dp_size - 1)]
+        self.cores = [self.core, *more]  # dp_size > 1: one copy of the weights
+        self.router = router if dp_size > 1 else None
+        self._core_of: dict[str, int] = {}  # rid -> index of its core
+        self._in_flight = [0] * dp_size  # the router's loads
         self.tokenizer = self.core.tokenizer
         # Calls in flight (e.g. interleaved streams) share the core: a step's news for one
         # call's requests waits here for that call, whichever call ran the step.
@@ -77,7 +96,7 @@ class Engine:
         )  # fmt: skip
         limits = replace(self.core.limits, request=self.request_limits)
         valid = [validate_request(self._ids(p), sp, options, limits) for p, sp in zip(prompts, params)]
-        reqs = [self.core.add_request(v) for v in valid]
+        reqs = [self._add(v) for v in valid]
         self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated
         if stream:
             return self._stream(reqs)
@@ -88,15 +107,24 @@ class Engine:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def flush_cache(self) -> None:
-        self.core.flush_cache()
+        for i, core in enumerate(self.cores):
+            core.flush_cache()
+            if self.router is not None:
+                self.router.forget(i)
 
     def stats(self) -> dict:
-        return self.core.stats()
+        """The core's stats; with dp_size > 1, the cores' counters summed, and each core's
+        own under "replicas"."""
+        if len(self.cores) == 1:
+            return self.core.stats()
+        each = [core.stats() for core in self.cores]
+        total = {k: sum(s[k] for s in each) for k in each[0] if k != "time"}
+        return {**total, "time": each[0]["time"], "dp_size": len(each), "replicas": each}
 
     def shutdown(self) -> None:
-        if self.core is not None:
-            self.core.close()
-        self.core = None
+        for core in self.cores:
+            core.close()
+        self.core, self.cores = None, []
 
     def __enter__(self) -> "Engine":
         return self
@@ -105,6 +133,23 @@ class Engine:
         self.shutdown()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _add(self, valid) -> Req:
+        """Queues a request on its core (the router's pick with dp_size > 1)."""
+        ids, loads = list(valid.input_ids), list(self._in_flight)
+        i = 0 if self.router is None else self.router.route(ids, loads)
+        req = self.cores[i].add_request(valid)
+        self._core_of[req.rid] = i
+        self._in_flight[i] += 1
+        return req
+
+    def _step(self) -> list[Req]:
+        if len(self.cores) == 1:
+            return self.core.step()
+        return [req for core in self.cores if core.has_work() for req in core.step()]
+
+    def _has_work(self) -> bool:
+        return any(core.has_work() for core in self.cores)
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -146,8 +191,8 @@ class Engine:
                     }
         finally:
             for rid in pending:  # a consumer that stops early aborts what is left
-                self.core.abort(rid, "the stream was closed")
-            while pending and self.core.has_work():
+                self.cores[self._core_of[rid]].abort(rid, "the stream was closed")
+            while pending and self._has_work():
                 for req in self._news_for(pending):
                     if req.finished:
                         del pending[req.rid]
@@ -158,7 +203,7 @@ class Engine:
         step of another call left for it, else the news of a step run now."""
         news = [rid for rid in self._news if rid in mine]
         if not news:
-            changed = [r.rid for r in self.core.step() if r.rid in self._live]
+            changed = [r.rid for r in self._step() if r.rid in self._live]
             self._news.update(dict.fromkeys(changed))
             news = [rid for rid in self._news if rid in mine]
         for rid in news:
@@ -169,6 +214,21 @@ class Engine:
         for req in reqs:
             self._live.discard(req.rid)
             self._news.pop(req.rid, None)
+            core = self._core_of.pop(req.rid, None)
+            if core is not None:
+                self._in_flight[core] -= 1
+
+
+def check_data_parallel(dp_size: int, router: Any, config: EngineConfig) -> None:
+    if not isinstance(dp_size, int) or dp_size < 1:
+        raise InvalidRequestError(f"dp_size must be an integer >= 1, not {dp_size!r}")
+    if dp_size > 1 and router is None:
+        raise InvalidRequestError(
+            "dp_size > 1 needs a router, e.g. router=CacheAwareRouter(dp_size) "
+            "from spruce.runtime.server.router"
+        )
+    if dp_size > 1 and config.parallel.tp_size > 1:
+        raise InvalidRequestError("the offline Engine runs dp_size > 1 or tp_size > 1, not both")
 
 
 def request_limits_from(value: RequestLimits | dict | None) -> RequestLimits:
