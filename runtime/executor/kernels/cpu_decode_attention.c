@@ -20,7 +20,8 @@
  * Layouts: q [B, H, D] with row stride q_stride; k_new, v_new [B, KH, D] with row stride
  * new_stride; out [B, H, D] contiguous; k_cache, v_cache [S, KH, D]; req_to_token int32
  * [R, table_stride]; rows, seq_lens, new_slots int64 [B].
- * Vectors are GCC vector extensions (16 floats), lowered to whatever the CPU has.
+ * Vectors are GCC vector extensions (16 floats), lowered to the instruction set this copy is
+ * compiled for (cpu_vector.h: one copy per instruction set, picked at load).
  */
 #include "cpu_vector.h"
 

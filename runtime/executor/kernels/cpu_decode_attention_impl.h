@@ -70,7 +70,9 @@ static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
 }
 
 /* Shapes of common models get their own unrolled copy; any other shape runs the same code
- * with run-time loop bounds. */
+ * with run-time loop bounds. The portable variant (a fallback, whose 16-float vectors the
+ * compiler splits into pieces, slowly) keeps the run-time bounds only. */
+#if !defined(SPRUCE_GENERIC_SHAPES)
 #define SPECIALIZED(G, C)                                                                     \
     static void NAME(CAT(CAT(attend, G), C))(const float *q, const CACHE_T *k, const CACHE_T *v, \
                                              const int32_t *slots, int64_t seq_len,             \
@@ -86,6 +88,7 @@ SPECIALIZED(4, 8)
 SPECIALIZED(6, 8)
 SPECIALIZED(7, 8)
 #undef SPECIALIZED
+#endif
 
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache,
                          const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
@@ -95,6 +98,7 @@ static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *
         const float *qh = q + h * group * dim;
         float *oh = out + h * group * dim;
         const CACHE_T *k = k_cache + h * dim, *v = v_cache + h * dim;
+#if !defined(SPRUCE_GENERIC_SHAPES)
 #define CASE(G, C)                                                                     \
     if (group == G && chunks == C) {                                                   \
         NAME(CAT(CAT(attend, G), C))(qh, k, v, slots, seq_len, row_len, oh, scale);     \
@@ -102,6 +106,7 @@ static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *
     }
         CASE(1, 4) CASE(3, 4) CASE(4, 4) CASE(7, 4) CASE(3, 8) CASE(4, 8) CASE(6, 8) CASE(7, 8)
 #undef CASE
+#endif
         NAME(attend_kv_head)(qh, k, v, slots, seq_len, row_len, oh, scale, group, chunks);
     }
 }
@@ -110,7 +115,7 @@ static void NAME(store)(CACHE_T *cache, const float *row, int64_t n) {
     for (int64_t i = 0; i < n; i++) cache[i] = (CACHE_T)row[i];
 }
 
-int NAME(spruce_decode_attention)(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
+int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
                                 int64_t new_stride, const int64_t *new_slots, CACHE_T *k_cache,
                                 CACHE_T *v_cache, const int32_t *req_to_token, int64_t table_stride,
                                 const int64_t *rows, const int64_t *seq_lens, float *out, int64_t batch,

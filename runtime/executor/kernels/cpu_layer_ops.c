@@ -36,7 +36,7 @@ static void rms_norm_row(const float *x, float *residual, const float *weight, f
 }
 
 /* rows x dim, contiguous; residual may be NULL (no add). */
-void spruce_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+void PER_ISA(spruce_rms_norm)(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
                      float eps) {
 #pragma omp parallel for if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -56,7 +56,7 @@ static inline vec silu_vec(vec x) {
 static inline float silu_scalar(float x) { return x / (1.0f + expf(-x)); }
 
 /* gate_up rows are [gate (inter), up (inter)]; out rows are silu(gate) * up (inter). */
-void spruce_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+void PER_ISA(spruce_silu_mul)(const float *gate_up, float *out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (rows * inter >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
@@ -73,10 +73,10 @@ void spruce_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t int
 /* Rotate-half rotary embedding in place: row r holds `heads` vectors of `dim` floats
  * (q heads then k heads) at stride row_stride; cos / sin are [positions, dim / 2].
  * No fused multiply-add, so the rounding is transformers' (two products, one sum). */
-__attribute__((optimize("fp-contract=off"))) void spruce_rotary(float *x, int64_t row_stride, int64_t rows,
-                                                                int64_t heads, int64_t dim,
-                                                                const int64_t *positions, const float *cos,
-                                                                const float *sin) {
+__attribute__((optimize("fp-contract=off"))) void PER_ISA(spruce_rotary)(float *x, int64_t row_stride, int64_t rows,
+                                                                         int64_t heads, int64_t dim,
+                                                                         const int64_t *positions,
+                                                                         const float *cos, const float *sin) {
     int64_t half = dim / 2;
 #pragma omp parallel for if (rows * heads * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -120,7 +120,7 @@ static inline void dot_rows(const float *x, int64_t rows, int64_t k, const float
         }
 }
 
-void spruce_gemv(const float *x, int64_t rows, int64_t k, const float *w, const float *bias, int64_t n, float *y) {
+void PER_ISA(spruce_gemv)(const float *x, int64_t rows, int64_t k, const float *w, const float *bias, int64_t n, float *y) {
 #pragma omp parallel for schedule(static)
     for (int64_t start = 0; start < n; start += 4) {
         int64_t n_here = n - start < 4 ? n - start : 4;

@@ -1,6 +1,7 @@
 /* Linear layers on quantized weights, in llama.cpp's block formats (Q8_0, Q4_0, Q4_1: 32
  * values per block, an fp16 scale d, Q4_1 also an fp16 offset m; Q4 values are nibbles,
- * the low nibbles of a block's 16 bytes are values 0..15, the high ones 16..31).
+ * the low nibbles of a block's 16 bytes are values 0..15, the high ones 16..31; the K
+ * formats Q4_K / Q5_K / Q6_K, super-blocks of 256, are in cpu_kquant_ops.c).
  *
  * The activation rows are quantized once per call to 16-bit blocks of 32 (scale dx, values
  * qx = round(x / dx) in -32767..32767, and their sum sx), so each weight block meets each
@@ -18,78 +19,75 @@
  * sign trick did (two madd instead of sign, sign, maddubs, madd).
  *
  * One build serves every x86-64 CPU: each instruction-set variant is compiled with its own
- * target attribute and chosen at run time (spruce_quant_best_isa; callers may force one):
+ * target attribute and chosen at run time (cpu_features.c; callers may force one):
  *   ISA_SCALAR      portable C
  *   ISA_AVX2        AVX2 vpmaddwd
  *   ISA_AVX512VNNI  vpdpwssd (AVX512-VNNI on 256-bit registers)
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include <stdlib.h>
 
-#define QK 32
-#define MAX_ROWS 4
-
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
-
-typedef struct __attribute__((packed)) { uint16_t d; int8_t qs[QK]; } block_q8_0;
-typedef struct __attribute__((packed)) { uint16_t d; uint8_t qs[QK / 2]; } block_q4_0;
-typedef struct __attribute__((packed)) { uint16_t d, m; uint8_t qs[QK / 2]; } block_q4_1;
-
-static int64_t block_bytes(int64_t type) {
-    return type == TYPE_Q8_0 ? sizeof(block_q8_0) : type == TYPE_Q4_0 ? sizeof(block_q4_0) : sizeof(block_q4_1);
-}
-
-/* IEEE half -> float, portable (subnormals included). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000 | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else {
-        float value = (float)mantissa * (1.0f / 16777216.0f); /* 2^-24 */
-        return sign ? -value : value;
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
+#include "cpu_quant.h"
 
 /* ---- activations: rows x k floats -> qx int16 [rows, k], dx, sx float [rows, k / 32] ---- */
 
 #define QMAX 32767.0f
 
-void spruce_quantize_rows_q16(const float *x, int64_t rows, int64_t k, int16_t *qx, float *dx, float *sx) {
+static void quantize_block_scalar(const float *v, int16_t *q, float *d_out, float *s_out) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float d = amax / QMAX, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < QK; i++) {
+        q[i] = (int16_t)nearbyintf(v[i] * id);
+        sum += q[i];
+    }
+    *d_out = d;
+    *s_out = (float)sum;
+}
+
+#if defined(__x86_64__)
+/* The same arithmetic on 4 vectors: max |v|, the same float products, round to nearest
+ * even (the default rounding mode, as nearbyintf), 32-bit -> 16-bit in order. */
+TARGET_AVX2 static void quantize_block_avx2(const float *v, int16_t *q, float *d_out, float *s_out) {
+    __m256 x[4], amax = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float d = _mm_cvtss_f32(m) / QMAX, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(id)));
+    __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xd8);
+    __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xd8);
+    _mm256_storeu_si256((__m256i *)q, lo);
+    _mm256_storeu_si256((__m256i *)(q + 16), hi);
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    *d_out = d;
+    *s_out = (float)_mm_cvtsi128_si32(s);
+}
+#endif
+
+/* rows x k floats -> qx int16 [rows, k], dx, sx float [rows, k / 32] (any isa: the same
+ * result). */
+void spruce_quantize_rows_q16(const float *x, int64_t rows, int64_t k, int16_t *qx, float *dx, float *sx,
+                              int64_t isa) {
+    void (*block)(const float *, int16_t *, float *, float *) = quantize_block_scalar;
+#if defined(__x86_64__)
+    if (isa != ISA_SCALAR) block = quantize_block_avx2;
+#endif
     int64_t nb = k / QK;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * k + b * QK;
-            int16_t *q = qx + r * k + b * QK;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / QMAX, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int16_t)nearbyintf(v[i] * id);
-                sum += q[i];
-            }
-            dx[r * nb + b] = d;
-            sx[r * nb + b] = (float)sum;
-        }
+        for (int64_t b = 0; b < nb; b++)
+            block(x + r * k + b * QK, qx + r * k + b * QK, dx + r * nb + b, sx + r * nb + b);
 }
 
 /* ---- one output row: the weight row's blocks against up to 4 activation rows ---- */
-
-typedef struct {
-    const int16_t *qx;
-    const float *dx, *sx;
-    int64_t k, rows;
-} activations;
 
 static void row_scalar(int64_t type, const uint8_t *w, const activations *a, float *out) {
     int64_t nb = a->k / QK, bytes = block_bytes(type);
@@ -122,16 +120,6 @@ static void row_scalar(int64_t type, const uint8_t *w, const activations *a, flo
 }
 
 #if defined(__x86_64__)
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-
-TARGET_AVX2 static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* 16 packed bytes -> 32 bytes 0..15: low nibbles (values 0..15), then high (16..31). */
 TARGET_AVX2 static inline __m256i unpack_nibbles(const uint8_t *qs) {
     __m128i packed = _mm_loadu_si128((const __m128i *)qs);
@@ -143,22 +131,6 @@ TARGET_AVX2 static inline __m256i unpack_nibbles(const uint8_t *qs) {
 TARGET_AVX2 static inline __m256i load_weight_block(int64_t type, const uint8_t *block) {
     if (type == TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)((const block_q8_0 *)block)->qs);
     return unpack_nibbles(type == TYPE_Q4_0 ? ((const block_q4_0 *)block)->qs : ((const block_q4_1 *)block)->qs);
-}
-
-/* Integer dot of a weight block (32 bytes, widened to 16 bits) with 32 int16 activations,
- * as 8 int32 partial sums: |w x| <= 128 * 32767, so no sum of 32 overflows. */
-TARGET_AVX2 static inline __m256i dot_avx2(__m256i w, const int16_t *x) {
-    __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-    __m256i lo = _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(lo, _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
-}
-
-TARGET_VNNI static inline __m256i dot_vnni(__m256i w, const int16_t *x) {
-    __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-    __m256i acc = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w_lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_dpwssd_epi32(acc, w_hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
 /* The SIMD row loop, once per instruction set (DOT is the integer dot above). Per row m:
@@ -191,21 +163,8 @@ SIMD_ROW(row_avx2, TARGET_AVX2, dot_avx2)
 SIMD_ROW(row_vnni, TARGET_VNNI, dot_vnni)
 #endif
 
-/* The best instruction set this CPU runs. */
-int64_t spruce_quant_best_isa(void) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw"))
-        return ISA_AVX512VNNI;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-        return ISA_AVX2;
-#endif
-    return ISA_SCALAR;
-}
-
 /* y[m, i] = sum_j W[i, j] x[m, j] (+ bias[i]) for every activation row m < rows; W is n
- * rows of k / 32 blocks of `type`; the activations are already quantized
+ * rows of k / 32 blocks of `type` (k / 256 for the K formats); the activations are already quantized
  * (spruce_quantize_rows_q16). y has row stride y_stride. Tiles of TILE weight rows are
  * spread over torch's OpenMP threads; a tile stays in cache while it meets the activation
  * rows 4 at a time, so the weights are read from memory once for any number of rows. */
@@ -213,11 +172,12 @@ int64_t spruce_quant_best_isa(void) {
 
 void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, const int16_t *qx, const float *dx,
                        const float *sx, int64_t rows, const float *bias, float *y, int64_t y_stride, int64_t isa) {
-    int64_t nb = k / QK, row_bytes = nb * block_bytes(type);
-    void (*row)(int64_t, const uint8_t *, const activations *, float *) = row_scalar;
+    int64_t nb = k / QK, bytes = row_bytes(type, k);
+    int k_type = is_k_type(type);
+    row_fn row = k_type ? kquant_row_scalar : row_scalar;
 #if defined(__x86_64__)
-    if (isa == ISA_AVX2) row = row_avx2;
-    if (isa == ISA_AVX512VNNI) row = row_vnni;
+    if (isa == ISA_AVX2) row = k_type ? kquant_row_avx2 : row_avx2;
+    if (isa == ISA_AVX512VNNI) row = k_type ? kquant_row_vnni : row_vnni;
 #endif
 #pragma omp parallel for schedule(static)
     for (int64_t tile = 0; tile < n; tile += TILE) {
@@ -227,7 +187,7 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
             activations a = {qx + first * k, dx + first * nb, sx + first * nb, k, count};
             for (int64_t i = tile; i < end; i++) {
                 float out[MAX_ROWS];
-                row(type, w + i * row_bytes, &a, out);
+                row(type, w + i * bytes, &a, out);
                 for (int64_t m = 0; m < count; m++)
                     y[(first + m) * y_stride + i] = out[m] + (bias != NULL ? bias[i] : 0.0f);
             }
@@ -235,14 +195,36 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     }
 }
 
+/* The whole linear layer in one call (one ctypes call per layer at decode): the activation
+ * rows are quantized into scratch memory, then meet the weights. Returns 1 when the
+ * scratch memory cannot be had. */
+int spruce_quant_linear(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                        const float *bias, float *y, int64_t isa) {
+    int64_t nb = k / QK;
+    int16_t *qx = malloc((size_t)(rows * k) * sizeof(int16_t));
+    float *scales = malloc((size_t)(2 * rows * nb) * sizeof(float));
+    if (qx == NULL || scales == NULL) {
+        free(qx), free(scales);
+        return 1;
+    }
+    spruce_quantize_rows_q16(x, rows, k, qx, scales, scales + rows * nb, isa);
+    spruce_quant_gemv(type, w, n, k, qx, scales, scales + rows * nb, rows, bias, y, n, isa);
+    free(qx), free(scales);
+    return 0;
+}
+
 /* Weight rows ids[0..count) (all n rows when ids is NULL) dequantized to float, row-major
  * into out [count, k]: the tiled path for many activation rows, and embedding lookups. */
 void spruce_dequantize_rows(int64_t type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
                             float *out) {
-    int64_t nb = k / QK, bytes = block_bytes(type), row_bytes = nb * bytes;
+    int64_t nb = k / QK, bytes = block_bytes(type), stride = row_bytes(type, k);
 #pragma omp parallel for schedule(static) if (count * k >= (1 << 16))
     for (int64_t r = 0; r < count; r++) {
-        const uint8_t *row = w + (ids != NULL ? ids[r] : r) * row_bytes;
+        const uint8_t *row = w + (ids != NULL ? ids[r] : r) * stride;
+        if (is_k_type(type)) {
+            kquant_dequantize_row(type, row, k, out + r * k);
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *block = row + b * bytes;
             float *o = out + r * k + b * QK;

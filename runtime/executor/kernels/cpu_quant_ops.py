@@ -1,13 +1,16 @@
-"""Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c).
+"""Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c and
+cpu_kquant_ops.c).
 
-Weights stay in llama.cpp's block formats (`QUANT_TYPES`), as uint8 tensors of shape
-[n, k / 32 * block_bytes]. Up to `INTEGER_MAX_ROWS` activation rows (decode, small
+Weights stay in llama.cpp's block formats (`QUANT_TYPES`: blocks of 32 values, or
+super-blocks of 256 for the K formats), as uint8 tensors of shape [n, k / block_size *
+block_bytes]. Up to `INTEGER_MAX_ROWS` activation rows (decode, small
 batches) are quantized to 16-bit blocks and meet the weights in integer dot products; more
 rows (prefill, large batches) dequantize tiles of the weights to float32 and use torch's
 GEMM, which is faster there.
 
-The instruction set (`ISAS`) is chosen at run time: the best this CPU runs, unless the
-caller forces one (the tests run every available one).
+The instruction set (`ISAS`) is chosen at run time: the best this CPU runs (capped by
+SPRUCE_CPU_ISA, see cpu_library.py), unless the caller forces one (the tests run every
+available one).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spruce.runtime.executor.kernels.cpu_library import load_library
+from spruce.runtime.executor.kernels.cpu_library import FLOAT_ISAS, load_library, startup_isa
 
 BLOCK = 32
 
@@ -26,12 +29,16 @@ class QuantType:
     name: str
     ggml_id: int  # the ggml type id: the C kernels and GGUF files use it
     block_bytes: int
+    block_size: int = BLOCK  # values per block
 
 
 QUANT_TYPES = {
     "q8_0": QuantType("q8_0", 8, 34),
     "q4_0": QuantType("q4_0", 2, 18),
     "q4_1": QuantType("q4_1", 3, 20),
+    "q4_k": QuantType("q4_k", 12, 144, 256),
+    "q5_k": QuantType("q5_k", 13, 176, 256),
+    "q6_k": QuantType("q6_k", 14, 210, 256),
 }
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # Above this many rows the dequantized-tile + float32 GEMM path wins: measured on 2 AVX2
@@ -49,10 +56,16 @@ def available() -> bool:
 
 def best_isa() -> str:
     """The fastest instruction set of this CPU the kernels have a variant for."""
+    return ISAS[_best_index()]
+
+
+def _best_index() -> int:
+    """This CPU's best, capped by SPRUCE_CPU_ISA (portable: scalar, avx2: AVX2)."""
     global _best_isa
     if _best_isa is None:
-        _best_isa = int(load_library().spruce_quant_best_isa())
-    return ISAS[_best_isa]
+        cap = FLOAT_ISAS.index(startup_isa())
+        _best_isa = min(int(load_library().spruce_quant_best_isa()), cap)
+    return _best_isa
 
 
 def available_isas() -> list[str]:
@@ -61,11 +74,14 @@ def available_isas() -> list[str]:
 
 
 def row_bytes(qtype: str, k: int) -> int:
-    assert k % BLOCK == 0, f"a quantized row has a multiple of {BLOCK} values, not {k}"
-    return k // BLOCK * QUANT_TYPES[qtype].block_bytes
+    kind = QUANT_TYPES[qtype]
+    assert k % kind.block_size == 0, f"{qtype} rows hold multiples of {kind.block_size} values, not {k}"
+    return k // kind.block_size * kind.block_bytes
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(
+    x: torch.Tensor, isa: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [rows, k] float32 -> (qx int16 [rows, k], dx [rows, k / 32], sx [rows, k / 32]):
     per block of 32, dx = max|x| / 32767, qx = round(x / dx) (ties to even), sx = sum(qx)."""
     x = x.contiguous()
@@ -73,8 +89,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     qx = torch.empty(rows, k, dtype=torch.int16)
     dx, sx = torch.empty(rows, k // BLOCK), torch.empty(rows, k // BLOCK)
     load_library().spruce_quantize_rows_q16(
-        x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr()
-    )
+        x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr(),
+        ISAS.index(isa or best_isa()),
+    )  # fmt: skip
     return qx, dx, sx
 
 
@@ -98,17 +115,20 @@ def integer_linear(
     bias: torch.Tensor | None = None,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """`linear` through the integer kernel (any number of rows)."""
+    """`linear` through the integer kernel (any number of rows): one C call quantizes the
+    activations and meets the weights."""
+    x = x.contiguous()
     rows, k = x.shape
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
-    qx, dx, sx = quantize_activations(x)
     y = torch.empty(rows, n)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    load_library().spruce_quant_gemv(
-        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, qx.data_ptr(), dx.data_ptr(),
-        sx.data_ptr(), rows, bias_ptr, y.data_ptr(), n, ISAS.index(isa or best_isa()),
+    failed = load_library().spruce_quant_linear(
+        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr,
+        y.data_ptr(), ISAS.index(isa) if isa else _best_index(),
     )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for the activations of a {rows} x {k} quantized linear layer")
     return y
 
 

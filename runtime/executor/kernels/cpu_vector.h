@@ -1,6 +1,10 @@
-/* Vector helpers shared by the CPU kernels: 16-float vectors as GCC vector extensions
- * (lowered to whatever the CPU has, AVX-512 here), lane reductions, a vector exp, and
- * float16 widening. */
+/* Vector helpers shared by the float CPU kernels: 16-float vectors as GCC vector
+ * extensions (lowered to the instruction set the file is compiled for), lane reductions, a
+ * vector exp, and float16 widening.
+ *
+ * The float kernels are compiled once per instruction set (cpu_library.py: portable, AVX2,
+ * AVX-512) with -DSPRUCE_ISA=<name>; PER_ISA(f) names each copy's exported functions
+ * f_<name>, and the loader binds the variant the CPU runs. */
 #ifndef SPRUCE_CPU_VECTOR_H
 #define SPRUCE_CPU_VECTOR_H
 
@@ -10,6 +14,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+#ifndef SPRUCE_ISA
+#define SPRUCE_ISA portable
+#endif
+#define ISA_CAT_(a, b) a##_##b
+#define ISA_CAT(a, b) ISA_CAT_(a, b)
+#define PER_ISA(name) ISA_CAT(name, SPRUCE_ISA)
 
 #define LANES 16
 

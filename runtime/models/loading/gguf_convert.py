@@ -69,7 +69,7 @@ def _quantized_reader(f: GGUFFile, dtype: torch.dtype) -> Callable[[str], Any]:
         if len(info.shape) != 2 or info.ggml_type.block_size == 1:
             return f.tensor(name, dtype)  # float tensors, and stacked experts, stay float
         qtype = info.ggml_type.name.lower()
-        if qtype not in QUANT_TYPES:  # no kernel for it (Q4_K, Q6_K, ...)
+        if qtype not in QUANT_TYPES:  # no kernel for it (Q5_0, Q2_K, ...)
             return quantize(f.tensor(name), "q8_0")
         return QuantizedTensor(qtype, info.shape, f.blocks(name))
 

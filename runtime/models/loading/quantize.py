@@ -4,9 +4,10 @@ reference rounding (quantize_row_q8_0_ref and friends), vectorized over blocks.
 
 `--quantization` (ModelOptions.quantization) picks the format: `none` keeps float weights,
 `q8_0` / `q4_0` / `q4_1` quantize every linear layer (and the embedding table) to that
-format at load, `auto` keeps a GGUF file's own format where a kernel computes on it and
-uses Q8_0 for its other quantized types (float tensors and Hugging Face checkpoints stay
-float under `auto`).
+format at load, `auto` keeps a GGUF file's own format where a kernel computes on it
+(those three and the K formats Q4_K / Q5_K / Q6_K, which have kernels but no quantizer
+here) and uses Q8_0 for its other quantized types (float tensors and Hugging Face
+checkpoints stay float under `auto`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels.cpu_quant_ops import QUANT_TYPES, dequantize, row_bytes
 from spruce.runtime.models.loading.gguf_quant import GGML_TYPES
 
-QUANTIZATIONS = ("auto", "none", *QUANT_TYPES)
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")  # the formats quantize() makes
 
 
 @dataclass(frozen=True)

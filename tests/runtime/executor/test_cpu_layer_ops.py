@@ -1,4 +1,5 @@
-"""The C per-layer operations equal transformers' torch formulas."""
+"""The C per-layer operations equal transformers' torch formulas, on every instruction-set
+variant this CPU runs."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spruce.runtime.executor.kernels import cpu_layer_ops
-from spruce.runtime.executor.kernels.cpu_library import c_compiler
+from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
 
 
-@pytest.fixture(autouse=True)
-def built():
-    if c_compiler() is None:
+@pytest.fixture(autouse=True, params=cpu_library.available_isas() or ["none"])
+def built(request):
+    if cpu_library.c_compiler() is None:
         pytest.skip("no C compiler here")
     assert cpu_layer_ops.usable(torch.zeros(1)), "the C kernels failed to build (see the logged compiler error)"
+    previous = cpu_library.use_isa(request.param)
+    yield
+    cpu_library.use_isa(previous)
 
 
 def hf_rms_norm(x, weight, eps):

@@ -1,6 +1,8 @@
 """The quantized-weight kernels against a NumPy reference of the same block arithmetic:
 activations quantized exactly alike, integer dot products exact, scales applied within
-float32 rounding; on random blocks, odd shapes, and every instruction set this CPU runs."""
+float32 rounding; on random blocks, odd shapes, and every instruction set this CPU runs.
+The reference decodes the blocks itself (the K formats' packed scales and bits included),
+independently of the C kernels and of the GGUF dequantizers."""
 
 from __future__ import annotations
 
@@ -15,15 +17,22 @@ from spruce.runtime.models.loading.quantize import quantize
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler")
 
 QTYPES = list(ops.QUANT_TYPES)
+K_TYPES = [q for q in QTYPES if ops.QUANT_TYPES[q].block_size == 256]
+
+
+def layout(qtype: str) -> np.dtype:
+    return GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id].block
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """n rows of random blocks: every byte pattern for the values, finite fp16 scales."""
-    layout = GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id].block
-    blocks = np.frombuffer(rng.integers(0, 256, n * k // 32 * layout.itemsize, dtype=np.uint8), layout).copy()
+    """n rows of random blocks: every byte pattern for the values (and the K formats'
+    packed scales), finite fp16 scales."""
+    kind = layout(qtype)
+    count = n * k // ops.QUANT_TYPES[qtype].block_size
+    blocks = np.frombuffer(rng.integers(0, 256, count * kind.itemsize, dtype=np.uint8), kind).copy()
     blocks["d"] = (rng.standard_normal(len(blocks)) * 0.02).astype(np.float16)
-    if "m" in layout.names:
-        blocks["m"] = (rng.standard_normal(len(blocks)) * 0.1).astype(np.float16)
+    for offset in {"m", "dmin"} & set(kind.names):
+        blocks[offset] = (rng.standard_normal(len(blocks)) * 0.1).astype(np.float16)
     return torch.from_numpy(blocks.view(np.uint8).reshape(n, -1).copy())
 
 
@@ -35,41 +44,92 @@ def reference_activations(x: np.ndarray):
     return q.reshape(x.shape), d, q.astype(np.int64).sum(axis=2).astype(np.float32)
 
 
+def k4_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] bytes -> 8 six-bit scales, 8 six-bit mins (llama.cpp's get_scale_min_k4)."""
+    q = packed.astype(np.int64)
+    scales, mins = [], []
+    for j in range(8):
+        if j < 4:
+            scales.append(q[..., j] & 63), mins.append(q[..., j + 4] & 63)
+        else:
+            scales.append((q[..., j + 4] & 0xF) | ((q[..., j - 4] >> 6) << 4))
+            mins.append((q[..., j + 4] >> 4) | ((q[..., j] >> 6) << 4))
+    return np.stack(scales, -1), np.stack(mins, -1)
+
+
+def weight_groups(qtype: str, blocks: torch.Tensor, k: int):
+    """The weights as groups of 32: integer values q [n, k / 32, 32], a float64 scale per
+    16 values [n, k / 32, 2] and an offset per group [n, k / 32]: w = scale * q + offset."""
+    n = blocks.shape[0]
+    b = blocks.numpy().reshape(-1).view(layout(qtype)).reshape(n, -1)
+    d = b["d"].astype(np.float64)
+    if qtype in ("q8_0", "q4_0", "q4_1"):
+        q = b["qs"].astype(np.int64) if qtype == "q8_0" else np.concatenate([b["qs"] & 15, b["qs"] >> 4], -1).astype(np.int64)
+        q = q - 8 if qtype == "q4_0" else q
+        offset = b["m"].astype(np.float64) if qtype == "q4_1" else np.zeros_like(d)
+        return q, np.stack([d, d], -1), offset
+    if qtype == "q6_k":
+        ql, qh = b["ql"].astype(np.int64).reshape(n, -1, 2, 2, 32), b["qh"].astype(np.int64).reshape(n, -1, 2, 32)
+        parts = []  # per half: ql's low nibbles (two chunks), then its high nibbles
+        for part in range(4):
+            low = (ql[:, :, :, part % 2] >> (4 * (part // 2))) & 15
+            parts.append(low | (((qh >> (2 * part)) & 3) << 4))
+        q = np.stack(parts, 3).reshape(n, -1, 32) - 32
+        scale = d[:, :, None] * b["scales"].astype(np.float64)  # [n, super-blocks, 16]
+        return q, scale.reshape(n, -1, 2), np.zeros(q.shape[:2])
+    qs = b["qs"].astype(np.int64).reshape(n, -1, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], 3).reshape(n, -1, 8, 32)
+    if qtype == "q5_k":
+        q = q | (((b["qh"].astype(np.int64)[:, :, None, :] >> np.arange(8)[:, None]) & 1) << 4)
+    sc, mn = k4_scales_mins(b["scales"])
+    scale = d[:, :, None] * sc
+    offset = -(b["dmin"].astype(np.float64)[:, :, None] * mn)
+    return q.reshape(n, -1, 32), np.repeat(scale.reshape(n, -1, 1), 2, -1), offset.reshape(n, -1)
+
+
 def reference_linear(x: np.ndarray, qtype: str, blocks: torch.Tensor, k: int) -> np.ndarray:
-    """Exact integer block dots (int64), then the scales in float64."""
-    layout = GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id].block
-    b = blocks.numpy().reshape(-1).view(layout).reshape(blocks.shape[0], k // 32)
+    """Exact integer dots per 16 values (int64), then the scales in float64."""
+    q, scale, offset = weight_groups(qtype, blocks, k)
     qx, dx, sx = reference_activations(x)
-    qx = qx.reshape(x.shape[0], -1, 32).astype(np.int64)
-    if qtype == "q8_0":
-        qw = b["qs"].astype(np.int64)
-    else:
-        qw = np.concatenate([b["qs"] & 15, b["qs"] >> 4], axis=-1).astype(np.int64)
-    dots = np.einsum("nbi,rbi->rnb", qw, qx)  # [rows, n, blocks], exact
-    dw = b["d"].astype(np.float64)[None]
-    scale = dw * dx.astype(np.float64)[:, None, :]
-    sx64 = sx.astype(np.float64)[:, None, :]
-    if qtype == "q4_0":
-        dots = dots - 8 * sx.astype(np.int64)[:, None, :]
-    y = (scale * dots).sum(axis=2)
-    if qtype == "q4_1":
-        y += (b["m"].astype(np.float64)[None] * dx.astype(np.float64)[:, None, :] * sx64).sum(axis=2)
-    return y
+    qx = qx.reshape(x.shape[0], -1, 2, 16).astype(np.int64)
+    dots = np.einsum("nbhi,rbhi->rnbh", q.reshape(*q.shape[:2], 2, 16), qx)  # exact
+    dx64 = dx.astype(np.float64)[:, None, :]
+    y = (dx64 * (scale[None] * dots).sum(-1)).sum(-1)
+    return y + (offset[None] * dx64 * sx.astype(np.float64)[:, None, :]).sum(-1)
 
 
-def test_activation_quantization_is_exact():
+def test_reference_decodes_like_the_gguf_dequantizers():
+    """The test's own block decoding equals the GGUF loader's, for every format."""
+    rng = np.random.default_rng(4)
+    for qtype in QTYPES:
+        blocks = random_blocks(qtype, 3, 512, rng)
+        q, scale, offset = weight_groups(qtype, blocks, 512)
+        ours = scale.repeat(16, -1) * q + offset[..., None]
+        kind = GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id]
+        expected = kind.dequantize(blocks.numpy().reshape(-1).view(kind.block))
+        assert np.allclose(ours.reshape(3, 512), expected.reshape(3, 512), rtol=1e-6, atol=1e-7), qtype
+
+
+@pytest.mark.parametrize("isa", ops.available_isas())
+def test_activation_quantization_is_exact(isa):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 96)).astype(np.float32) * rng.uniform(0.1, 10, (3, 96)).astype(np.float32)
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
-    qx, dx, sx = ops.quantize_activations(torch.from_numpy(x))
+    x[2, 64:96] = np.arange(32, dtype=np.float32) - np.float32(15.5)  # halves: ties to even
+    x[2, 64] = 32767.0  # scale exactly 1
+    qx, dx, sx = ops.quantize_activations(torch.from_numpy(x), isa)
     ref_q, ref_d, ref_s = reference_activations(x)
     assert np.array_equal(qx.numpy(), ref_q)
     assert np.array_equal(dx.numpy(), ref_d) and np.array_equal(sx.numpy(), ref_s)
 
 
+SHAPES = [(1, 7, 32), (2, 33, 96), (3, 5, 224), (4, 64, 576), (6, 9, 64), (9, 3, 128)]
+K_SHAPES = [(1, 7, 256), (2, 33, 512), (3, 5, 768), (4, 20, 1536), (6, 9, 256), (9, 3, 512)]
+CASES = [(q, *shape) for q in QTYPES for shape in (K_SHAPES if q in K_TYPES else SHAPES)]
+
+
 @pytest.mark.parametrize("isa", ops.available_isas())
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows,n,k", [(1, 7, 32), (2, 33, 96), (3, 5, 224), (4, 64, 576), (6, 9, 64), (9, 3, 128)])
+@pytest.mark.parametrize("qtype,rows,n,k", CASES)
 def test_integer_linear_matches_block_reference(isa, qtype, rows, n, k):
     rng = np.random.default_rng(rows * 1000 + n + k)
     blocks = random_blocks(qtype, n, k, rng)
@@ -83,20 +143,22 @@ def test_integer_linear_matches_block_reference(isa, qtype, rows, n, k):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_dequantize_matches_gguf_dequantizer(qtype):
     rng = np.random.default_rng(1)
-    blocks = random_blocks(qtype, 11, 160, rng)
+    k = 768 if qtype in K_TYPES else 160
+    blocks = random_blocks(qtype, 11, k, rng)
     kind = GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id]
-    expected = kind.dequantize(blocks.numpy().reshape(-1).view(kind.block)).reshape(11, 160)
-    assert np.allclose(ops.dequantize(qtype, blocks, 160).numpy(), expected, rtol=1e-6, atol=1e-6)
+    expected = kind.dequantize(blocks.numpy().reshape(-1).view(kind.block)).reshape(11, k)
+    assert np.allclose(ops.dequantize(qtype, blocks, k).numpy(), expected, rtol=1e-6, atol=1e-6)
     ids = torch.tensor([4, 0, 10, 4])
-    assert np.allclose(ops.dequantize(qtype, blocks, 160, ids).numpy(), expected[[4, 0, 10, 4]], rtol=1e-6, atol=1e-6)
+    assert np.allclose(ops.dequantize(qtype, blocks, k, ids).numpy(), expected[[4, 0, 10, 4]], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_many_rows_path_equals_dequantized_matmul(qtype):
     rng = np.random.default_rng(2)
-    blocks = random_blocks(qtype, 40, 128, rng)
-    x = torch.from_numpy(rng.standard_normal((ops.INTEGER_MAX_ROWS + 5, 128)).astype(np.float32))
-    expected = x @ ops.dequantize(qtype, blocks, 128).T
+    k = ops.QUANT_TYPES[qtype].block_size * 4
+    blocks = random_blocks(qtype, 40, k, rng)
+    x = torch.from_numpy(rng.standard_normal((ops.INTEGER_MAX_ROWS + 5, k)).astype(np.float32))
+    expected = x @ ops.dequantize(qtype, blocks, k).T
     assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=1e-5)
 
 

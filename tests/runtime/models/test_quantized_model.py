@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models.layers import QuantizedEmbedding, QuantizedLinear
+from spruce.runtime.models.loading.gguf_quant import GGML_TYPES
 from spruce.runtime.models.loading.loader import load_model, model_bytes
+from spruce.runtime.models.loading.quantize import QUANTIZATIONS
 
 pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C compiler")
 
@@ -54,7 +58,7 @@ def agreement(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[float, 
     return top1, kl
 
 
-@pytest.mark.parametrize("qtype", list(cpu_quant_ops.QUANT_TYPES))
+@pytest.mark.parametrize("qtype", QUANTIZATIONS[2:])
 def test_hf_checkpoint_quantized_at_load(tiny_llama_dir, qtype):
     plain = load_model(str(tiny_llama_dir), quantization="auto")  # HF floats stay float under auto
     assert not any(isinstance(m, QuantizedLinear) for m in plain.model.modules())
@@ -67,6 +71,67 @@ def test_hf_checkpoint_quantized_at_load(tiny_llama_dir, qtype):
     top1, kl = agreement(decode_logits(loaded, ids), decode_logits(plain, ids))
     print(f"tiny llama {qtype}: top-1 {top1:.3f}, KL {kl:.5f}")
     assert kl < {"q8_0": 1e-3, "q4_0": 0.05, "q4_1": 0.05}[qtype]
+
+
+K_ROLES = {  # GGUF role -> (rows, columns, ggml type): the K formats of a Q4_K_M-like file
+    "attn_q": (256, 256, 12), "attn_k": (128, 256, 12), "attn_v": (128, 256, 12),
+    "attn_output": (256, 256, 13), "ffn_gate": (512, 256, 12), "ffn_up": (512, 256, 12),
+    "ffn_down": (256, 512, 14),
+}  # fmt: skip
+
+
+def random_k_blocks(ggml_id: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a K format with small fp16 scales (weights of about +-0.1)."""
+    kind = GGML_TYPES[ggml_id]
+    raw = rng.integers(0, 256, rows * cols // 256 * kind.block_bytes, dtype=np.uint8)
+    blocks = np.frombuffer(raw, kind.block).copy()
+    blocks["d"] = rng.uniform(1e-4, 3e-4, len(blocks)) * (0.1 if ggml_id == 14 else 1)
+    if "dmin" in kind.block.names:
+        blocks["dmin"] = rng.uniform(1e-4, 3e-4, len(blocks))
+    return blocks.view(np.uint8).reshape(rows, -1)
+
+
+def write_k_quant_gguf(path, layers: int = 2) -> str:
+    """A tiny llama GGUF (hidden 256, 4 heads of 64) whose linear layers are Q4_K / Q5_K / Q6_K."""
+    rng, V = np.random.default_rng(0), gguf.GGUFValueType
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab"] + [f"t{i}" for i in range(58)]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": layers, "context_length": 256, "embedding_length": 256,
+                       "feed_forward_length": 512, "attention.head_count": 4, "attention.head_count_kv": 2}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.merges", ["a b"])
+    writer.add_key_value("tokenizer.ggml.token_type", [3, 3, 3] + [1] * 61, V.ARRAY, sub_type=V.INT32)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((64, 256), dtype=np.float32) * 0.5)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    for layer in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(256, dtype=np.float32))
+        for role, (rows, cols, ggml_id) in K_ROLES.items():
+            blocks = random_k_blocks(ggml_id, rows, cols, rng)
+            writer.add_tensor(f"blk.{layer}.{role}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType(ggml_id))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_auto_keeps_k_formats_and_agrees_with_their_float_twin(tmp_path):
+    """Under `auto` a GGUF's Q4_K / Q5_K / Q6_K weights stay as stored (the resident model
+    near the file's size) and compute close to the same weights dequantized to float32."""
+    path = write_k_quant_gguf(tmp_path / "tiny-k.gguf")
+    quantized, plain = load_model(path, quantization="auto"), load_model(path, quantization="none")
+    kinds = {m.qtype for m in quantized.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {"q4_k", "q5_k", "q6_k"}
+    assert model_bytes(quantized.model) < 1.2 * os.path.getsize(path)
+    ids = list(range(3, 60))
+    top1, kl = agreement(decode_logits(quantized, ids), decode_logits(plain, ids))
+    print(f"tiny K-format model vs float32: top-1 {top1:.3f}, KL {kl:.6f}")
+    assert top1 >= 0.98 and kl <= 1e-3
 
 
 def test_explicit_quantization_off_the_cpu_is_an_error(tiny_llama_dir):
