@@ -8,7 +8,10 @@ Processes (multiprocessing, spawn context, daemon children):
   N of them (replicas), each with its own inbox, all pushing to the one front-end socket;
   the request manager routes each request to one (replicas.py, router.py). A replica that
   dies fails only its own requests (503) and the others keep serving, unless
-  --exit-on-replica-death; the server exits when none is left.
+  --exit-on-replica-death; the server exits when none is left;
+- with `--tp N`, the scheduler process is tensor-parallel rank 0 and starts this machine's
+  other ranks (engine/tp_worker.py). On another machine (`--node-rank 1 ...`), or as a rank
+  other than 0 under torchrun, `spruce serve` runs only that machine's follower ranks.
 
 They exchange the typed messages of protocol/ipc.py over ipc:// sockets in a private
 folder. A watchdog here notices a dead scheduler at once (its process sentinel); the
@@ -59,12 +62,37 @@ class StartupError(SpruceError):
 
 def serve(options: ServerOptions, engine_options: dict) -> int:
     """Runs the server until SIGINT / SIGTERM or a dead child; returns the exit code."""
+    if is_follower_rank(engine_options):
+        return run_follower_rank(engine_options)
+    if options.dp > 1 and engine_options.get("dist_init_addr"):
+        raise StartupError("--dp > 1 runs each replica's --tp ranks on this machine: drop --dist-init-addr")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     ipc_dir = tempfile.mkdtemp(prefix="spruce-")  # 0700: no other user can reach the sockets
     try:
         return asyncio.run(Launcher(options, engine_options, ipc_dir).run())
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def is_follower_rank(engine_options: dict) -> bool:
+    """A tensor-parallel process that is not rank 0: torchrun's RANK, or --node-rank > 0."""
+    if engine_options.get("tp_size", 1) <= 1:
+        return False
+    if "RANK" in os.environ:
+        return os.environ["RANK"] != "0"
+    return engine_options.get("node_rank", 0) > 0
+
+
+def run_follower_rank(engine_options: dict) -> int:
+    """This machine's (or torchrun process's) follower ranks, until rank 0 stops them."""
+    from spruce.runtime.config import EngineConfig
+    from spruce.runtime.engine.tp_worker import place, run_follower
+
+    config = EngineConfig.from_options(**engine_options)
+    where = place(config)
+    logger.info("tensor-parallel rank %d of %d: following rank 0 (no front end)", where.rank, where.world)
+    run_follower(config, where)
+    return 0
 
 
 class _Uvicorn(uvicorn.Server):
