@@ -123,7 +123,7 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % LANES != 0 || dim / LANES > MAX_CHUNKS)
         return 1;
     int64_t row_len = kv_heads * dim;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (batch > 1) /* one request: no thread wake-up */
     for (int64_t b = 0; b < batch; b++) {
         if (new_slots != NULL) {
             NAME(store)(k_cache + new_slots[b] * row_len, k_new + b * new_stride, row_len);

@@ -139,10 +139,12 @@ TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block,
     }
 }
 
-/* The row loop, once per instruction set (DOT_HALVES from cpu_quant.h). */
+/* The row loop, once per instruction set (DOT_HALVES from cpu_quant.h), its body
+ * instantiated per row count (constant: the accumulators stay in registers). */
 #define KQUANT_ROW(NAME, TARGET, DOT_HALVES)                                                             \
-    TARGET void NAME(int64_t type, const uint8_t *w, const activations *a, float *out) {                 \
-        int64_t nb = a->k / QK, rows = a->rows;                                                          \
+    TARGET static inline __attribute__((always_inline)) void NAME##_body(                                \
+        int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t rows) {          \
+        int64_t nb = a->k / QK;                                                                          \
         __m256 acc[MAX_ROWS];                                                                            \
         float extra[MAX_ROWS] = {0};                                                                     \
         for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();                             \
@@ -154,10 +156,12 @@ TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block,
             k_values_avx2(type, block, q);                                                               \
             for (int g = 0; g < GROUPS; g++) {                                                           \
                 int64_t b = sb * GROUPS + g;                                                             \
+                __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[g]));                       \
+                __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[g], 1));                  \
                 for (int64_t m = 0; m < rows; m++) {                                                     \
                     float d = a->dx[m * nb + b];                                                         \
                     __m256i lo, hi;                                                                      \
-                    DOT_HALVES(q[g], a->qx + m * a->k + b * QK, &lo, &hi);                               \
+                    DOT_HALVES(w_lo, w_hi, a->qx + m * a->k + b * QK, &lo, &hi);                         \
                     if (type == TYPE_Q6_K) {                                                             \
                         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(scale[g][0] * d), acc[m]); \
                         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(scale[g][1] * d), acc[m]); \
@@ -170,6 +174,9 @@ TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block,
             }                                                                                            \
         }                                                                                                \
         for (int64_t m = 0; m < rows; m++) out[m] = hsum8(acc[m]) + extra[m];                            \
+    }                                                                                                    \
+    TARGET void NAME(int64_t type, const uint8_t *w, const activations *a, float *out) {                 \
+        CALL_ROWS(NAME##_body, type, a->rows, w, a, out)                                                 \
     }
 
 KQUANT_ROW(kquant_row_avx2, TARGET_AVX2, dot_halves_avx2)

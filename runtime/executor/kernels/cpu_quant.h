@@ -77,6 +77,21 @@ typedef struct {
 
 typedef void (*row_fn)(int64_t type, const uint8_t *w, const activations *a, float *out);
 
+/* Calls BODY(type, w, a, out, rows) with type and rows (1..MAX_ROWS) as constants. */
+#define CALL_ROWS(BODY, T, ROWS, ...)                                                                \
+    switch (ROWS) {                                                                                   \
+    case 1: BODY(T, __VA_ARGS__, 1); return;                                                          \
+    case 2: BODY(T, __VA_ARGS__, 2); return;                                                          \
+    case 3: BODY(T, __VA_ARGS__, 3); return;                                                          \
+    default: BODY(T, __VA_ARGS__, 4); return;                                                         \
+    }
+#define SWITCH_TYPE_ROWS(BODY, TYPE, ROWS, ...)                                                      \
+    switch (TYPE) {                                                                                   \
+    case TYPE_Q8_0: CALL_ROWS(BODY, TYPE_Q8_0, ROWS, __VA_ARGS__)                                     \
+    case TYPE_Q4_0: CALL_ROWS(BODY, TYPE_Q4_0, ROWS, __VA_ARGS__)                                     \
+    default: CALL_ROWS(BODY, TYPE_Q4_1, ROWS, __VA_ARGS__)                                            \
+    }
+
 /* The K formats (cpu_kquant_ops.c): one weight row against the activation rows, and one
  * row dequantized. */
 #define HIDDEN __attribute__((visibility("hidden")))
@@ -96,34 +111,19 @@ TARGET_AVX2 static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Integer dots of a weight group (32 signed bytes, widened to 16 bits) with 32 int16
- * activations: values 0..15 into *lo, 16..31 into *hi, as 8 int32 partial sums each
- * (|w x| <= 128 * 32767, so no sum of 32 overflows). */
-TARGET_AVX2 static inline void dot_halves_avx2(__m256i w, const int16_t *x, __m256i *lo, __m256i *hi) {
-    __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+/* Integer dots of a weight group (32 values widened to 16 bits: 0..15 in w_lo, 16..31 in
+ * w_hi) with 32 int16 activations: values 0..15 into *lo, 16..31 into *hi, as 8 int32
+ * partial sums each (|w x| <= 128 * 32767, so no sum of 32 overflows). */
+TARGET_AVX2 static inline void dot_halves_avx2(__m256i w_lo, __m256i w_hi, const int16_t *x, __m256i *lo,
+                                               __m256i *hi) {
     *lo = _mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)x));
     *hi = _mm256_madd_epi16(w_hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
-TARGET_VNNI static inline void dot_halves_vnni(__m256i w, const int16_t *x, __m256i *lo, __m256i *hi) {
-    __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+TARGET_VNNI static inline void dot_halves_vnni(__m256i w_lo, __m256i w_hi, const int16_t *x, __m256i *lo,
+                                               __m256i *hi) {
     *lo = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w_lo, _mm256_loadu_si256((const __m256i *)x));
     *hi = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w_hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-}
-
-TARGET_AVX2 static inline __m256i dot_avx2(__m256i w, const int16_t *x) {
-    __m256i lo, hi;
-    dot_halves_avx2(w, x, &lo, &hi);
-    return _mm256_add_epi32(lo, hi);
-}
-
-TARGET_VNNI static inline __m256i dot_vnni(__m256i w, const int16_t *x) {
-    __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-    __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-    __m256i acc = _mm256_dpwssd_epi32(_mm256_setzero_si256(), w_lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_dpwssd_epi32(acc, w_hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 #endif
 
