@@ -11,7 +11,7 @@ from functools import reduce
 
 import interegular
 from interegular.fsm import FSM, anything_else
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError, TooLarge
 
 MAX_AUTOMATON_STATES = 2000  # state elimination is cubic in the states it removes
 _CLASS_SPECIAL = set("\\]^-[&~|")
@@ -45,16 +45,16 @@ def regexes_disjoint(a: str, b: str) -> bool:
     return regex_fsm(a).isdisjoint(regex_fsm(b))
 
 
-def fsm_to_regex(fsm: FSM) -> str | None:
-    """State elimination; None for the empty language."""
+def fsm_to_regex(fsm: FSM, max_states: int = MAX_AUTOMATON_STATES) -> str | None:
+    """State elimination; None for the empty language; TooLarge past `max_states`."""
     fsm = fsm.reduce()
     live = _live_states(fsm)
     if fsm.initial not in live:
         return None
-    if len(live) > MAX_AUTOMATON_STATES:
-        raise ConstraintError(
+    if len(live) > max_states:
+        raise TooLarge(
             f"regex intersection too large ({len(live)} automaton states, cap "
-            f"{MAX_AUTOMATON_STATES}); simplify the pattern or its length bounds"
+            f"{max_states}); simplify the pattern or its length bounds"
         )
     edges = _edges(fsm, live)
     start, end = "start", "end"

@@ -6,3 +6,8 @@ from __future__ import annotations
 class ConstraintError(ValueError):
     """An invalid or unsupported regex / JSON schema / choices constraint; the message says
     what to change."""
+
+
+class TooLarge(ConstraintError):
+    """A size cap was hit while converting (alternatives, automaton states, regex text):
+    lenient mode may relax the part of the schema that hit it instead."""

@@ -22,9 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.limits import check_regex_size
-from spruce.constrained.schema_context import Context, SchemaOptions
-from spruce.constrained.schema_regex import RegexBuilder
+from spruce.constrained.limits import MAX_EXPANDED_SIZE, parse_regex, regex_size
+from spruce.constrained.schema_context import STRICT, Context, SchemaOptions
+from spruce.constrained.schema_regex import RegexBuilder, RegexTooLong
+from spruce.constrained.schema_size import (
+    MAX_RELAX_ROUNDS,
+    relax,
+    relax_overflow,
+    too_large_message,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +46,32 @@ class SchemaRegex:
 
 def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaRegex:
     """Converts `schema` (JSON data). ConstraintError for an invalid schema, one that allows
-    nothing, a keyword strict mode cannot enforce, or a regex over the size caps."""
+    nothing, a keyword strict mode cannot enforce, or a regex over the size cap that strict
+    mode cannot take (naming the schema paths that make it large) or lenient mode cannot
+    relax under it (see schema_size)."""
     options = options or SchemaOptions()
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
-    ctx = Context(schema, options)
-    builder = RegexBuilder(ctx)
-    regex = builder.value(schema, "#")
-    if regex is None:
-        raise ConstraintError("the JSON schema allows no value (its constraints contradict each other)")
-    check_regex_size(regex)
+    relaxed: dict[str, int] = {}
+    for _ in range(MAX_RELAX_ROUNDS + 1):
+        ctx = Context(schema, options, relaxed)
+        builder = RegexBuilder(ctx)
+        try:
+            regex = builder.value(schema, "#")
+        except RegexTooLong:
+            if options.mode == STRICT or not relax_overflow(builder.root_part, relaxed):
+                raise
+            continue
+        if regex is None:
+            raise ConstraintError("the JSON schema allows no value (its constraints contradict each other)")
+        size = regex_size(regex)
+        if size <= MAX_EXPANDED_SIZE:
+            break
+        if options.mode == STRICT or not relax(builder.root_part, size, ctx, relaxed):
+            raise ConstraintError(too_large_message(builder.root_part, size))
+    else:
+        raise ConstraintError(too_large_message(builder.root_part, size))
+    parse_regex(regex)  # what the automata support: a converter bug fails here, not later
     places = ctx.unenforced.places
     return SchemaRegex(regex, ctx.unenforced.keywords(), places, tuple(dict.fromkeys(builder.orders)))
 
@@ -98,3 +120,22 @@ def _best_order(keys: list[str], orders: tuple[tuple[str, ...], ...]) -> tuple[s
         if score > best_score or (score == best_score and score and len(order) < len(best)):
             best, best_score = order, score
     return best
+
+
+def declared_orders(schema: Any) -> tuple[tuple[str, ...], ...]:
+    """Every object's property order as the schema declares it (`properties`, then required
+    names it does not list): the order of definition, for `canonical_instance` when no
+    conversion recorded one (comparing engines that all write definition order)."""
+    found, todo = [], [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            names = list(node["properties"]) if isinstance(node.get("properties"), dict) else []
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            names += [n for n in required if isinstance(n, str) and n not in names]
+            if names:
+                found.append(tuple(names))
+            todo.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+        elif isinstance(node, list):
+            todo.extend(node)
+    return tuple(dict.fromkeys(found))

@@ -20,9 +20,8 @@ from __future__ import annotations
 import re
 
 import interegular
-
-from spruce.constrained.patterns import END_MARK
 from spruce.constrained.errors import ConstraintError
+from spruce.constrained.patterns import END_MARK
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)
@@ -52,7 +51,11 @@ def parse_regex(regex: str) -> object:
 
 
 def check_regex_size(regex: str, tree: object | None = None) -> None:
-    size = expanded_size(tree if tree is not None else parse_regex(regex))
+    """ConstraintError past MAX_EXPANDED_SIZE (`tree`, interegular's, is parsed if not given:
+    the syntax is checked too)."""
+    if tree is None:
+        parse_regex(regex)
+    size = regex_size(regex)
     if size > MAX_EXPANDED_SIZE:
         raise ConstraintError(
             f"constraint too large: the regex expands to about {size} positions (cap "
@@ -60,19 +63,102 @@ def check_regex_size(regex: str, tree: object | None = None) -> None:
         )
 
 
-def expanded_size(node: object) -> int:
-    """Number of character positions once bounded repeats are multiplied out."""
-    if hasattr(node, "options"):
-        return sum(expanded_size(option) for option in node.options)
-    if hasattr(node, "parts"):
-        return sum(expanded_size(part) for part in node.parts)
-    if hasattr(node, "base"):
-        repeats = node.max if node.max is not None else max(node.min, 1)
-        return expanded_size(node.base) * max(repeats, 1)
-    if hasattr(node, "inner"):
-        return expanded_size(node.inner)
-    return 1
+_TOKEN = re.compile(
+    r"(?P<run>[^\\\[\](){}|*+?.]+)"
+    r"|(?P<atom>\\x\{[0-9A-Fa-f]+\}|\\x[0-9A-Fa-f]{2}|\\u[0-9A-Fa-f]{4}|\\.|\[\^?\]?(?:\\.|\[:[a-z]+:\]|[^\]\\])*\])"
+    r"|(?P<open>\((?:\?(?:P<\w+>|[:=!]|<[=!]|[a-zA-Z-]+:))?)"
+    r"|(?P<close>\))"
+    r"|(?P<repeat>\{(?P<low>\d*)(?P<comma>,?)(?P<high>\d*)\}\??)"
+    r"|(?P<other>[*+?]\??|\||.)",
+    re.DOTALL,
+)
 
+
+def regex_size(regex: str) -> int:
+    """Number of character positions once bounded repeats are multiplied out (`a{3}` is 3,
+    `(ab){2,5}` is 10, `a*` is 1, alternatives add up): a bound on the DFA of the
+    deterministic regexes JSON schemas produce. Linear in the text; an estimate for odd
+    syntax, never an error."""
+    sums, last = [0], 0
+    for token in _TOKEN.finditer(regex):
+        kind = token.lastgroup
+        if kind == "run":
+            sums[-1] += len(token.group())
+            last = 1
+        elif kind == "atom" or (kind == "other" and token.group() == "."):
+            sums[-1] += 1
+            last = 1
+        elif kind == "open":
+            sums.append(0)
+            last = 0
+        elif kind == "close" and len(sums) > 1:
+            last = sums.pop()
+            sums[-1] += last
+        elif kind == "repeat":
+            factor = _repeat_factor(token)
+            sums[-1] += last * (factor - 1)
+            last *= factor
+    return sum(sums)
+
+
+def regex_lengths(regex: str) -> tuple[int, int | None]:
+    """(shortest, longest) length of the strings `regex` matches (None: unbounded), read
+    from the text as `regex_size` reads it; an estimate for odd syntax."""
+    frames = [[None, None, 0, 0]]  # per group: best (min, max) over alternatives, current sequence
+    last = (0, 0)
+    for token in _TOKEN.finditer(regex):
+        kind, text, frame = token.lastgroup, token.group(), frames[-1]
+        if kind == "run" or kind == "atom" or (kind == "other" and text == "."):
+            count = len(text) if kind == "run" else 1
+            frame[2], frame[3] = frame[2] + count, _add(frame[3], count)
+            last = (1, 1)
+        elif kind == "open":
+            frames.append([None, None, 0, 0])
+        elif kind == "close" and len(frames) > 1:
+            last = _close(frames.pop())
+            frames[-1][2], frames[-1][3] = frames[-1][2] + last[0], _add(frames[-1][3], last[1])
+        elif kind == "repeat" or (kind == "other" and text[0] in "*+?"):
+            low, high = _repeat_bounds(token) if kind == "repeat" else _QUANTIFIERS[text[0]]
+            repeated = (last[0] * low, None if high is None or last[1] is None else last[1] * high)
+            frame[2] += repeated[0] - last[0]
+            grown = None if repeated[1] is None else repeated[1] - last[1]
+            frame[3] = _add(frame[3], grown)
+            last = repeated
+        elif kind == "other" and text == "|":
+            frame[0], frame[1] = _close(frame)
+            frame[2], frame[3] = 0, 0
+    return _close(frames[0])
+
+
+_QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
+
+
+def _add(total: int | None, count: int | None) -> int | None:
+    return None if total is None or count is None else total + count
+
+
+def _close(frame: list) -> tuple[int, int | None]:
+    """A group's (min, max) over its alternatives, the current one included."""
+    if frame[0] is None:
+        return frame[2], frame[3]
+    high = None if frame[1] is None or frame[3] is None else max(frame[1], frame[3])
+    return min(frame[0], frame[2]), high
+
+
+def _repeat_bounds(token: re.Match) -> tuple[int, int | None]:
+    low, high = token.group("low"), token.group("high")
+    if not token.group("comma"):
+        return (int(low), int(low)) if low else (1, 1)
+    return int(low or 0), int(high) if high else None
+
+
+def _repeat_factor(token: re.Match) -> int:
+    low, high = token.group("low"), token.group("high")
+    if high:
+        return max(int(high), 1)
+    if not token.group("comma") and not low:  # "{}": a literal brace
+        return 1
+    return max(int(low or 0), 1)
 
 def _has_lookaround(node: object) -> bool:
     if hasattr(node, "inner"):

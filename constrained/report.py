@@ -34,3 +34,19 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         return {"valid": True, "error": None}
     where = "/".join(str(p) for p in error.absolute_path)
     return {"valid": False, "error": f"{error.message} (at /{where})"}
+
+
+def violated_keywords(schema: Any, instance: Any) -> set[str]:
+    """The keywords `instance` violates under `schema`, formats asserted (the errors inside
+    anyOf / oneOf branches included); empty when it is valid or cannot be validated."""
+    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    try:
+        todo = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
+    except Exception:  # noqa: BLE001 - as in validate_output
+        return set()
+    found = set()
+    while todo:
+        error = todo.pop()
+        found.add(str(error.validator))
+        todo.extend(error.context or ())
+    return found

@@ -65,14 +65,22 @@ class Unenforced:
         return tuple(sorted(self.places))
 
 
-class Context:
-    """Per conversion: the options, the root schema, and what was left unenforced."""
+# Relaxation levels (lenient mode, a regex over the size cap): what is dropped at a schema path.
+BOUNDS, CONTENT, LOOSE = 1, 2, 3  # counts and lengths; patterns, formats, ranges; the subtree
 
-    def __init__(self, root: object, options: SchemaOptions) -> None:
+
+class Context:
+    """Per conversion: the options, the root schema, what was left unenforced, and the
+    relaxations asked for (schema path -> level: BOUNDS, CONTENT or LOOSE, see
+    `schema_size`); `relaxable` records, per path, the levels that would change its regex."""
+
+    def __init__(self, root: object, options: SchemaOptions, relaxed: dict[str, int] | None = None) -> None:
         self.root = root
         self.options = options
         self.unenforced = Unenforced()
         self.anchors: dict | None = None  # `$anchor` name -> schema, collected on first use
+        self.relaxed = relaxed or {}
+        self.relaxable: dict[str, set[int]] = {}
 
     def skip(self, keyword: str, path: str, why: str) -> None:
         """A keyword that cannot be enforced: refused (strict) or recorded (lenient)."""
@@ -82,3 +90,12 @@ class Context:
                 f"the grammar without it and validates the output)"
             )
         self.unenforced.add(keyword, path)
+
+    def keeps(self, level: int, path: str, keyword: str) -> bool:
+        """Whether `keyword` at `path`, which relaxation `level` drops, is kept; recorded as
+        unenforced when it is not."""
+        self.relaxable.setdefault(path, set()).add(level)
+        if self.relaxed.get(path, 0) < level:
+            return True
+        self.skip(keyword, path, "relaxed: the regex was over the size cap")
+        return False

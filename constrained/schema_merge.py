@@ -7,7 +7,7 @@ import re
 from itertools import product
 from typing import Any
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.errors import TooLarge
 from spruce.constrained.schema_context import Context
 
 KINDS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
@@ -21,7 +21,7 @@ def combine(parts: list[list[dict]], path: str, ctx: Context) -> list[dict]:
     for part in parts:
         size = len(out) * len(part)
         if size > MAX_ALTERNATIVES:
-            raise ConstraintError(
+            raise TooLarge(
                 f"schema too large at {path}: its anyOf / oneOf / allOf / if branches multiply "
                 f"out to {size} alternatives (cap {MAX_ALTERNATIVES})"
             )

@@ -17,6 +17,7 @@ from spruce.constrained.automata import (
     words_except_regex,
 )
 from spruce.constrained.patterns import json_value_regex
+from spruce.constrained.schema_context import BOUNDS
 from spruce.constrained.schema_normalize import alternatives
 from spruce.constrained.schema_scalars import SAFE_CHAR, pattern_regex, string_regex
 
@@ -31,6 +32,9 @@ _OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "requ
 def object_regex(builder, flat: dict, refs: tuple) -> str | None:
     if not any(k in flat for k in _OBJECT_KEYS):
         return builder.free("object")
+    for key in ("minProperties", "maxProperties"):
+        if flat.get(key) and not builder.ctx.keeps(BOUNDS, flat["path"], key):
+            flat = {k: v for k, v in flat.items() if k != key}
     entries = _declared_entries(builder, flat, refs)
     if entries is None:
         return None

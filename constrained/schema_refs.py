@@ -28,6 +28,21 @@ def resolve_ref(ref: Any, path: str, ctx: Context) -> Any:
     return anchors[fragment]
 
 
+def remote_refs(root: Any) -> list[str]:
+    """The `$ref`s of a schema document that point to other documents (need the network)."""
+    own, found, todo = _own_ids(root), [], [root]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.partition("#")[0] and ref.partition("#")[0] not in own:
+                found.append(ref)
+            todo.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
+
+
 def _own_ids(root: Any) -> set[str]:
     if not isinstance(root, dict):
         return set()

@@ -8,14 +8,22 @@ from typing import Any
 
 import jsonschema
 from spruce.constrained.automata import literal_text
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.errors import ConstraintError, TooLarge
 from spruce.constrained.limits import MAX_ARRAY_ITEMS
-from spruce.constrained.patterns import json_array_regex, json_object_regex, json_value_regex
-from spruce.constrained.schema_context import Context
+from spruce.constrained.patterns import (
+    JSON_INTEGER,
+    JSON_NUMBER,
+    JSON_STRING,
+    json_array_regex,
+    json_object_regex,
+    json_value_regex,
+)
+from spruce.constrained.schema_context import BOUNDS, LOOSE, STRICT, Context
 from spruce.constrained.schema_merge import KINDS, same_json
-from spruce.constrained.schema_normalize import alternatives
+from spruce.constrained.schema_normalize import TYPE_KINDS, alternatives
 from spruce.constrained.schema_objects import object_regex
 from spruce.constrained.schema_scalars import integer_regex, number_regex, string_regex
+from spruce.constrained.schema_size import Part, subtree_keywords
 
 MAX_REGEX_CHARS = 4_000_000  # the regex text built so far; past it the schema is refused
 _TYPE_KEYS = {
@@ -38,28 +46,82 @@ class RegexBuilder:
         self.orders: list[tuple[str, ...]] = []
         self._size = 0
         self._validator = _validator(ctx.root)
-        self._cache: dict[tuple, tuple] = {}  # (id(schema), refs) -> (schema, regex)
+        self._cache: dict[tuple, tuple] = {}  # (id(schema), refs) -> (schema, regex, part)
+        self.root_part: Part | None = None  # what each subschema's regex holds (schema_size)
+        self._building: list[Part] = []
 
     def value(self, schema: Any, path: str, refs: tuple = ()) -> str | None:
         """Regex for the values valid under `schema`; None when there is none (a recursion
         closed off, an impossible combination)."""
         key = (id(schema), refs)
         if key in self._cache:
+            self._attach(self._cache[key][2])
             return self._cache[key][1]
+        part = Part(path)
+        self._attach(part)
+        self._building.append(part)
+        try:
+            regex = self._regex(schema, path, refs)
+        finally:
+            self._building.pop()
+        part.regex = regex
+        self._cache[key] = (schema, regex, part)  # the schema kept alive: its id stays unique
+        self._size += len(regex or "")
+        if self._size > MAX_REGEX_CHARS:
+            raise RegexTooLong(
+                f"schema too large: its regex passes {MAX_REGEX_CHARS} characters at {path} "
+                f"(lower recursion_depth / any_json_depth, or simplify that part)"
+            )
+        return regex
+
+    def _attach(self, part: Part) -> None:
+        if self._building:
+            self._building[-1].children.append(part)
+        elif self.root_part is None:
+            self.root_part = part
+
+    def _regex(self, schema: Any, path: str, refs: tuple) -> str | None:
+        if self.ctx.relaxed.get(path, 0) >= LOOSE:
+            return self._loose(schema, path, refs)
+        try:
+            return self._exact(schema, path, refs)
+        except TooLarge:  # too many alternatives, say: lenient mode loosens this part
+            if self.ctx.options.mode == STRICT:
+                raise
+            self.ctx.relaxed[path] = LOOSE
+            return self._loose(schema, path, refs)
+
+    def _exact(self, schema: Any, path: str, refs: tuple) -> str | None:
         flats = alternatives(schema, path, self.ctx, refs)
         options = self._literals(schema, flats)
         for flat in flats:
             if "enum" not in flat:
                 options.extend(self._kinds(flat, refs))
-        regex = union(options)
-        self._cache[key] = (schema, regex)  # the schema kept alive: its id stays unique
-        self._size += len(regex or "")
-        if self._size > MAX_REGEX_CHARS:
-            raise ConstraintError(
-                f"schema too large: its regex passes {MAX_REGEX_CHARS} characters at {path} "
-                f"(lower recursion_depth / any_json_depth, or simplify that part)"
-            )
-        return regex
+        return union(options)
+
+    def _loose(self, schema: Any, path: str, refs: tuple) -> str | None:
+        """Any value of the kinds `schema` allows (a LOOSE relaxation, see schema_size): every
+        keyword below it is reported unenforced."""
+        kinds: set[str] = set()
+        try:
+            flats = alternatives(schema, path, self.ctx, refs)
+        except TooLarge:
+            flats = [{"path": path, "types": _declared_kinds(schema)}]
+        for flat in flats:
+            if "enum" in flat:
+                kinds |= {json_kind(v) for v in flat["enum"]}
+            else:
+                kinds |= KINDS if flat.get("types") is None else flat["types"]
+        for keyword in sorted(subtree_keywords(schema, path, self.ctx)):
+            self.ctx.skip(keyword, path, "relaxed: the regex was over the size cap")
+        if kinds >= KINDS:
+            return json_value_regex(self.ctx.options.any_json_depth)
+        loose = {"null": "null", "boolean": "(?:true|false)", "string": JSON_STRING}
+        out = [loose[k] for k in ("null", "boolean", "string") if k in kinds]
+        if kinds & {"integer", "fraction"}:
+            out.append(JSON_NUMBER if "fraction" in kinds else JSON_INTEGER)
+        out += [self.free(k) for k in ("array", "object") if k in kinds]
+        return union(out)
 
     def all_of(self, schemas: list, path: str, refs: tuple) -> str | None:
         return self.value(schemas[0] if len(schemas) == 1 else {"allOf": schemas}, path, refs)
@@ -111,6 +173,18 @@ class RegexBuilder:
         return json_object_regex(inner) if kind == "object" else json_array_regex(inner)
 
 
+class RegexTooLong(ConstraintError):
+    """The regex text passed MAX_REGEX_CHARS while building (see convert_schema)."""
+
+
+def _declared_kinds(schema: Any) -> set[str] | None:
+    names = schema.get("type") if isinstance(schema, dict) else None
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(n in TYPE_KINDS for n in names):
+        return None
+    return set().union(*(TYPE_KINDS[n] for n in names))
+
+
 def _validator(root: Any):
     cls = jsonschema.validators.validator_for(root if isinstance(root, dict) else {}, default=jsonschema.Draft202012Validator)
     return cls(root)
@@ -152,6 +226,10 @@ def array_regex(builder: RegexBuilder, flat: dict, refs: tuple) -> str | None:
         return builder.free("array")
     path, ctx = flat["path"], builder.ctx
     low, high = flat.get("minItems", 0), flat.get("maxItems")
+    if high is not None and not ctx.keeps(BOUNDS, path, "maxItems"):
+        high = None
+    if low > 1 and not ctx.keeps(BOUNDS, path, "minItems"):
+        low = 0
     if high is not None and high > MAX_ARRAY_ITEMS:
         ctx.skip("maxItems", path, f"{high} is above the cap of {MAX_ARRAY_ITEMS}")
         high = None

@@ -9,18 +9,27 @@ from fractions import Fraction
 from typing import Any
 
 from interegular.fsm import FSM, Alphabet, anything_else
-from spruce.constrained.automata import fsm_to_regex, literal_text, regex_fsm, subtract_regexes
+from spruce.constrained.automata import (
+    MAX_AUTOMATON_STATES,
+    fsm_to_regex,
+    literal_text,
+    regex_fsm,
+    subtract_regexes,
+)
+from spruce.constrained.errors import TooLarge
 from spruce.constrained.jump_forward import CharAutomaton
-from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex
+from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex, regex_lengths, regex_size
 from spruce.constrained.patterns import FORMAT_REGEXES, JSON_INTEGER, JSON_NUMBER, JSON_STRING_CHAR
 from spruce.constrained.ranges import integer_range_regex, number_range_regex
-from spruce.constrained.schema_context import Context
+from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))
 MAX_MULTIPLE = 1000  # multipleOf k builds a k-state automaton
 MAX_MULTIPLE_REGEX = 20_000  # its regex (7 -> 44k characters: refused)
 MAX_LISTED_MULTIPLES = 256  # a bounded multipleOf lists its values
+MAX_LENGTH_STATES = 150  # a pattern / format intersected with lengths (state elimination is cubic)
+MAX_LENGTH_PRODUCT = 2000  # its positions times the length bound: the product automaton's size
 
 
 # -- strings ------------------------------------------------------------------------------------
@@ -30,22 +39,61 @@ def string_regex(flat: dict, ctx: Context) -> str | None:
     """A regex for the JSON string token (quotes included); None when no string fits."""
     low, high = _length_bounds(flat, ctx)
     parts = _string_parts(flat, ctx)
+    if parts and _implied(parts, low, high):
+        low, high = 0, None
     if not parts:
         content = f"{JSON_STRING_CHAR}{_repeat(low, high)}"
     elif len(parts) == 1 and (low, high) == (0, None):
         content = parts[0]
     else:
-        lengths = [] if (low, high) == (0, None) else [f"{SAFE_CHAR}{_repeat(low, high)}"]
-        content = _intersect([*parts, *lengths])
+        content = _bounded(parts, low, high, flat, ctx)
     excluded = [literal_text(json.dumps(v)[1:-1]) for v in flat.get("not_values", []) if isinstance(v, str)]
     if content is not None and excluded:
         content = subtract_regexes(content, excluded)
     return None if content is None else f'"{content}"'
 
 
+def _implied(parts: list[str], low: int, high: int | None) -> bool:
+    """Whether one pattern / format alone keeps every string within the lengths (a date
+    under maxLength 32): nothing to intersect."""
+    for part in parts:
+        shortest, longest = regex_lengths(part)
+        if shortest >= low and (high is None or (longest is not None and longest <= high)):
+            return True
+    return False
+
+
+def _bounded(parts: list[str], low: int, high: int | None, flat: dict, ctx: Context) -> str | None:
+    """The patterns / formats intersected with the lengths. Past MAX_LENGTH_STATES automaton
+    states (seconds of work, a huge regex) the lengths are left out, then all patterns but
+    the first: reported (lenient mode) or refused (strict), naming the path."""
+    lengths = [] if (low, high) == (0, None) else [f"{SAFE_CHAR}{_repeat(low, high)}"]
+    if not lengths and len(parts) == 1:
+        return parts[0]
+    try:
+        product = max(regex_size(p) for p in parts) * ((low if high is None else high) + 1)
+        if lengths and product > MAX_LENGTH_PRODUCT:  # the product automaton alone takes seconds
+            raise TooLarge(f"about {product} automaton states")
+        return _intersect([*parts, *lengths], MAX_LENGTH_STATES)
+    except TooLarge as e:
+        why = f"intersecting it with the other string constraints is too large: {e}"
+        if high is not None:  # the upper bound costs most: the lower one may still fit
+            ctx.skip("maxLength", flat["path"], why)
+            return _bounded(parts, low, None, flat, ctx) if low > 0 else _bounded(parts, 0, None, flat, ctx)
+        if lengths:
+            ctx.skip("minLength", flat["path"], why)
+            return parts[0] if len(parts) == 1 else _bounded(parts, 0, None, flat, ctx)
+        ctx.skip("pattern" if flat.get("patterns") else "format", flat["path"], why)
+        return parts[0]
+
+
 def _length_bounds(flat: dict, ctx: Context) -> tuple[int, int | None]:
     low, high = flat.get("minLength", 0), flat.get("maxLength")
     path = flat["path"]
+    if high is not None and not ctx.keeps(BOUNDS, path, "maxLength"):
+        high = None
+    if low > 1 and not ctx.keeps(BOUNDS, path, "minLength"):
+        low = 0
     if high is not None and high > MAX_STRING_LENGTH:
         ctx.skip("maxLength", path, f"{high} is above the cap of {MAX_STRING_LENGTH} (each bounded "
                  "character grows the token index)")  # fmt: skip
@@ -64,6 +112,10 @@ def _repeat(low: int, high: int | None) -> str:
 
 def _string_parts(flat: dict, ctx: Context) -> list[str]:
     parts = []
+    enforced = {"patterns": flat.get("patterns"), "formats": [f for f in flat.get("formats", []) if f[0] in FORMAT_REGEXES]}
+    for keyword, key in (("pattern", "patterns"), ("format", "formats")):
+        if enforced[key] and not ctx.keeps(CONTENT, flat["path"], keyword):
+            flat = {k: v for k, v in flat.items() if k != key}
     for pattern, path in flat.get("patterns", []):
         regex = pattern_regex(pattern, path, ctx)
         if regex is not None:
@@ -71,14 +123,14 @@ def _string_parts(flat: dict, ctx: Context) -> list[str]:
     for name, path in flat.get("formats", []):
         if name in FORMAT_REGEXES:
             parts.append(FORMAT_REGEXES[name])
-    return parts
+    return list(dict.fromkeys(parts))  # allOf parts often repeat a format or pattern
 
 
-def _intersect(regexes: list[str]) -> str | None:
+def _intersect(regexes: list[str], max_states: int = MAX_AUTOMATON_STATES) -> str | None:
     fsm = regex_fsm(regexes[0])
     for regex in regexes[1:]:
         fsm = fsm & regex_fsm(regex)
-    return fsm_to_regex(fsm)
+    return fsm_to_regex(fsm, max_states)
 
 
 def pattern_regex(pattern: Any, path: str, ctx: Context) -> str | None:
