@@ -15,11 +15,13 @@ from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.distributed import (
     DistributedError,
     StepMessage,
+    TPGroup,
     decode_step,
     encode_step,
     placement,
 )
 from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.loading.loader import load_model
 from spruce.runtime.models.loading.sharded import read_safetensors_slices
 from spruce.runtime.models.parallel import shard_config, take_slice, vocab_slice, weight_slice
 
@@ -138,3 +140,9 @@ def test_the_tp_flags():
     assert {k: v for k, v in engine_options(args).items() if k != "model_path"} == {
         "tp_size": 2, "dist_init_addr": "h:1", "dist_timeout_s": 5.0, "nnodes": 1,
     }  # fmt: skip
+
+
+def test_quantized_weights_with_tp_are_refused(tiny_llama_dir):
+    rank0 = TPGroup(rank=0, world=2, group=None, device=torch.device("cpu"))  # no traffic: refused first
+    with pytest.raises(ModelLoadError, match="--quantization q8_0 does not combine with --tp 2"):
+        load_model(str(tiny_llama_dir), quantization="q8_0", tp=rank0)
