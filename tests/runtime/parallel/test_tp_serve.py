@@ -1,9 +1,10 @@
 """`spruce serve --tp 2`: the scheduler process is rank 0 and starts rank 1; greedy text
 equals the one-process Engine's; SIGTERM stops both ranks. The two-machine command lines
-(--nnodes 2, --node-rank, --dist-init-addr) on one machine, too."""
+(--nnodes 2, --node-rank, --dist-init-addr) and torchrun's environment on one machine, too."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def expected_text(model_dir) -> str:
         return engine.generate(PROMPT, SAMPLING)["text"]
 
 
-def spruce_serve(model_dir, log, *extra: str) -> tuple[subprocess.Popen, str]:
+def spruce_serve(model_dir, log, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "spruce.runtime", "serve", "--model", str(model_dir), "--port", str(port),
@@ -44,7 +45,8 @@ def spruce_serve(model_dir, log, *extra: str) -> tuple[subprocess.Popen, str]:
         "--kv-cache-dtype", "float32", "--log-level", "info", *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def check_generate_then_stop(proc: subprocess.Popen, url: str, log, expected: str) -> str:
@@ -71,14 +73,24 @@ def test_serve_tp_2(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_tp_over_two_nodes(tiny_llama_dir, tmp_path):
-    """Node 1 runs only its rank (no front end); node 0 serves; stopping node 0 stops both."""
+@pytest.mark.parametrize("launch", ["nodes", "torchrun-env"])
+def test_serve_tp_over_two_launches(tiny_llama_dir, tmp_path, launch):
+    """Two `spruce serve` processes, as on two machines (--nnodes 2 --node-rank) or as
+    torchrun starts them (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): the one of rank 1
+    runs only its rank (no front end); stopping rank 0's server stops both."""
     expected = expected_text(tiny_llama_dir)
-    nodes = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
-    follower_log = tmp_path / "node1.log"
-    follower, _ = spruce_serve(tiny_llama_dir, follower_log, *nodes, "--node-rank", "1")
-    log = tmp_path / "node0.log"
-    proc, url = spruce_serve(tiny_llama_dir, log, *nodes, "--node-rank", "0")
+    port = free_port()
+    if launch == "nodes":
+        common = ("--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}")
+        args, envs = [(*common, "--node-rank", str(r)) for r in (0, 1)], [{}, {}]
+    else:
+        args = [("--tp", "2")] * 2
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        envs = [{**env, "RANK": str(r)} for r in (0, 1)]
+    follower_log = tmp_path / "rank1.log"
+    follower, _ = spruce_serve(tiny_llama_dir, follower_log, *args[1], env=envs[1])
+    log = tmp_path / "rank0.log"
+    proc, url = spruce_serve(tiny_llama_dir, log, *args[0], env=envs[0])
     check_generate_then_stop(proc, url, log, expected)
     assert follower.wait(30) == 0, follower_log.read_text()
     text = follower_log.read_text()
