@@ -20,7 +20,7 @@ from spruce.runtime.executor.distributed import (
     encode_step,
     placement,
 )
-from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.config import ModelConfig, MoeConfig
 from spruce.runtime.models.loading.loader import load_model
 from spruce.runtime.models.loading.sharded import read_safetensors_slices
 from spruce.runtime.models.parallel import shard_config, take_slice, vocab_slice, weight_slice
@@ -93,6 +93,9 @@ def test_heads_that_do_not_split_are_one_clear_line():
     )
     with pytest.raises(ModelLoadError, match="query heads do not divide by 3"):
         shard_config(config(), 3)
+    moe = MoeConfig(num_experts=4, experts_per_token=2, intermediate_size=32, normalize_top_k=True)
+    with pytest.raises(ModelLoadError, match="mixture-of-experts models are not split yet"):
+        shard_config(config(architecture="MixtralForCausalLM", moe=moe), 2)
 
 
 def test_safetensors_slices_are_the_whole_tensors_parts(tiny_llama_dir):
