@@ -8,11 +8,16 @@ requests through transformers' batched `generate` in the same process and prints
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
 GGUF file and threads, runs the same workloads through Spruce, and prints the ratios in one
 table; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
+`--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
+model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
+against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
+(llama-batched-bench, when found) and transformers.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -21,6 +26,7 @@ import subprocess
 import time
 
 import torch
+from torch import nn
 
 from spruce.runtime.bench import write_json
 
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp-bin", default=None, help="folder of llama-bench / llama-batched-bench (default: PATH)")
     parser.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
     parser.add_argument("--skip-single", action="store_true", help="skip the batch-1 and long-prefill probes")
+    parser.add_argument("--breakdown", action="store_true", help="time the parts of a batch-1 decode step")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences")
     parser.add_argument("--output-json", default=None)
 
 
@@ -127,7 +135,12 @@ def single_probes(engine, tokenizer) -> dict:
 
 def run_hf(loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool) -> dict:
     """transformers' batched generate on the same weights: left padding, greedy."""
-    model = hf_model_from(loaded)
+    return hf_generate(hf_model_from(loaded), loaded, prompts, max_new_tokens, batch_size, ignore_eos)
+
+
+def hf_generate(
+    model, loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool
+) -> dict:
     pad = 0
     eos = None if ignore_eos else sorted(loaded.tokenizer.eos_token_ids)
     start = time.perf_counter()
@@ -200,6 +213,12 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         result.update(single_probes(engine, tokenizer))
     if args.compare == "llama.cpp":
         compare_llama_cpp(engine, args, result)
+    if args.breakdown:
+        result["breakdown"] = step_breakdown(engine, tokenizer)
+    if args.plot:
+        result["scaling"] = scaling_curves(engine, args)
+        title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
+        plot_scaling(result["scaling"], args.plot, title)
     if args.compare == "hf":
         hf = run_hf(engine.core.loaded, prompts, args.output_len, args.hf_batch_size or len(prompts), args.ignore_eos)
         result["hf"] = _public(hf)
@@ -225,6 +244,12 @@ def print_report(r: dict) -> None:
     if "batch1_decode_tokens_per_s" in r:
         print(f"batch-1 decode        {r['batch1_decode_tokens_per_s']:.1f} tokens/s")
         print(f"prefill (512 tokens)  {r['prefill_512_tokens_per_s']:.1f} tokens/s")
+    if "breakdown" in r:
+        print_breakdown(r["breakdown"])
+    if "scaling" in r:
+        print("output tokens/s by parallel sequences (128 + 128 tokens each):")
+        for name, curve in r["scaling"].items():
+            print(f"  {name:13s} " + "  ".join(f"{n}: {v:.1f}" for n, v in curve.items()))
     if "hf" in r:
         print(f"transformers output   {r['hf']['output_tokens_per_s']:.1f} tokens/s")
         print(f"speedup vs hf         {r['speedup_vs_hf']:.2f}x (identical outputs: {r['identical_outputs_vs_hf']})")
@@ -253,11 +278,18 @@ def run_llama_cpp(tools: tuple[str, str], model: str, threads: int) -> dict[str,
     out = {}
     for row in json.loads(bench.stdout):
         out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
+    return out | llama_batched(tools[1], model, threads, PARALLEL)
+
+
+def llama_batched(tool: str, model: str, threads: int, counts: tuple[int, ...]) -> dict[str, float]:
+    """llama-batched-bench, `counts` sequences of 128 prompt + 128 generated tokens:
+    tokens/s of the decode phase and end to end (generated tokens over the whole run)."""
     batched = subprocess.run(
-        [tools[1], "-m", model, "-t", str(threads), "-c", str(256 * max(PARALLEL)), "-b", "2048", "-ub", "512",
-         "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, PARALLEL)), "--output-format", "jsonl"],
+        [tool, "-m", model, "-t", str(threads), "-c", str(256 * max(counts)), "-b", "2048", "-ub", "512",
+         "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, counts)), "--output-format", "jsonl"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
+    out = {}
     for line in batched.stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
@@ -303,3 +335,162 @@ _LLAMA_ROWS = [
     *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
     *((f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated") for n in PARALLEL),
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# Where a batch-1 decode step's time goes
+# ---------------------------------------------------------------------------------------
+
+
+class StepTimers:
+    """Wall time per part of each engine step, from forward hooks on the model's modules
+    and wrappers around the attention backend, the sampler, the runner and the step
+    (instance attributes, removed by close()). Per step: {part: seconds}."""
+
+    def __init__(self, core) -> None:
+        from spruce.runtime.models.layers import QuantizedEmbedding, QuantizedLinear, RMSNorm
+
+        self.core, self.now, self.steps = core, collections.Counter(), []
+        self.handles, self.wrapped = [], []
+        model = core.runner.model
+        for module in model.modules():
+            if isinstance(module, (nn.Embedding, QuantizedEmbedding)):
+                self._hook(module, "embedding")
+            elif isinstance(module, (nn.Linear, QuantizedLinear)):
+                self._hook(module, "matmuls")
+            elif isinstance(module, RMSNorm):
+                self._hook(module, "norms")
+        self._hook(model, "model")
+        if model.lm_head is None:  # the tied output projection is a method, not a module call
+            self._wrap(model.embed_tokens, "as_linear", "matmuls")
+        self._wrap(core.runner.backend, "forward", "attention")
+        self._wrap(core.sampler, "sample", "sampling")
+        self._wrap(core.runner, "forward", "runner")
+        self._wrap(core, "step", "step", per_step=True)
+
+    def _hook(self, module: nn.Module, part: str) -> None:
+        started = []
+        pre = module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+        post = module.register_forward_hook(lambda *_: self._add(part, started.pop()))
+        self.handles += [pre, post]
+
+    def _add(self, part: str, start: float) -> None:
+        self.now[part] += time.perf_counter() - start
+
+    def _wrap(self, owner, name: str, part: str, per_step: bool = False) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if per_step:
+                self.now.clear()
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._add(part, start)
+                if per_step:
+                    self.steps.append(dict(self.now))
+
+        setattr(owner, name, timed)
+        self.wrapped.append((owner, name))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for owner, name in self.wrapped:
+            delattr(owner, name)  # the class's own method shows through again
+
+
+BREAKDOWN_ROWS = [  # (label, parts added, parts taken away)
+    ("matmuls (linear layers + output head)", ["matmuls"], []),
+    ("attention (KV write + attention)", ["attention"], []),
+    ("residual add + RMSNorm", ["norms"], []),
+    ("embedding lookup", ["embedding"], []),
+    ("other model ops (rotary, SiLU*up, Python)", ["model"], ["matmuls", "attention", "norms", "embedding"]),
+    ("runner outside the model (batch tensors)", ["runner"], ["model"]),
+    ("sampling", ["sampling"], []),
+    ("scheduler + step bookkeeping", ["step"], ["runner", "sampling"]),
+]
+
+
+def step_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
+    """Mean ms per part of a batch-1 decode step (timed steps), and the mean step time of
+    the same run without timers (the timers' own cost shows as the difference)."""
+    prompt = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    engine.flush_cache()
+    plain_ms = run_engine(engine, [prompt], params)["decode_step_ms"]
+    timers = StepTimers(engine.core)
+    try:
+        engine.flush_cache()
+        engine.generate(input_ids=prompt, sampling_params=params)
+    finally:
+        timers.close()
+    decode = [st for st in timers.steps[2:] if "model" in st]  # past the prefill and the first step
+    mean = {part: sum(st.get(part, 0.0) for st in decode) / len(decode) * 1e3 for part in timers.now}
+    rows = {
+        label: sum(mean.get(p, 0.0) for p in plus) - sum(mean.get(p, 0.0) for p in minus)
+        for label, plus, minus in BREAKDOWN_ROWS
+    }
+    return {"steps": len(decode), "timed_step_ms": mean["step"], "plain_step_ms": plain_ms, "parts_ms": rows}
+
+
+def print_breakdown(b: dict) -> None:
+    print(f"\nbatch-1 decode step, mean of {b['steps']} steps: {b['plain_step_ms']:.2f} ms "
+          f"({b['timed_step_ms']:.2f} ms with the timers on)")  # fmt: skip
+    print("| part | ms per step | share |\n| --- | --- | --- |")
+    for label, ms in b["parts_ms"].items():
+        print(f"| {label} | {ms:.3f} | {ms / b['timed_step_ms']:.1%} |")
+
+
+# ---------------------------------------------------------------------------------------
+# Output tokens/s against parallel sequences, as a chart
+# ---------------------------------------------------------------------------------------
+
+PLOT_COUNTS = (1, 4, 16, 64)
+
+
+def scaling_curves(engine, args: argparse.Namespace) -> dict[str, dict[int, float]]:
+    """Output tokens/s end to end (generated tokens over the whole run) for `count`
+    sequences of 128 prompt + 128 generated tokens: Spruce, transformers (batched generate
+    on the same weights in float32) and llama.cpp's llama-batched-bench when found."""
+    loaded, tokenizer = engine.core.loaded, engine.tokenizer
+    params = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}
+    hf_model = hf_model_from(loaded)
+    curves: dict[str, dict[int, float]] = {"Spruce": {}, "transformers": {}}
+    for count in PLOT_COUNTS:
+        prompts = synthetic_prompts(tokenizer, count, 128, 128, seed=count)
+        engine.flush_cache()
+        curves["Spruce"][count] = run_engine(engine, prompts, params)["output_tokens_per_s"]
+        hf = hf_generate(hf_model, loaded, prompts, 128, count, ignore_eos=True)
+        curves["transformers"][count] = hf["output_tokens_per_s"]
+    tools = llama_cpp_tools(args.llama_cpp_bin)
+    if tools is not None and loaded.path.endswith(".gguf"):
+        theirs = llama_batched(tools[1], loaded.path, engine.config.num_threads, PLOT_COUNTS)
+        curves["llama.cpp"] = {count: theirs[f"end_to_end_{count}"] for count in PLOT_COUNTS}
+    else:
+        print("llama.cpp left out of the plot: llama-batched-bench not found or the model is not a GGUF file")
+    return curves
+
+
+def plot_scaling(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for name, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(PLOT_COUNTS, [str(n) for n in PLOT_COUNTS])
+    ax.set_yscale("log")
+    ax.set_xlabel("parallel sequences (128 prompt + 128 generated tokens each)")
+    ax.set_ylabel("output tokens/s (end to end)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
