@@ -23,7 +23,7 @@ from typing import Any
 
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.limits import MAX_EXPANDED_SIZE, parse_regex, regex_size
-from spruce.constrained.schema_context import STRICT, Context, SchemaOptions
+from spruce.constrained.schema_context import LOOSE, STRICT, Context, SchemaOptions
 from spruce.constrained.schema_regex import RegexBuilder, RegexTooLong
 from spruce.constrained.schema_size import (
     MAX_RELAX_ROUNDS,
@@ -35,13 +35,15 @@ from spruce.constrained.schema_size import (
 
 @dataclass(frozen=True, slots=True)
 class SchemaRegex:
-    """The regex, the keywords it does not enforce (lenient mode; empty when exact), and the
-    property order of each object it builds (see `canonical_instance`)."""
+    """The regex, the keywords it does not enforce (lenient mode; empty when exact), the
+    property order of each object it builds (see `canonical_instance`), and the schema paths
+    loosened to fit the size cap (lenient mode; "#": the whole schema)."""
 
     regex: str
     unenforced: tuple[str, ...]
     unenforced_at: dict[str, list[str]]
     orders: tuple[tuple[str, ...], ...] = ()
+    loosened: tuple[str, ...] = ()  # schema paths relaxed to any value of their types (size cap)
 
 
 def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaRegex:
@@ -73,7 +75,8 @@ def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaR
         raise ConstraintError(too_large_message(builder.root_part, size))
     parse_regex(regex)  # what the automata support: a converter bug fails here, not later
     places = ctx.unenforced.places
-    return SchemaRegex(regex, ctx.unenforced.keywords(), places, tuple(dict.fromkeys(builder.orders)))
+    loosened = tuple(path for path, level in relaxed.items() if level >= LOOSE)
+    return SchemaRegex(regex, ctx.unenforced.keywords(), places, tuple(dict.fromkeys(builder.orders)), loosened)
 
 
 def schema_to_regex(schema: Any, whitespace_pattern: str = "", mode: str = "strict") -> str:

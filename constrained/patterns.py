@@ -17,6 +17,7 @@ JSON_STRING = f'"{JSON_STRING_CHAR}*"'
 MAX_DIGITS = 16
 JSON_INTEGER = rf"-?(0|[1-9][0-9]{{0,{MAX_DIGITS - 1}}})"
 JSON_NUMBER = rf"{JSON_INTEGER}(\.[0-9]{{1,{MAX_DIGITS}}})?([eE][+-]?[0-9]{{1,3}})?"
+JSON_FRACTION = rf"{JSON_INTEGER}\.[0-9]{{0,{MAX_DIGITS - 1}}}[1-9]"  # not integral, no exponent
 _JSON_SCALAR = f"(?:{JSON_STRING}|{JSON_NUMBER}|true|false|null)"
 ANY_JSON_DEPTH = 2  # containers inside containers; outlines-core's own "any" (depth 3) takes
 # more than 30 s to index with a 49k vocabulary, depth 2 about 1 s

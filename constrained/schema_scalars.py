@@ -19,7 +19,13 @@ from spruce.constrained.automata import (
 from spruce.constrained.errors import TooLarge
 from spruce.constrained.jump_forward import CharAutomaton
 from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex, regex_lengths, regex_size
-from spruce.constrained.patterns import FORMAT_REGEXES, JSON_INTEGER, JSON_NUMBER, JSON_STRING_CHAR
+from spruce.constrained.patterns import (
+    FORMAT_REGEXES,
+    JSON_FRACTION,
+    JSON_INTEGER,
+    JSON_NUMBER,
+    JSON_STRING_CHAR,
+)
 from spruce.constrained.ranges import integer_range_regex, number_range_regex
 from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
 
@@ -38,6 +44,8 @@ MAX_LENGTH_PRODUCT = 2000  # its positions times the length bound: the product a
 def string_regex(flat: dict, ctx: Context) -> str | None:
     """A regex for the JSON string token (quotes included); None when no string fits."""
     low, high = _length_bounds(flat, ctx)
+    if high is not None and low > high:
+        return None
     parts = _string_parts(flat, ctx)
     if parts and _implied(parts, low, high):
         low, high = 0, None
@@ -258,7 +266,9 @@ def number_regex(flat: dict, ctx: Context, integers: bool) -> str | None:
             None if low is None else int(low[0]), None if high is None else int(high[0]),
             bool(low and low[1]), bool(high and high[1]),
         )  # fmt: skip
-    if not integers:  # a fraction that is not zero ("2.0" is an integer in JSON Schema)
+    if not integers and regex == JSON_NUMBER:  # written directly: the intersection is huge
+        regex = JSON_FRACTION
+    elif not integers:  # a fraction that is not zero ("2.0" is an integer in JSON Schema)
         regex = _intersect([regex, r"-?[0-9]+\.[0-9]*[1-9]"])
     return regex if regex is None else _without_values(regex, flat, (int, float))
 

@@ -22,6 +22,7 @@ from spruce.constrained.schema_refs import resolve_ref
 
 MAX_RELAX_ROUNDS = 8  # each round converts the schema again
 TARGET_SIZE = MAX_EXPANDED_SIZE * 3 // 4  # relax towards this: part sizes are estimates
+LOOSE_MIN = 700  # a LOOSE object or array costs about this much: only larger parts are loosened
 _SHOWN = 3  # paths named in the size error
 KEYWORDS = frozenset({
     "type", "enum", "const", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
@@ -79,18 +80,25 @@ def _topological(root: Part) -> list[Part]:
 
 
 def relax(root: Part, size: int, ctx: Context, relaxed: dict[str, int]) -> bool:
-    """One round: the heaviest paths drop their bounds, or their patterns and formats, until
-    their weight covers the excess over TARGET_SIZE; when none is left to drop, the smallest
-    subtrees that cover it become LOOSE. False when nothing is left to relax."""
-    excess, covered = size - TARGET_SIZE, 0
-    for weight, part in heaviest(root):
-        if weight == 0 or covered >= excess:
+    """One round: the heaviest paths, until their weight covers the excess over TARGET_SIZE,
+    drop their bounds, or their patterns and formats, or (a part with neither that is larger
+    than any value) become LOOSE; then, if that was not enough, the smallest subtrees that
+    cover the excess become LOOSE. False when nothing is left to relax."""
+    excess, covered, loosened = size - TARGET_SIZE, 0, []
+    for part, total, own, copies in sorted(_measured(root)[1:], key=lambda m: -m[2] * m[3]):
+        if own * copies == 0 or covered >= excess:
             break
+        if any(part.path.startswith(path + "/") for path in loosened):
+            continue  # inside a subtree loosened this round
         current = relaxed.get(part.path, 0)
         levels = sorted(level for level in ctx.relaxable.get(part.path, ()) if level > current)
         if levels:
             relaxed[part.path] = levels[0]
-            covered += weight
+            covered += own * copies
+        elif current < LOOSE and total > LOOSE_MIN:
+            relaxed[part.path] = LOOSE
+            loosened.append(part.path)
+            covered += (total - LOOSE_MIN) * copies
     return covered > 0 or _loosen(root, excess, relaxed)
 
 
@@ -99,7 +107,7 @@ def _loosen(root: Part, excess: int, relaxed: dict[str, int]) -> bool:
     largest subtrees that do not nest, until they cover it; the root last."""
     measured = [
         (size * copies, part) for part, size, _, copies in _measured(root)[1:]
-        if relaxed.get(part.path, 0) < LOOSE
+        if relaxed.get(part.path, 0) < LOOSE and size > LOOSE_MIN
     ]  # fmt: skip
     enough = [(total, part) for total, part in measured if total > excess]
     if enough:
