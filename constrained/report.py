@@ -36,17 +36,25 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
     return {"valid": False, "error": f"{error.message} (at /{where})"}
 
 
-def violated_keywords(schema: Any, instance: Any) -> set[str]:
+def violated_keywords(schema: Any, instance: Any) -> set[str] | None:
     """The keywords `instance` violates under `schema`, formats asserted (the errors inside
-    anyOf / oneOf branches included); empty when it is valid or cannot be validated."""
+    anyOf / oneOf branches included); empty when it is valid, None when jsonschema cannot
+    tell (a pattern Python cannot compile, a $ref to another document)."""
     cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
     try:
         todo = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
     except Exception:  # noqa: BLE001 - as in validate_output
-        return set()
+        return None
     found = set()
     while todo:
         error = todo.pop()
         found.add(str(error.validator))
         todo.extend(error.context or ())
     return found
+
+
+def excused(schema: Any, instance: Any, unenforced: tuple[str, ...] | list[str]) -> bool:
+    """Whether an invalid `instance` the grammar accepted breaks a keyword it reported not
+    enforcing (when jsonschema cannot tell which keyword: whether any was reported)."""
+    broken = violated_keywords(schema, instance)
+    return bool(unenforced) if broken is None else bool(broken & set(unenforced))
