@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--corpus", default=None,
         help="folder of {schema, valid, invalid} files: pass rates at the regex level side by side with raw "
         "outlines-core and XGrammar (if installed: pip install --no-deps xgrammar apache-tvm-ffi); no model run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--index", action="store_true",
+        help="with --corpus: also build each converted schema's token index with the bundled tokenizer (cold "
+        "compile time and memory, XGrammar's compile on the same vocabulary beside it)",
     )  # fmt: skip
 
 
@@ -129,7 +135,7 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     from spruce.runtime.engine.offline import Engine
 
     if args.corpus:
-        result = corpus_report(args.corpus)
+        result = corpus_report(args.corpus, index=args.index)
         print_corpus(result)
         write_json(args.output_json, result)
         return 0
@@ -172,39 +178,105 @@ def print_report(r: dict, n: int) -> None:
 
 
 # -- --corpus: pass rates (compiles, accepts every valid example, refuses every invalid one) ------
+# Every engine sees each example as compact JSON with its keys in the schema's definition order
+# (all three write objects in that order; Spruce's recorded order also merges allOf parts), and
+# is timed on the same machine in one run.
 
 
-def corpus_report(folder: str) -> dict:
+CONVERT_TIMEOUT_S = 30  # a conversion past it counts as not compiled (the server's grammar timeout)
+
+
+def _deadline(*_) -> None:
+    raise TimeoutError(f"not converted within {CONVERT_TIMEOUT_S} s")
+
+
+def corpus_report(folder: str, index: bool = False) -> dict:
+    from spruce.constrained.schema_refs import remote_refs
+
+    signal.signal(signal.SIGALRM, _deadline)
     entries = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
+    if not entries:
+        raise SystemExit(f"no *.json corpus files in {folder} (each {{schema, valid, invalid}})")
+    local = [e for e in entries if not remote_refs(e["schema"])]
     checkers = {"spruce": _spruce_checker, "outlines-core": _outlines_checker, "xgrammar": _xgrammar_checker}
-    out = {"schemas": len(entries), "engines": {}}
+    out = {"schemas": len(entries), "local_schemas": len(local), "engines": {}, "features": {}}
+    features = [_features(e["schema"]) for e in entries]
     for name, make in checkers.items():
         checker = make()
-        if checker is not None:
-            out["engines"][name] = _run_checker(checker, entries)
+        if checker is None:
+            continue
+        results = [_check_entry(checker, e) for e in entries]
+        out["engines"][name] = _summary(results, [not remote_refs(e["schema"]) for e in entries])
+        for used, result in zip(features, results):
+            for feature in used:
+                row = out["features"].setdefault(feature, {"schemas": 0})
+                row["schemas"] += name == "spruce"
+                row[name] = row.get(name, 0) + result["passed"]
+    if index:
+        out["index"] = index_report(local)
     return out
 
 
-def _run_checker(checker, entries: list[dict]) -> dict:
-    passed = compiled = accepted_invalid = 0
-    times, unenforced = [], {}
-    for entry in entries:
-        start = time.perf_counter()
-        try:
-            accepts, keywords = checker(entry["schema"])
-        except Exception:  # noqa: BLE001, S112 - a refused or crashing schema counts as not compiled
-            continue
-        times.append(time.perf_counter() - start)
-        compiled += 1
-        for keyword in keywords:
+def _check_entry(checker, entry: dict) -> dict:
+    """One schema: compiled, passed, seconds, invalid examples accepted (and of those, the
+    ones excused: they break a keyword the engine reported unenforced), unenforced keywords."""
+    from spruce.constrained.json_schema import declared_orders
+    from spruce.constrained.report import excused as excused_invalid
+
+    result = {"compiled": False, "passed": False, "seconds": None, "accepted_invalid": 0, "excused": 0,
+              "unenforced": (), "loose": False}  # fmt: skip
+    start = time.perf_counter()
+    signal.alarm(CONVERT_TIMEOUT_S)
+    try:
+        accepts, unenforced, loose = checker(entry["schema"])
+    except Exception:  # noqa: BLE001 - refused, crashed or past the deadline: not compiled
+        return result
+    finally:
+        signal.alarm(0)
+    result.update(compiled=True, seconds=time.perf_counter() - start, unenforced=unenforced, loose=loose)
+    orders = declared_orders(entry["schema"])
+    wrong = [v for v in entry["invalid"] if accepts(v, orders)]
+    excused = [v for v in wrong if excused_invalid(entry["schema"], v, unenforced)]
+    result.update(accepted_invalid=len(wrong), excused=len(excused))
+    result["passed"] = not wrong and all(accepts(v, orders) for v in entry["valid"])
+    return result
+
+
+def _summary(results: list[dict], local: list[bool]) -> dict:
+    times = sorted(r["seconds"] for r in results if r["compiled"])
+    unenforced: dict[str, int] = {}
+    for r in results:
+        for keyword in r["unenforced"]:
             unenforced[keyword] = unenforced.get(keyword, 0) + 1
-        wrong = sum(accepts(v) for v in entry["invalid"])
-        accepted_invalid += wrong
-        passed += all(accepts(v) for v in entry["valid"]) and not wrong
-    times.sort()
-    pct = {f"p{q}": times[min(len(times) - 1, len(times) * q // 100)] for q in (50, 90, 99)} if times else {}
-    return {"passed": passed, "compiled": compiled, "accepted_invalid": accepted_invalid,
-            "compile_s": pct, "unenforced": unenforced}  # fmt: skip
+    return {
+        "passed": sum(r["passed"] for r in results),
+        "compiled": len(times),
+        "compiled_local": sum(r["compiled"] for r, is_local in zip(results, local) if is_local),
+        "loosened_whole": sum(r["loose"] for r in results),  # compiled as "any object" (size cap)
+        "accepted_invalid": sum(r["accepted_invalid"] for r in results),
+        "accepted_invalid_enforced": sum(r["accepted_invalid"] - r["excused"] for r in results),
+        "compile_s": percentiles(times),
+        "unenforced": unenforced,
+    }
+
+
+def percentiles(values: list[float]) -> dict:
+    values = sorted(values)
+    if not values:
+        return {}
+    return {f"p{q}": values[min(len(values) - 1, len(values) * q // 100)] for q in (50, 90, 99)} | {"max": values[-1]}
+
+
+def _features(schema) -> list[str]:
+    """The keywords a schema uses (for per-feature pass rates), remote $refs as "$ref(remote)"."""
+    from spruce.constrained.schema_context import Context, SchemaOptions
+    from spruce.constrained.schema_refs import remote_refs
+    from spruce.constrained.schema_size import subtree_keywords
+
+    used = subtree_keywords(schema, "#", Context(schema, SchemaOptions()))
+    if "$ref" in json.dumps(schema):
+        used.add("$ref(remote)" if remote_refs(schema) else "$ref")
+    return sorted(used)
 
 
 def _spruce_checker():
@@ -215,7 +287,9 @@ def _spruce_checker():
     def check(schema):
         converted = convert_schema(schema)
         regex = re.compile(converted.regex)
-        return (lambda v: bool(regex.fullmatch(canonical_instance(v, converted.orders)))), converted.unenforced
+        orders = converted.orders  # the order its grammar writes (definition order, allOf parts merged)
+        accepts = lambda v, _: bool(regex.fullmatch(canonical_instance(v, orders)))  # noqa: E731
+        return accepts, converted.unenforced, "#" in converted.loosened
 
     return check
 
@@ -226,10 +300,9 @@ def _outlines_checker():
     import outlines_core
     from spruce.constrained.json_schema import canonical_instance
 
-    def check(schema):  # compact output, top-level properties in definition order
+    def check(schema):  # compact output: no whitespace between tokens
         regex = re.compile(outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), ""))
-        order = tuple(schema.get("properties", {})) if isinstance(schema, dict) else ()
-        return (lambda v: bool(regex.fullmatch(canonical_instance(v, (order,))))), ()
+        return (lambda v, orders: bool(regex.fullmatch(canonical_instance(v, orders)))), (), False
 
     return check
 
@@ -240,19 +313,94 @@ def _xgrammar_checker():
         from xgrammar.testing import _is_grammar_accept_string
     except ImportError:
         return None
+    from spruce.constrained.json_schema import canonical_instance
 
     def check(schema):
         grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
-        return (lambda v: _is_grammar_accept_string(grammar, json.dumps(v, separators=(",", ":")))), ()
+        return (lambda v, orders: _is_grammar_accept_string(grammar, canonical_instance(v, orders))), (), False
 
     return check
 
 
+def index_report(entries: list[dict], timeout_s: float = 30.0) -> dict:
+    """Cold token-index builds with the bundled tokenizer: Spruce's full compile (worker
+    process, outlines-core index + jump-forward automaton) and XGrammar's compile_json_schema
+    on the same vocabulary, for every schema Spruce converts."""
+    from spruce.constrained import GrammarCompiler, make_spec
+    from spruce.runtime.models.loading.files import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    compiler = GrammarCompiler(tokenizer, cache_size=1, timeout_s=timeout_s, cache_bytes=1 << 40)
+    xgrammar_compile = _xgrammar_compiler(tokenizer)
+    spruce_s, memory, failed, xgrammar_s = [], [], [], []
+    try:
+        for entry in entries:
+            try:
+                spec = make_spec(json_schema=entry["schema"])
+            except Exception:  # noqa: BLE001, S112 - not converted: counted by the pass rates
+                continue
+            start = time.perf_counter()
+            try:
+                compiler.compile(spec)
+            except Exception as e:  # noqa: BLE001 - over the timeout or the memory cap
+                failed.append(f"{entry['name']}: {str(e)[:120]}")
+                continue
+            spruce_s.append(time.perf_counter() - start)
+            memory.append(compiler.cached_bytes)
+            if xgrammar_compile is not None:
+                xgrammar_s.append(xgrammar_compile(entry["schema"]))
+    finally:
+        compiler.close()
+    return {"built": len(spruce_s), "failed": failed, "spruce_s": percentiles(spruce_s),
+            "spruce_memory_mb": {k: v / 2**20 for k, v in percentiles(memory).items()},
+            "xgrammar_s": percentiles([s for s in xgrammar_s if s is not None]),
+            "xgrammar_failed": sum(s is None for s in xgrammar_s)}  # fmt: skip
+
+
+def _xgrammar_compiler(tokenizer):
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    info = xgrammar.TokenizerInfo(
+        tokenizer.token_bytes(), xgrammar.VocabType.RAW, vocab_size=tokenizer.vocab_size,
+        stop_token_ids=sorted(tokenizer.eos_token_ids),
+    )  # fmt: skip
+
+    def compile_seconds(schema) -> float | None:
+        compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        start = time.perf_counter()
+        try:
+            compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        except Exception:  # noqa: BLE001 - refused by XGrammar
+            return None
+        return time.perf_counter() - start
+
+    return compile_seconds
+
+
 def print_corpus(r: dict) -> None:
-    print(f"{r['schemas']} schemas")
+    print(f"{r['schemas']} schemas, {r['local_schemas']} without remote $refs")
     for name, e in r["engines"].items():
-        pct = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in e["compile_s"].items())
-        print(f"  {name:14s} pass {e['passed']:4d}  compiled {e['compiled']:4d}  invalid accepted {e['accepted_invalid']:4d}  {pct}")
+        pct = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in e["compile_s"].items())
+        print(f"  {name:14s} pass {e['passed']:4d} ({e['passed'] / r['schemas']:.1%})  compiled {e['compiled']:4d}"
+              f" (local {e['compiled_local']} = {e['compiled_local'] / max(r['local_schemas'], 1):.1%})"
+              f"  invalid accepted {e['accepted_invalid']:3d} (enforced keywords: {e['accepted_invalid_enforced']})"
+              f"  whole schema loosened {e['loosened_whole']}"
+              f"  convert {pct}")  # fmt: skip
         if e["unenforced"]:
-            top = sorted(e["unenforced"].items(), key=lambda kv: -kv[1])[:8]
+            top = sorted(e["unenforced"].items(), key=lambda kv: -kv[1])[:10]
             print("    unenforced (lenient): " + ", ".join(f"{k} {n}" for k, n in top))
+    names = list(r["engines"])
+    print(f"  {'feature':22s} {'schemas':>7s} " + " ".join(f"{n:>13s}" for n in names) + "  (schemas passed)")
+    for feature, row in sorted(r["features"].items(), key=lambda kv: -kv[1]["schemas"]):
+        print(f"  {feature:22s} {row['schemas']:7d} " + " ".join(f"{row.get(n, 0):13d}" for n in names))
+    if "index" in r:
+        i = r["index"]
+        fmt = lambda d, unit=1000, suffix=" ms": ", ".join(f"{k} {v * unit:.0f}{suffix}" for k, v in d.items())  # noqa: E731
+        print(f"token index, bundled tokenizer: {i['built']} built, {len(i['failed'])} failed")
+        print(f"  spruce cold compile   {fmt(i['spruce_s'])}")
+        print(f"  spruce memory (est.)  {fmt(i['spruce_memory_mb'], 1, ' MB')}")
+        print(f"  xgrammar compile      {fmt(i['xgrammar_s'])} ({i['xgrammar_failed']} refused)")
+        for line in i["failed"]:
+            print(f"    failed: {line}")
