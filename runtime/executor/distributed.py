@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from spruce.runtime.errors import SpruceError
 
 logger = logging.getLogger("spruce")
@@ -127,8 +128,13 @@ def init_group(
 
 
 def close_group() -> None:
+    """Leaves the group; after a join that failed, also resets torch's group counter (a
+    failed init_process_group has counted its group, so a later join in this process would
+    name its store keys differently from fresh ranks and wait for them forever)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    else:
+        c10d._world.group_count = 0
 
 
 # -- collectives the model uses (tp > 1 only) -------------------------------------------------
