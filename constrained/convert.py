@@ -92,9 +92,9 @@ class SpecConverter:
         self._remember(key, spec)
         return spec
 
-    def start(self) -> None:
-        """Starts a worker ahead of the first schema (a fresh interpreter takes a moment)."""
-        self._workers.start()
+    def start(self, count: int = 1) -> None:
+        """Starts workers ahead of the first schema (a fresh interpreter takes a moment)."""
+        self._workers.start(min(count, MAX_PARALLEL))
 
     def close(self) -> None:
         self._workers.close()

@@ -70,9 +70,9 @@ class ModelContext:
         self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
     ) -> list[ValidRequest]:
         """`prepare` for each (prompt, sampling). A constrained call, or one with long prompt
-        texts, is prepared on a worker thread: converting a large JSON schema to its regex or
-        tokenizing megabytes of text takes a while, and the event loop keeps serving every
-        other client meanwhile."""
+        texts, is prepared on a worker thread: tokenizing megabytes of text takes a while, and
+        a JSON schema converts in a worker process (stopped at the grammar timeout) that the
+        thread waits for; the event loop keeps serving every other client meanwhile."""
 
         def work() -> list[ValidRequest]:
             return [self.prepare(prompt, sampling, options) for prompt, sampling in requests]

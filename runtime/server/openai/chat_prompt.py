@@ -11,7 +11,8 @@ from typing import Any
 import jinja2
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.report import schema_report
-from spruce.constrained.spec import ConstraintSpec, make_spec
+from spruce.constrained.convert import Conversion
+from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
@@ -62,8 +63,11 @@ class ToolPlan:
 
     @classmethod
     def of(
-        cls, req: ChatRequest, fmt: ToolCallFormat | None = None, whitespace: str = ""
+        cls, req: ChatRequest, fmt: ToolCallFormat | None = None, conversion: Conversion | None = None
     ) -> ToolPlan:
+        """The plan; required / named calls convert their schemas with `conversion` (the
+        server's whitespace and deadline; default Conversion())."""
+        conversion = conversion or Conversion()
         fmt = fmt or TOOL_CALL_FORMATS["json"]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice
@@ -77,13 +81,13 @@ class ToolPlan:
             if not functions:
                 message = f"tool_choice names {choice.function.name!r}, which is not in tools"
                 raise ApiError(400, message, param="tool_choice")
-            return cls(tools, "named", fmt, _constraint(fmt, functions, True, False, whitespace))
+            return cls(tools, "named", fmt, _constraint(fmt, functions, True, False, conversion))
         if choice == "required":
             return cls(
                 tools,
                 "required",
                 fmt,
-                _constraint(fmt, functions, False, req.parallel_tool_calls, whitespace),
+                _constraint(fmt, functions, False, req.parallel_tool_calls, conversion),
             )
         return cls(tools, "auto", fmt, None)
 
@@ -108,10 +112,10 @@ class ToolPlan:
 
 
 def _constraint(
-    fmt: ToolCallFormat, functions: list[dict], single: bool, parallel: bool, whitespace: str
+    fmt: ToolCallFormat, functions: list[dict], single: bool, parallel: bool, conversion: Conversion
 ) -> dict:
     try:
-        return fmt.constraint(functions, single, parallel, whitespace)
+        return fmt.constraint(functions, single, parallel, conversion)
     except (ConstraintError, ValueError) as e:
         raise ApiError(
             400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools"
@@ -133,7 +137,7 @@ class ChatPrompt:
         return (None, text) if self.reasoning is None else self.reasoning.split(text, self.thinking)
 
     def constrain(
-        self, sampling: SamplingParams, whitespace: str
+        self, sampling: SamplingParams, conversion: Conversion
     ) -> tuple[SamplingParams, ConstraintSpec | None]:
         """A constrained answer after a reasoning block: the constraint becomes a regex that
         lets the reasoning through first (any text but the closing tag), then the answer.
@@ -142,10 +146,8 @@ class ChatPrompt:
         if self.reasoning is None or not sampling.has_constraint:
             return sampling, None
         try:
-            spec = make_spec(
-                regex=sampling.regex, json_schema=sampling.json_schema, choices=sampling.choices,
-                whitespace_pattern=whitespace,
-            )  # fmt: skip
+            mode = sampling.schema_mode or "lenient"
+            spec = conversion.spec(sampling.regex, sampling.json_schema, sampling.choices, mode)
         except ConstraintError as e:
             raise ApiError(400, str(e), param="response_format") from None
         regex = self.reasoning.constraint_regex(spec.regex, self.thinking)

@@ -4,14 +4,18 @@ by `views`."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from spruce.runtime.server.http.common import (
-    ApiError, all_results, client_key, json_response, server_of, stream_response,
+    ApiError, ServerState, all_results, client_key, json_response, server_of, stream_response,
 )  # fmt: skip
+from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.native import batch_error
-from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt, server_formats
+from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, chat_prompt, server_formats
 from spruce.runtime.server.openai.mapping import (
     check_model, chat_top_logprobs, choices, completion_prompts, completion_top_logprobs, openai_names,
     sampling_params,
@@ -21,7 +25,6 @@ from spruce.runtime.server.openai.views import ChatView, CompletionView
 from spruce.runtime.server.request_manager import Call, Event
 
 router = APIRouter(prefix="/v1")
-
 
 
 @router.get("/models")
@@ -46,7 +49,7 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     top = completion_top_logprobs(req.logprobs)
-    prompts = completion_prompts(req.prompt, server, req.n)
+    prompts = await asyncio.to_thread(completion_prompts, req.prompt, server, req.n)  # tokenizing: off the loop
     items = []
     for ids in prompts:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -65,19 +68,27 @@ async def chat_completions(request: Request) -> Response:
     req: ChatRequest = parse(ChatRequest, await request.body())
     check_model(server, req.model)
     top = chat_top_logprobs(req)
-    whitespace = server.model.limits.whitespace_pattern
-    tools = ToolPlan.of(req, server_formats(server)[1], whitespace)
-    prompt = chat_prompt(req, tools, server)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
-        max_tokens = max(server.model.context_length - len(prompt.ids), 0)
-    base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), whitespace)
+    # rendering, tokenizing and converting tool / answer schemas take a while for big
+    # requests: off the event loop (schemas also stop at their deadline, in a worker process)
+    tools, prompt, base, answer_spec = await asyncio.to_thread(_chat_request, req, server)
     items = await choices(server, prompt.ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, prompt, tools, answer_spec)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
     return json_response(view.response(await _results(request, call)))
+
+
+def _chat_request(req: ChatRequest, server: ServerState) -> tuple[ToolPlan, ChatPrompt, SamplingParams, Any]:
+    """(the tool plan, the rendered prompt, the sampling, the answer's own constraint spec)."""
+    conversion = server.model.limits.conversion
+    tools = ToolPlan.of(req, server_formats(server)[1], conversion)
+    prompt = chat_prompt(req, tools, server)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
+        max_tokens = max(server.model.context_length - len(prompt.ids), 0)
+    base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), conversion)
+    return tools, prompt, base, answer_spec
 
 
 async def _results(request: Request, call: Call) -> list[Event]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from spruce.constrained.patterns import escape_literal
-from spruce.constrained.spec import make_spec
+from spruce.constrained.convert import Conversion
 from spruce.runtime.server.openai.json_prefix import object_members, skip_space
 from spruce.runtime.text.stop import stop_prefix_len
 
@@ -62,7 +62,7 @@ class ToolCallFormat:
         raise NotImplementedError
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
         """{"regex": ...} or {"json_schema": ...}: one call when `single` or not `parallel`,
         else one or more, each of the `calls` schemas (see `call_schema`)."""
@@ -95,11 +95,6 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
     if not parallel:
         schema["maxItems"] = 1
     return schema
-
-
-def schema_regex(schema: dict[str, Any], whitespace: str) -> str:
-    """The regex the constrained decoder would use for `schema` (ConstraintError if none)."""
-    return make_spec(json_schema=schema, whitespace_pattern=whitespace).regex
 
 
 def repeated(item: str, separator: str, many: bool) -> str:
@@ -192,9 +187,9 @@ class HermesFormat(ToolCallFormat):
         return scan
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
-        call = schema_regex(any_call_schema(calls), whitespace)
+        call = conversion.schema_regex(any_call_schema(calls))
         block = f"{escape_literal(self.open_tag)}\n{call}\n{escape_literal(self.close_tag)}"
         return {"regex": repeated(block, "\n", parallel and not single)}
 
@@ -212,7 +207,7 @@ class JsonFormat(HermesFormat):
         return super().scan(text, final)
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
         if single:
             return {"json_schema": call_schema(calls[0])}
@@ -242,9 +237,9 @@ class Llama3JsonFormat(ToolCallFormat):
         return json_calls(text, start, final, separator=";")
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
-        call = schema_regex(any_call_schema(calls, "parameters"), whitespace)
+        call = conversion.schema_regex(any_call_schema(calls, "parameters"))
         return {"regex": repeated(call, "; ", parallel and not single)}
 
 
@@ -281,12 +276,12 @@ class MistralFormat(ToolCallFormat):
         return scan
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
         schema = {"type": "array", "items": any_call_schema(calls), "minItems": 1}
         if single or not parallel:
             schema["maxItems"] = 1
-        return {"regex": schema_regex(schema, whitespace)}
+        return {"regex": conversion.schema_regex(schema)}
 
 
 class PythonicFormat(ToolCallFormat):
@@ -336,12 +331,12 @@ class PythonicFormat(ToolCallFormat):
         return ast.literal_eval(node)
 
     def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, whitespace: str
+        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
     ) -> dict[str, Any]:
-        call = "|".join(self._call_regex(f, whitespace) for f in calls)
+        call = "|".join(self._call_regex(f, conversion) for f in calls)
         return {"regex": r"\[" + repeated(f"(?:{call})", ", ", parallel and not single) + r"\]"}
 
-    def _call_regex(self, function: dict[str, Any], whitespace: str) -> str:
+    def _call_regex(self, function: dict[str, Any], conversion: Conversion) -> str:
         """name(k=v, ...): JSON values by each property's schema, in declared order."""
         parameters = function.get("parameters") or {}
         properties = parameters.get("properties") or {}
@@ -350,7 +345,7 @@ class PythonicFormat(ToolCallFormat):
             message = f"pythonic tool calls: {function['name']!r} has over {self.most_optional} optional arguments"
             raise ValueError(message + " (too many combinations to constrain)")
         items = [
-            (f"{k}=(?:{schema_regex(s, whitespace)})", k in required) for k, s in properties.items()
+            (f"{k}=(?:{conversion.schema_regex(s)})", k in required) for k, s in properties.items()
         ]
         return (
             escape_literal(function["name"]) + r"\(" + _arguments_regex(items, first=True) + r"\)"

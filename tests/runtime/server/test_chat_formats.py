@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import make_spec
 from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
 from spruce.runtime.server.openai.chat_stream import AnswerStream
@@ -365,7 +366,7 @@ CONSTRAINT_TABLE = [
 @pytest.mark.parametrize("fmt, accepted, refused", CONSTRAINT_TABLE)
 def test_required_constraint_in_each_format(fmt, accepted, refused):
     constraint = TOOL_CALL_FORMATS[fmt].constraint(
-        FUNCTIONS, single=False, parallel=True, whitespace=""
+        FUNCTIONS, single=False, parallel=True, conversion=Conversion()
     )
     pattern = re.compile(constraint["regex"], re.DOTALL)
     make_spec(regex=constraint["regex"])
@@ -384,7 +385,7 @@ def test_required_constraint_in_each_format(fmt, accepted, refused):
 
 def test_named_and_single_calls_are_one_call():
     for name, fmt in TOOL_CALL_FORMATS.items():
-        constraint = fmt.constraint(FUNCTIONS[:1], single=True, parallel=True, whitespace="")
+        constraint = fmt.constraint(FUNCTIONS[:1], single=True, parallel=True, conversion=Conversion())
         if name == "json":
             assert constraint["json_schema"]["properties"]["name"] == {"const": "get_weather"}
             continue
@@ -443,12 +444,12 @@ def test_a_wrapped_schema_answer_is_reported():
         "properties": {"n": {"type": "integer", "multipleOf": 2}},
         "required": ["n"],
     }
-    sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), whitespace="")
+    sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), Conversion())
     assert sampling.json_schema is None and sampling.regex.startswith("(?:<think>")
     text = '<think>even?</think>\n{"n":3}'
     report = answer_report(spec, prompt.split(text)[1])["json_schema"]
     assert report["valid"] is False and "multiple of 2" in report["error"]
     assert answer_report(spec, '{"n":4}')["json_schema"]["valid"] is True
     assert (
-        NO_REASONING.constrain(sampling, "") == (sampling, None) and answer_report(None, "x") == {}
+        NO_REASONING.constrain(sampling, Conversion()) == (sampling, None) and answer_report(None, "x") == {}
     )
