@@ -172,7 +172,7 @@ def compare_policies(args, options: dict, base, vocab: int, params: dict) -> dic
 
 def compare_dp(args, options: dict, single, vocab: int, params: dict) -> dict:
     """Each workload through one core, then N cores routed cache-aware and round-robin."""
-    from spruce.runtime.server.router import make_router
+    from spruce.runtime.scheduler.router import make_router
 
     engines = {"dp 1": single}
     for policy in ("cache-aware", "round-robin"):

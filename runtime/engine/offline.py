@@ -7,9 +7,9 @@
 
 `Engine(tp_size=2)` splits every layer over two processes (this one is rank 0; the other
 is started here and stopped by `shutdown()`; see executor/distributed.py).
-`Engine(dp_size=2, router=CacheAwareRouter(2))` runs two EngineCores, each with its own
-KV pool and radix cache, over one copy of the weights, stepped in turn in this process;
-each prompt goes to the core the router picks (server/router.py's routers fit). On a CPU
+`Engine(dp_size=2)` runs two EngineCores, each with its own KV pool and radix cache, over
+one copy of the weights, stepped in turn in this process; each prompt goes to the core the
+router picks (scheduler/router.py; cache-aware unless `router=` says otherwise). On a CPU
 the point is the cache (what a server's replicas would hit), not speed: the cores share
 the same cores.
 """
@@ -27,6 +27,7 @@ from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import batch_inputs, sampling_list, validate_request
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits
+from spruce.runtime.scheduler.router import make_router
 from spruce.runtime.text.detokenizer import OutputText, meta_info
 
 if TYPE_CHECKING:
@@ -47,9 +48,9 @@ class Engine:
         loaded model (e.g. another engine's `engine.core.loaded`), shares its weights;
         `request_limits`, what one call may ask for (a RequestLimits or a dict of its fields,
         the `spruce serve` flags of the same names; default: RequestLimits()); `dp_size`,
-        the number of EngineCores, and `router`, what picks one per prompt: an object with
-        route(ids, loads) -> core index and forget(index), such as
-        spruce.runtime.server.router.CacheAwareRouter(dp_size) (required when dp_size > 1)."""
+        the number of EngineCores, and `router`, what picks one per prompt: a policy name
+        of scheduler/router.py ("cache-aware", the default, or "round-robin") or an object
+        with route(ids, loads) -> core index and forget(index)."""
         self.request_limits = request_limits_from(request_limits)
         self.config = EngineConfig.from_options(model_path=model_path, **options)
         check_data_parallel(dp_size, router, self.config)
@@ -60,7 +61,7 @@ class Engine:
         self.core = EngineCore(self.config, loaded)
         more = [EngineCore(self.config, self.core.loaded) for _ in range(dp_size - 1)]
         self.cores = [self.core, *more]  # dp_size > 1: one copy of the weights
-        self.router = router if dp_size > 1 else None
+        self.router = router_for(router, dp_size) if dp_size > 1 else None
         self._core_of: dict[str, int] = {}  # rid -> index of its core
         self._in_flight = [0] * dp_size  # the router's loads
         self.tokenizer = self.core.tokenizer
@@ -222,13 +223,20 @@ class Engine:
 def check_data_parallel(dp_size: int, router: Any, config: EngineConfig) -> None:
     if not isinstance(dp_size, int) or dp_size < 1:
         raise InvalidRequestError(f"dp_size must be an integer >= 1, not {dp_size!r}")
-    if dp_size > 1 and router is None:
-        raise InvalidRequestError(
-            "dp_size > 1 needs a router, e.g. router=CacheAwareRouter(dp_size) "
-            "from spruce.runtime.server.router"
-        )
+    if router is not None and not isinstance(router, str) and not hasattr(router, "route"):
+        raise InvalidRequestError("router must be a policy name or have route(ids, loads) and forget(i)")
     if dp_size > 1 and config.parallel.tp_size > 1:
         raise InvalidRequestError("the offline Engine runs dp_size > 1 or tp_size > 1, not both")
+
+
+def router_for(router: Any, dp_size: int) -> Any:
+    """The router object: `router` itself, or the one its policy name makes (default cache-aware)."""
+    if router is None or isinstance(router, str):
+        try:
+            return make_router(router or "cache-aware", dp_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+    return router
 
 
 def request_limits_from(value: RequestLimits | dict | None) -> RequestLimits:

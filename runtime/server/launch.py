@@ -365,7 +365,7 @@ class Launcher:
 
 def _router(options: ServerOptions):
     """The --router-policy router over --dp replicas (a ValueError is a StartupError)."""
-    from spruce.runtime.server.router import RouterOptions, make_router
+    from spruce.runtime.scheduler.router import RouterOptions, make_router
 
     thresholds = RouterOptions(
         options.router_cache_threshold, options.router_balance_abs_threshold, options.router_balance_rel_threshold

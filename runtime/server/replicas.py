@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import zmq
 from spruce.runtime.protocol.ipc import encode
-from spruce.runtime.server.router import CacheAwareRouter
+from spruce.runtime.scheduler.router import CacheAwareRouter
 
 
 class SchedulerUnavailable(Exception):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from spruce.runtime import Engine, InvalidRequestError
 from spruce.runtime.cli import main
-from spruce.runtime.server.router import CacheAwareRouter, RoundRobinRouter
+from spruce.runtime.scheduler.router import CacheAwareRouter, RoundRobinRouter
 
 OPTIONS = {"kv_memory_gb": 0.02, "num_threads": 1, "kv_cache_dtype": "float32"}
 PARAMS = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
@@ -47,7 +47,7 @@ def test_cache_aware_routing_keeps_the_hit_rate(single):
     prompts = few_shot()
     one, expected = hit_rate(single, prompts)
     loaded = single.core.loaded
-    with Engine(loaded=loaded, dp_size=2, router=CacheAwareRouter(2), **OPTIONS) as dp:
+    with Engine(loaded=loaded, dp_size=2, **OPTIONS) as dp:  # cache-aware by default
         cache_aware, outputs = hit_rate(dp, prompts)
         served = [s["requests_finished_total"] for s in dp.stats()["replicas"]]
     with Engine(loaded=loaded, dp_size=2, router=RoundRobinRouter(2), **OPTIONS) as dp:
@@ -72,9 +72,15 @@ def test_stats_and_flush_cover_every_core(single):
         assert dp.stats()["cache_tokens"] == 0
 
 
-def test_dp_needs_a_router_and_not_tp(single):
-    with pytest.raises(InvalidRequestError, match="needs a router"):
-        Engine(loaded=single.core.loaded, dp_size=2, **OPTIONS)
+def test_dp_routes_cache_aware_by_default_and_not_with_tp(single):
+    with Engine(loaded=single.core.loaded, dp_size=2, **OPTIONS) as dp:
+        assert isinstance(dp.router, CacheAwareRouter)
+    with Engine(loaded=single.core.loaded, dp_size=2, router="round-robin", **OPTIONS) as dp:
+        assert isinstance(dp.router, RoundRobinRouter)
+    with pytest.raises(InvalidRequestError, match="unknown router policy 'nearest'; known: "):
+        Engine(loaded=single.core.loaded, dp_size=2, router="nearest", **OPTIONS)
+    with pytest.raises(InvalidRequestError, match="must be a policy name or have route"):
+        Engine(loaded=single.core.loaded, dp_size=2, router=3, **OPTIONS)
     with pytest.raises(InvalidRequestError, match="not both"):
         Engine(dp_size=2, router=CacheAwareRouter(2), tp_size=2, **OPTIONS)
 

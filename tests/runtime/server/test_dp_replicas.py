@@ -8,7 +8,7 @@ import zmq
 
 from spruce.runtime.protocol.ipc import StepOutput, decode, encode
 from spruce.runtime.server.replicas import Replicas, SchedulerUnavailable, merge_stats
-from spruce.runtime.server.router import RoundRobinRouter, make_router
+from spruce.runtime.scheduler.router import RoundRobinRouter, make_router
 
 PREFIX = list(range(100, 160))
 

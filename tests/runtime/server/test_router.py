@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from spruce.runtime.server.router import CacheAwareRouter, RoundRobinRouter, RouterOptions
+from spruce.runtime.scheduler.router import CacheAwareRouter, RoundRobinRouter, RouterOptions
 
 
 def few_shot_workload(prefixes: int = 4, questions: int = 16, prefix_len: int = 200, seed: int = 0):
