@@ -2,7 +2,7 @@
 flags) translated to Spruce's, for `sl.Runtime(**options)`.
 
 Three kinds: options with the same name and meaning pass through (context_length,
-chunked_prefill_size, schedule_policy, disable_radix_cache, max_running_requests,
+tp_size, nnodes, node_rank, dist_init_addr, chunked_prefill_size, schedule_policy, disable_radix_cache, max_running_requests,
 attention_backend, kv_cache_dtype, dtype, device, ...); options with another Spruce name are
 renamed (RENAMED), some values too (VALUE_ALIASES); options with no Spruce meaning are an
 error that says why (NO_EQUIVALENT), unless given at the value that changes nothing
@@ -32,13 +32,11 @@ VALUE_ALIASES = {
 }
 
 HARMLESS_VALUES = {
-    "tp_size": 1,
     "trust_remote_code": False,
     "skip_tokenizer_init": False,
 }
 
 NO_EQUIVALENT = {
-    "tp_size": "Spruce runs a model on one device (no tensor parallelism)",
     "trust_remote_code": "Spruce runs its own model code, never a repository's",
     "skip_tokenizer_init": "Spruce always tokenizes in the server",
     "tokenizer_path": "the tokenizer is read from the model path",

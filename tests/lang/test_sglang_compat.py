@@ -377,20 +377,20 @@ def test_sglang_server_options_map_to_spruces():
     options = translate_sglang_options({
         "mem_fraction_static": 0.7, "random_seed": 3, "context_length": 512, "chunked_prefill_size": 256,
         "schedule_policy": "lpm", "disable_radix_cache": True, "max_running_requests": 8,
-        "attention_backend": "torch_native", "kv_cache_dtype": "bf16", "dtype": "half", "tp_size": 1,
+        "attention_backend": "torch_native", "kv_cache_dtype": "bf16", "dtype": "half", "tp_size": 2,
         "disable_regex_jump_forward": True, "constrained_json_whitespace_pattern": "[ ]?", "dp_size": 2,
     })  # fmt: skip
     assert options == {
         "gpu_memory_fraction": 0.7, "seed": 3, "context_length": 512, "chunked_prefill_size": 256,
         "schedule_policy": "lpm", "disable_radix_cache": True, "max_running_requests": 8,
         "attention_backend": "native", "kv_cache_dtype": "bfloat16", "dtype": "float16",
-        "disable_jump_forward": True, "grammar_whitespace_pattern": "[ ]?", "dp": 2,
+        "disable_jump_forward": True, "grammar_whitespace_pattern": "[ ]?", "dp": 2, "tp_size": 2,
     }  # fmt: skip
 
 
 def test_sglang_options_without_a_spruce_meaning_are_refused():
-    with pytest.raises(sgl.ProgramError, match="tp_size=2 has no Spruce equivalent: .*one device"):
-        sgl.Runtime(tp_size=2)
+    with pytest.raises(sgl.ProgramError, match="trust_remote_code=True has no Spruce equivalent: .*own model"):
+        sgl.Runtime(trust_remote_code=True)
     with pytest.raises(sgl.ProgramError, match="no fp8"):
         sgl.Runtime(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(
