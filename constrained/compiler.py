@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 import outlines_core
-
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
@@ -36,7 +36,8 @@ class _Built(NamedTuple):
 
 class GrammarCompiler:
     """One per model. `compile` blocks; `submit` never does: it returns a Future resolved
-    by a build thread (ConstraintError on failure or after `timeout_s`). A spec being
+    by a build thread (ConstraintError on failure, or `timeout_s` after its build started:
+waiting behind other builds does not count). A spec being
     compiled is compiled once, whoever asks. Thread-safe.
 
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
@@ -63,7 +64,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self._cache: OrderedDict[ConstraintSpec, _Built] = OrderedDict()
         self._cached_bytes = 0
-        self._builds: dict[ConstraintSpec, Future] = {}
+        self._builds: dict[ConstraintSpec, tuple[Future, threading.Event]] = {}  # build, started
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
         self._workers = WorkerPool(self.vocab.vocabulary, memory_mb, NUM_WORKERS)
@@ -89,14 +90,15 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 result.set_result(built.grammar)
                 return result
-            build = self._builds.get(spec)
+            build, started = self._builds.get(spec) or (None, threading.Event())
             if build is None:
-                build = self._executor.submit(self._build, spec)
-                self._builds[spec] = build
-        timer = threading.Timer(self.timeout_s, _expire, (result, spec, self.timeout_s))
-        timer.daemon = True
-        timer.start()
-        build.add_done_callback(lambda done: self._finish(spec, done, result, timer))
+                build = self._executor.submit(self._build, spec, started)
+                self._builds[spec] = (build, started)
+        deadline = threading.Thread(
+            target=_watch, args=(result, started, spec, self.timeout_s), daemon=True, name="spruce-grammar-deadline"
+        )
+        deadline.start()
+        build.add_done_callback(lambda done: self._finish(spec, done, result))
         return result
 
     def cached(self, spec: ConstraintSpec) -> CompiledGrammar | None:
@@ -108,7 +110,8 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._workers.close()
 
-    def _build(self, spec: ConstraintSpec) -> _Built:
+    def _build(self, spec: ConstraintSpec, started: threading.Event) -> _Built:
+        started.set()
         regex = index_regex(spec.regex)
         request = BuildRequest(
             regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
@@ -122,8 +125,7 @@ class GrammarCompiler:
         nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
         return _Built(grammar, nbytes)
 
-    def _finish(self, spec: ConstraintSpec, build: Future, result: Future, timer: threading.Timer) -> None:
-        timer.cancel()
+    def _finish(self, spec: ConstraintSpec, build: Future, result: Future) -> None:
         error = build.exception()
         if error is None:
             built = build.result()
@@ -159,13 +161,24 @@ def estimated_bytes(index_bytes: int, automaton_bytes: int, spec: ConstraintSpec
     return INDEX_MEMORY_FACTOR * index_bytes + AUTOMATON_MEMORY_FACTOR * automaton_bytes + text
 
 
+def _watch(result: Future, started: threading.Event, spec: ConstraintSpec, timeout_s: float) -> None:
+    """Fails `result` `timeout_s` after its build started: time spent queued behind other
+    builds does not count against a request (only its own build's cost does)."""
+    while not started.wait(1.0):
+        if result.done():
+            return
+    futures_wait([result], timeout_s)
+    if not result.done():
+        _expire(result, spec, timeout_s)
+
+
 def _expire(result: Future, spec: ConstraintSpec, timeout_s: float) -> None:
     message = f"constraint not compiled within {timeout_s:g} s: {spec.value[:80]!r}"
     _resolve(result, error=ConstraintError(message))
 
 
 def _resolve(result: Future, value: object = None, error: BaseException | None = None) -> None:
-    try:  # whichever of the build and the timer comes second finds the future done
+    try:  # whichever of the build and the deadline comes second finds the future done
         if error is not None:
             result.set_exception(error)
         else:

@@ -250,10 +250,10 @@ def test_submit_builds_on_a_worker_once_per_spec(tiny_tokenizer):
     threads, release = [], threading.Event()
     build = compiler._build
 
-    def slow_build(spec):
+    def slow_build(spec, started):
         threads.append(threading.current_thread().name)
         release.wait(5)
-        return build(spec)
+        return build(spec, started)
 
     compiler._build = slow_build
     spec = make_spec(regex="worker[a-z]{2}")
@@ -262,6 +262,22 @@ def test_submit_builds_on_a_worker_once_per_spec(tiny_tokenizer):
     release.set()
     assert first.result(5) is second.result(5)
     assert len(threads) == 1 and threads[0].startswith("spruce-grammar")
+    compiler.close()
+
+
+def test_the_deadline_counts_from_the_build_start_not_the_queue(tiny_tokenizer):
+    compiler = GrammarCompiler(tiny_tokenizer, timeout_s=2)
+    build = compiler._build
+
+    def slow_build(spec, started):  # each build takes 1.2 s of its 2 s
+        started.set()
+        time.sleep(1.2)
+        return build(spec, started)
+
+    compiler._build = slow_build
+    specs = [make_spec(regex=f"queue{i}[a-z]") for i in range(4)]  # 2 build at once, 2 wait 1.2 s
+    futures = [compiler.submit(spec) for spec in specs]
+    assert all(f.result(10).regex == spec.regex for f, spec in zip(futures, specs))
     compiler.close()
 
 
