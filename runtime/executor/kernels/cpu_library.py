@@ -8,7 +8,9 @@ runtime in the process), so they use torch's thread count and never compete with
 threads.
 
 One build runs on any CPU of its architecture: nothing is compiled for the build machine's
-own instruction set. The float kernels (`PER_ISA_SOURCES`) are compiled once per
+own instruction set (no -march=native). Only the instruction scheduling is tuned for the
+building CPU (-mtune=native: same instructions, other order and choices), which made the
+batch-64 decode step ~5% faster on an AVX2 machine than -mtune=generic. The float kernels (`PER_ISA_SOURCES`) are compiled once per
 instruction set in `FLOAT_ISAS` into differently named functions (`spruce_rms_norm_avx2`,
 ...); at load, each plain name (`spruce_rms_norm`) is bound to the best variant this CPU
 runs (cpu_features.c), or to the one `SPRUCE_CPU_ISA` names, and `use_isa` rebinds them
@@ -37,9 +39,9 @@ HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE 
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
 _X86_FLAGS = {
-    "portable": ["-march=x86-64", "-mtune=generic", "-DSPRUCE_GENERIC_SHAPES"],
-    "avx2": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-march=x86-64", "-mtune=generic", "-mavx2", "-mfma", "-mf16c"]
+    "portable": ["-march=x86-64", "-mtune=native", "-DSPRUCE_GENERIC_SHAPES"],
+    "avx2": ["-march=x86-64", "-mtune=native", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-march=x86-64", "-mtune=native", "-mavx2", "-mfma", "-mf16c"]
     + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
 }
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
