@@ -184,6 +184,7 @@ def print_report(r: dict, n: int) -> None:
 
 
 CONVERT_TIMEOUT_S = 30  # a conversion past it counts as not compiled (the server's grammar timeout)
+MATCH_TIMEOUT_S = 10  # one example against one regex: past it (backtracking), the schema does not pass
 
 
 def _deadline(*_) -> None:
@@ -235,10 +236,15 @@ def _check_entry(checker, entry: dict) -> dict:
         signal.alarm(0)
     result.update(compiled=True, seconds=time.perf_counter() - start, unenforced=unenforced, loose=loose)
     orders = declared_orders(entry["schema"])
-    wrong = [v for v in entry["invalid"] if accepts(v, orders)]
+    try:
+        wrong = [v for v in entry["invalid"] if accepts(v, orders)]
+        valid = all(accepts(v, orders) for v in entry["valid"])
+    except TimeoutError:  # a backtracking match: the schema cannot be shown to pass
+        result["match_timeout"] = True
+        return result
     excused = [v for v in wrong if excused_invalid(entry["schema"], v, unenforced)]
     result.update(accepted_invalid=len(wrong), excused=len(excused))
-    result["passed"] = not wrong and all(accepts(v, orders) for v in entry["valid"])
+    result["passed"] = not wrong and valid
     return result
 
 
@@ -253,6 +259,7 @@ def _summary(results: list[dict], local: list[bool]) -> dict:
         "compiled": len(times),
         "compiled_local": sum(r["compiled"] for r, is_local in zip(results, local) if is_local),
         "loosened_whole": sum(r["loose"] for r in results),  # compiled as "any object" (size cap)
+        "match_timeouts": sum(r.get("match_timeout", False) for r in results),
         "accepted_invalid": sum(r["accepted_invalid"] for r in results),
         "accepted_invalid_enforced": sum(r["accepted_invalid"] - r["excused"] for r in results),
         "compile_s": percentiles(times),
@@ -279,30 +286,41 @@ def _features(schema) -> list[str]:
     return sorted(used)
 
 
-def _spruce_checker():
-    import re
+def _full_matcher(pattern: str):
+    """text -> whether `pattern` matches all of it; TimeoutError past MATCH_TIMEOUT_S (Python's
+    `re` backtracks without a bound on some real schemas' regexes; the `regex` module, which
+    transformers installs, takes a timeout)."""
+    try:
+        import regex
+    except ImportError:
+        import re
 
+        compiled = re.compile(pattern)
+        return lambda text: bool(compiled.fullmatch(text))
+    compiled = regex.compile(pattern)
+    return lambda text: bool(compiled.fullmatch(text, timeout=MATCH_TIMEOUT_S))
+
+
+def _spruce_checker():
     from spruce.constrained.json_schema import canonical_instance, convert_schema
 
     def check(schema):
         converted = convert_schema(schema)
-        regex = re.compile(converted.regex)
+        matches = _full_matcher(converted.regex)
         orders = converted.orders  # the order its grammar writes (definition order, allOf parts merged)
-        accepts = lambda v, _: bool(regex.fullmatch(canonical_instance(v, orders)))  # noqa: E731
+        accepts = lambda v, _: matches(canonical_instance(v, orders))  # noqa: E731
         return accepts, converted.unenforced, "#" in converted.loosened
 
     return check
 
 
 def _outlines_checker():
-    import re
-
     import outlines_core
     from spruce.constrained.json_schema import canonical_instance
 
     def check(schema):  # compact output: no whitespace between tokens
-        regex = re.compile(outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), ""))
-        return (lambda v, orders: bool(regex.fullmatch(canonical_instance(v, orders)))), (), False
+        matches = _full_matcher(outlines_core.json_schema.build_regex_from_schema(json.dumps(schema), ""))
+        return (lambda v, orders: matches(canonical_instance(v, orders))), (), False
 
     return check
 
@@ -386,7 +404,7 @@ def print_corpus(r: dict) -> None:
         print(f"  {name:14s} pass {e['passed']:4d} ({e['passed'] / r['schemas']:.1%})  compiled {e['compiled']:4d}"
               f" (local {e['compiled_local']} = {e['compiled_local'] / max(r['local_schemas'], 1):.1%})"
               f"  invalid accepted {e['accepted_invalid']:3d} (enforced keywords: {e['accepted_invalid_enforced']})"
-              f"  whole schema loosened {e['loosened_whole']}"
+              f"  whole schema loosened {e['loosened_whole']}  match timeouts {e['match_timeouts']}"
               f"  convert {pct}")  # fmt: skip
         if e["unenforced"]:
             top = sorted(e["unenforced"].items(), key=lambda kv: -kv[1])[:10]
