@@ -37,7 +37,7 @@ class _Built(NamedTuple):
 class GrammarCompiler:
     """One per model. `compile` blocks; `submit` never does: it returns a Future resolved
     by a build thread (ConstraintError on failure, or `timeout_s` after its build started:
-waiting behind other builds does not count). A spec being
+    waiting behind other builds does not count). A spec being
     compiled is compiled once, whoever asks. Thread-safe.
 
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address

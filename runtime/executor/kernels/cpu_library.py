@@ -15,8 +15,9 @@ batch-64 decode step ~5% faster on an AVX2 machine than -mtune=generic.
 The float kernels (`PER_ISA_SOURCES`) are compiled once per instruction set in `FLOAT_ISAS`
 into differently named functions (`spruce_rms_norm_avx2`, ...); at load, each plain name
 (`spruce_rms_norm`) is bound to the best variant this CPU runs (cpu_features.c), or to the
-one `SPRUCE_CPU_ISA` names, and `use_isa` rebinds them (the tests run every variant). The quantized kernels carry their own per-ISA functions
-(target attributes) and take the ISA as an argument.
+one `SPRUCE_CPU_ISA` names, and `use_isa` rebinds them (the tests run every variant). The
+quantized kernels carry their own per-ISA functions (target attributes) and take the ISA as
+an argument.
 """
 
 from __future__ import annotations
