@@ -28,6 +28,9 @@ unroll exponentially) is stopped at its deadline the same way, wherever the fron
 Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
 outlines `Vocabulary` once (None for a worker that only converts schemas), then one request
 per job; the worker answers each with a `BuildResult` / `ConstraintSpec` or an error message.
+Before its answer, a build whose index will not be sent says so ("progress", as soon as the
+index is built): the parent starts its own build then, while the worker finishes the
+automaton, instead of after it.
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
@@ -142,8 +145,9 @@ class BuildWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
-        """Raises WorkerGone if the worker was dead before the job started."""
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float, on_progress=None) -> object:
+        """Raises WorkerGone if the worker was dead before the job started. `on_progress` is
+        called with each progress message the worker sends before its answer."""
         self._wait_ready()
         start = time.monotonic()
         try:
@@ -151,14 +155,27 @@ class BuildWorker:
         except OSError:
             self.kill()
             raise WorkerGone from None
-        if not self._recv.poll(timeout_s):
+        kind, payload = self._receive(request, start, timeout_s)
+        while kind == "progress":
+            if on_progress is not None:
+                on_progress(payload)
+            kind, payload = self._receive(request, start, timeout_s)
+        if kind == "error":
+            raise ConstraintError(payload)
+        if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
+            raise RuntimeError(f"the grammar worker failed: {payload}")
+        return payload
+
+    def _receive(self, request: BuildRequest | ConvertRequest, start: float, timeout_s: float) -> tuple[str, object]:
+        """The worker's next message, within `timeout_s` of `start` (else it is killed)."""
+        if not self._recv.poll(max(0.0, start + timeout_s - time.monotonic())):
             self.kill()
             raise ConstraintError(
                 f"constraint not {_verb(request)} within {timeout_s:g} s (the work was stopped): "
                 f"{request.describe}"
             )
         try:
-            kind, payload = loads(self._recv.recv_bytes())
+            return loads(self._recv.recv_bytes())
         except (EOFError, OSError):
             self.kill()
             raise ConstraintError(
@@ -166,12 +183,6 @@ class BuildWorker:
                 f"{self.memory_mb} MB memory cap, or crashed): {request.describe}; "
                 "simplify the constraint"
             ) from None
-        self.ready = True
-        if kind == "error":
-            raise ConstraintError(payload)
-        if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
-            raise RuntimeError(f"the grammar worker failed: {payload}")
-        return payload
 
     def _wait_ready(self) -> None:
         """A fresh worker first imports outlines-core: that time is not the build's."""
@@ -210,11 +221,11 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float, on_progress=None) -> object:
         for _ in range(2):  # an idle worker may have died meanwhile: once more, fresh
             worker = self._take()
             try:
-                return worker.run(request, timeout_s)
+                return worker.run(request, timeout_s, on_progress)
             except WorkerGone:
                 continue
             finally:
@@ -278,7 +289,8 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
         if isinstance(request, ConvertRequest):
             reply, stray_thread = _convert(request), False
         else:
-            reply, stray_thread = _build(outlines_core, vocabulary, request)
+            notify = lambda message: send.send_bytes(dumps(("progress", message)))  # noqa: E731
+            reply, stray_thread = _build(outlines_core, vocabulary, request, notify)
         send.send_bytes(dumps(reply))
         if stray_thread:  # an automaton still building holds a core: start afresh
             os._exit(0)
@@ -303,7 +315,7 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
     return "ok", spec
 
 
-def _build(outlines_core, vocabulary, request: BuildRequest) -> tuple[tuple[str, object], bool]:
+def _build(outlines_core, vocabulary, request: BuildRequest, notify) -> tuple[tuple[str, object], bool]:
     from spruce.constrained.jump_forward import CharAutomaton
 
     automaton: list = []
@@ -324,12 +336,14 @@ def _build(outlines_core, vocabulary, request: BuildRequest) -> tuple[tuple[str,
     except Exception as e:  # outlines-core raises ValueError with the regex engine's message
         return ("error", f"cannot compile constraint: {e}"), thread.is_alive()
     build_s = time.monotonic() - start
-    thread.join(request.automaton_wait_s)
-    char_automaton = automaton[0] if automaton else None
     index_bytes = len(index.__reduce__()[1][0])
-    automaton_bytes = len(dumps(char_automaton))
     send = index_bytes <= request.max_transfer_bytes or build_s > request.max_rebuild_s
     sent = index if send else None
+    if sent is None:  # the index is feasible: the parent builds its own beside the automaton's
+        notify(("index_built", index_bytes))
+    thread.join(request.automaton_wait_s)
+    char_automaton = automaton[0] if automaton else None
+    automaton_bytes = len(dumps(char_automaton))
     return ("ok", BuildResult(sent, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
 
 

@@ -43,7 +43,8 @@ class GrammarCompiler:
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
     space; at `timeout_s` the worker is killed, so a pathological constraint fails its own
     requests and costs nothing after. The index comes back from the worker; one too large
-    to unpickle without a long GIL hold is built again here, its feasibility proven. The
+    to unpickle without a long GIL hold is built again here, its feasibility proven (starting as
+soon as the worker's index is built, beside the worker's automaton). The
     character automaton (for jump-forward) is built in the same worker; if it is not ready
     `timeout_s / 2` after the index, the grammar goes without it. The cache keeps the most
     recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
@@ -68,6 +69,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
         self._workers = WorkerPool(self.vocab.vocabulary, memory_mb, NUM_WORKERS)
+        self._rebuilds = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-index")
 
     @property
     def vocab_size(self) -> int:
@@ -108,6 +110,7 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._rebuilds.shutdown(wait=False, cancel_futures=True)
         self._workers.close()
 
     def _build(self, spec: ConstraintSpec, started: threading.Event) -> _Built:
@@ -117,10 +120,15 @@ class GrammarCompiler:
             regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
             max_transfer_bytes=MAX_TRANSFER_BYTES, max_rebuild_s=self.timeout_s / 3,
         )  # fmt: skip
-        result = self._workers.run(request, self.timeout_s)
+        rebuilds: list[Future] = []  # the worker says when its index is built and too large to send
+
+        def rebuild(_) -> None:  # off the GIL, while the worker finishes the character automaton
+            rebuilds.append(self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary))
+
+        result = self._workers.run(request, self.timeout_s, on_progress=rebuild)
         index = result.index
-        if index is None:  # too large to unpickle without stalling the GIL: build it here
-            index = outlines_core.Index(regex, self.vocab.vocabulary)  # releases the GIL
+        if index is None:  # too large to unpickle without stalling the GIL: built here
+            index = (rebuilds[0] if rebuilds else self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary)).result()
         grammar = CompiledGrammar(spec, spec.regex, index, self.vocab, result.char_automaton)
         nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
         return _Built(grammar, nbytes)

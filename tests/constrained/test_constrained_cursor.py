@@ -340,3 +340,22 @@ def test_index_and_automaton_cross_the_process_boundary_intact(tiny_tokenizer, m
     assert automaton.walk(automaton.initial, '"q') is not None  # q: only via anything_else
     assert automaton.forced_text(automaton.walk(automaton.initial, '"q"')) == " ok"
     compiler.close()
+
+
+@pytest.mark.parametrize("max_transfer_bytes, rebuilt", [(4 << 20, False), (0, True)])
+def test_the_worker_says_when_to_build_the_index_here(tiny_tokenizer, max_transfer_bytes, rebuilt):
+    """An index too large to send is announced as soon as it is built (before the automaton
+    and the answer), so the parent's own build overlaps the worker's remaining work."""
+    from spruce.constrained.build_worker import BuildRequest, WorkerPool
+
+    compiler = GrammarCompiler(tiny_tokenizer)
+    pool = WorkerPool(compiler.vocab.vocabulary, memory_mb=4096, size=1)
+    regex = '"[^"]{0,5}" ok'
+    request = BuildRequest(index_regex(regex), regex, 30, max_transfer_bytes, max_rebuild_s=30)
+    progress: list = []
+    result = pool.run(request, 60, on_progress=progress.append)
+    assert (result.index is None) == rebuilt
+    assert progress == ([("index_built", result.index_bytes)] if rebuilt else [])
+    assert result.index_bytes > 0 and result.char_automaton is not None
+    pool.close()
+    compiler.close()
