@@ -123,8 +123,8 @@ def test_activation_quantization_is_exact(isa):
     assert np.array_equal(dx.numpy(), ref_d) and np.array_equal(sx.numpy(), ref_s)
 
 
-SHAPES = [(1, 7, 32), (2, 33, 96), (3, 5, 224), (4, 64, 576), (6, 9, 64), (9, 3, 128)]
-K_SHAPES = [(1, 7, 256), (2, 33, 512), (3, 5, 768), (4, 20, 1536), (6, 9, 256), (9, 3, 512)]
+SHAPES = [(1, 7, 32), (1, 37, 96), (1, 64, 576), (2, 33, 96), (3, 5, 224), (4, 64, 576), (6, 9, 64), (9, 3, 128)]
+K_SHAPES = [(1, 7, 256), (1, 37, 512), (2, 33, 512), (3, 5, 768), (4, 20, 1536), (6, 9, 256), (9, 3, 512)]
 CASES = [(q, *shape) for q in QTYPES for shape in (K_SHAPES if q in K_TYPES else SHAPES)]
 
 
@@ -138,6 +138,20 @@ def test_integer_linear_matches_block_reference(isa, qtype, rows, n, k):
     y = ops.integer_linear(torch.from_numpy(x), qtype, blocks, bias, isa=isa).numpy()
     expected = reference_linear(x, qtype, blocks, k) + bias.numpy()
     assert np.allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()), np.abs(y - expected).max()
+
+
+@pytest.mark.parametrize("isa", ops.available_isas())
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_batch_one_equals_a_row_of_a_batch(isa, qtype):
+    """One activation row takes its own path (several weight rows at a time); its
+    arithmetic is the many-row path's, so each row's result is identical."""
+    rng = np.random.default_rng(5)
+    k = 512 if qtype in K_TYPES else 96
+    blocks = random_blocks(qtype, 45, k, rng)
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    one = ops.integer_linear(x[:1], qtype, blocks, isa=isa)
+    two = ops.integer_linear(x, qtype, blocks, isa=isa)
+    assert torch.equal(one[0], two[0])
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
