@@ -187,7 +187,10 @@ SIMD_ROW(row_vnni, TARGET_VNNI, dot16_vnni)
 /* Batch 1: four weight rows (at `stride` bytes) against the one activation row. The
  * activation block is loaded once for the four, and the four accumulators are independent
  * chains (one row at a time waited on each block's multiply-add: about 1.3x slower). The
- * arithmetic per row is SIMD_ROW's, in the same order, so the results are identical. */
+ * arithmetic per row is SIMD_ROW's, in the same order, so the results are identical.
+ * Four rows read at once are four interleaved streams, which the hardware prefetcher did
+ * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each block
+ * step prefetches its share (4 blocks, two lines cover them) of the rows 8 ahead. */
 TARGET_AVX2 static inline __m256i dot16x_avx2(__m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
     return _mm256_add_epi32(_mm256_madd_epi16(lo, x_lo), _mm256_madd_epi16(hi, x_hi));
 }
@@ -208,6 +211,9 @@ TARGET_VNNI static inline __m256i dot16x_vnni(__m256i lo, __m256i hi, __m256i x_
             __m256i x_lo = _mm256_loadu_si256((const __m256i *)x);                                    \
             __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x + 16));                             \
             float d = a->dx[b], s = a->sx[b];                                                         \
+            const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                         \
+            _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
+            _mm_prefetch(ahead + 63, _MM_HINT_T0);                                                    \
             for (int r = 0; r < 4; r++) {                                                             \
                 const uint8_t *block = w + r * stride + b * bytes;                                    \
                 uint16_t d16;                                                                         \
