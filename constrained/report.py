@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import jsonschema
+from spruce.constrained.schema_validator import validator_class
 from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 
 
@@ -23,7 +24,7 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         instance = json.loads(text)
     except json.JSONDecodeError as e:
         return {"valid": False, "error": f"not JSON: {e}"}
-    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    cls = validator_class(schema)
     try:
         error = jsonschema.exceptions.best_match(
             cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)
@@ -40,7 +41,7 @@ def violated_keywords(schema: Any, instance: Any) -> set[str] | None:
     """The keywords `instance` violates under `schema`, formats asserted (the errors inside
     anyOf / oneOf branches included); empty when it is valid, None when jsonschema cannot
     tell (a pattern Python cannot compile, a $ref to another document)."""
-    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    cls = validator_class(schema)
     try:
         todo = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
     except Exception:  # noqa: BLE001 - as in validate_output

@@ -77,8 +77,8 @@ def _add_conditions(parts: list, keyword: str, make, path: str, ctx: Context) ->
 
 def _ref_alternatives(ref: Any, path: str, ctx: Context, refs: tuple) -> list[dict]:
     target = resolve_ref(ref, path, ctx)
-    if target is None:  # unresolvable, reported: any value
-        return [{"path": path}]
+    if target is None:  # unresolvable, reported: any value, and an object it is part of stays open
+        return [{"path": path, "additionalProperties": [True]}]
     if refs.count(ref) >= ctx.options.recursion_depth:
         return []  # the deepest level of a recursive schema is closed off
     return alternatives(target, f"{path}/$ref", ctx, (*refs, ref))
@@ -128,9 +128,10 @@ def _not(schema: Any, path: str, ctx: Context, refs: tuple) -> list[dict]:
 def _if_then_else(schema: dict, path: str, ctx: Context, refs: tuple) -> list[dict]:
     condition = schema["if"]
     negated = negate(condition, f"{path}/if", ctx, refs)
-    if negated is None:
-        ctx.skip("if", path, "the if-schema has no flat negation")
-        return [{"path": path}]
+    if negated is None:  # then or else holds: their union, a superset, reported
+        ctx.skip("if", path, "the if-schema has no flat negation (then / else enforced as anyOf)")
+        branches = (("then", schema.get("then", True)), ("else", schema.get("else", True)))
+        return [f for key, branch in branches for f in alternatives(branch, f"{path}/{key}", ctx, refs)]
     then = combine(
         [alternatives(condition, f"{path}/if", ctx, refs), alternatives(schema.get("then", True), f"{path}/then", ctx, refs)],
         path, ctx,

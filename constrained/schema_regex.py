@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
 from spruce.constrained.automata import literal_text
 from spruce.constrained.errors import ConstraintError, TooLarge
 from spruce.constrained.limits import MAX_ARRAY_ITEMS
@@ -24,6 +23,7 @@ from spruce.constrained.schema_normalize import TYPE_KINDS, alternatives
 from spruce.constrained.schema_objects import object_regex
 from spruce.constrained.schema_scalars import integer_regex, number_regex, string_regex
 from spruce.constrained.schema_size import Part, subtree_keywords
+from spruce.constrained.schema_validator import validator_class
 
 MAX_REGEX_CHARS = 4_000_000  # the regex text built so far; past it the schema is refused
 _TYPE_KEYS = {
@@ -186,8 +186,7 @@ def _declared_kinds(schema: Any) -> set[str] | None:
 
 
 def _validator(root: Any):
-    cls = jsonschema.validators.validator_for(root if isinstance(root, dict) else {}, default=jsonschema.Draft202012Validator)
-    return cls(root)
+    return validator_class(root)(root)
 
 
 def _fits(value: Any, flat: dict) -> bool:

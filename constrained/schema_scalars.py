@@ -4,6 +4,7 @@ and numbers (bounds, multipleOf). `flat` is one normalized alternative (schema_n
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -12,11 +13,12 @@ from interegular.fsm import FSM, Alphabet, anything_else
 from spruce.constrained.automata import (
     MAX_AUTOMATON_STATES,
     fsm_to_regex,
+    intersect_regexes,
     literal_text,
     regex_fsm,
     subtract_regexes,
 )
-from spruce.constrained.errors import TooLarge
+from spruce.constrained.errors import ConstraintError, TooLarge
 from spruce.constrained.jump_forward import CharAutomaton
 from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex, regex_lengths, regex_size
 from spruce.constrained.patterns import (
@@ -30,6 +32,7 @@ from spruce.constrained.ranges import integer_range_regex, number_range_regex
 from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
+_NAMED_GROUP = re.compile(r"(?<!\\)\(\?P?<(?![=!])[A-Za-z_][A-Za-z0-9_]*>")
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))
 MAX_MULTIPLE = 1000  # multipleOf k builds a k-state automaton
 MAX_MULTIPLE_REGEX = 20_000  # its regex (7 -> 44k characters: refused)
@@ -159,8 +162,61 @@ def pattern_regex(pattern: Any, path: str, ctx: Context) -> str | None:
 
 
 def pattern_search_regex(pattern: str) -> str:
-    """A search pattern as a full-match regex: `.*` added where it is not anchored."""
-    return "|".join(_anchored(branch) for branch in _top_level_branches(pattern))
+    """A search pattern as a full-match regex: `.*` added where it is not anchored; named
+    groups (ECMA `(?<name>...)`, Python `(?P<name>...)`) become plain groups, and lookaheads
+    at the start of an anchored alternative become automaton intersections / differences."""
+    branches = [_branch_regex(b) for b in _top_level_branches(_plain_groups(pattern))]
+    kept = [b for b in branches if b is not None]
+    if not kept:
+        raise ConstraintError("it matches no string")
+    return "|".join(kept)
+
+
+def _plain_groups(pattern: str) -> str:
+    return _NAMED_GROUP.sub("(?:", pattern)
+
+
+def _branch_regex(branch: str) -> str | None:
+    """`^(?=A)(?!B)C` -> C & (A.*) - (B.*) (`A$` inside a lookahead: A exactly); None
+    when no string matches."""
+    lookaheads, rest = _leading_lookaheads(branch)
+    regex = _anchored(rest)
+    for negative, inner in lookaheads:
+        condition = _anchored("^" + inner)
+        regex = subtract_regexes(regex, [condition]) if negative else intersect_regexes([regex, condition])
+        if regex is None:
+            return None
+    return regex
+
+
+def _leading_lookaheads(branch: str) -> tuple[list[tuple[bool, str]], str]:
+    """The lookaheads right after a branch's `^` as (negative, inner), and the branch without them."""
+    found, i = [], 1
+    while branch.startswith("^", 0) and branch.startswith(("(?=", "(?!"), i):
+        end = _group_end(branch, i)
+        found.append((branch[i + 2] == "!", branch[i + 3 : end - 1]))
+        i = end
+    return found, (branch if not found else "^" + branch[i:])
+
+
+def _group_end(pattern: str, start: int) -> int:
+    """The index just past the group opening at `start` (escapes and classes skipped)."""
+    depth, i, in_class = 0, start, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char in "()":
+            depth += 1 if char == "(" else -1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ConstraintError("unbalanced parentheses")
 
 
 def _top_level_branches(pattern: str) -> list[str]:

@@ -18,7 +18,7 @@ from support import DATA_DIR
 from test_constrained_helpers import tiny_compiler  # noqa: F401  (a fixture)
 
 CORPUS = sorted((DATA_DIR / "schemastore").glob("*.json")) + sorted((DATA_DIR / "schemas_kinds").glob("*.json"))
-MIN_PASSING = 105  # measured 110 of 150 (default options: objects closed, oversized parts relaxed)
+MIN_PASSING = 114  # measured 118 of 150 (default options: objects closed, oversized parts relaxed)
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 from spruce.constrained import ConstraintError, make_spec
 from spruce.constrained.json_schema import convert_schema
+from spruce.constrained.report import validate_output
 from spruce.constrained.schema_context import SchemaOptions
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
@@ -133,6 +134,19 @@ FEATURES = {
         ['{"next":null}', '{"next":{"next":null}}'], ["{}", '{"next":1}'],
     ),
     "any_json_depth": ({"type": "object", "additionalProperties": {}}, ['{"a":{"b":1}}', '{"a":[2]}'], ['{"a":{"b":[1]}}']),
+    "negative_lookahead": ({"type": "string", "pattern": "^(?!@@)[a-z@]+$"}, ['"ab"', '"a@@"', '"@b"'], ['"@@b"', '""']),
+    "negative_lookahead_of_a_word": (
+        {"type": "object", "patternProperties": {"^(?!variables$).+$": {"type": "integer"}},
+         "properties": {"variables": {"type": "string"}}, "additionalProperties": False},
+        ['{"variables":"x"}', '{"v":1}', '{"variabless":2}'], ['{"v":"x"}', '{"variables":1}'],
+    ),
+    "positive_lookaheads": (
+        {"type": "string", "pattern": "^(?=.*[A-Z])(?=.*[0-9]).{4,6}$"}, ['"Abc1"', '"1aaZ"'], ['"abc1"', '"ABCD"', '"A1"', '"Abcdef1"'],
+    ),
+    "date_time_to_nanoseconds": (
+        {"type": "string", "format": "date-time"}, ['"2021-06-15T09:16:47.765072012+02:00"', '"2021-06-15T09:16:47Z"'],
+        ['"2021-06-15T09:16:47.7650720123Z"', '"2021-06-15 09:16:47Z"'],
+    ),
 }
 
 
@@ -214,3 +228,41 @@ def test_a_ref_to_the_documents_own_id_resolves():
 def test_contradictions_are_refused():
     with pytest.raises(ConstraintError, match="allows no value"):
         make_spec(json_schema={"allOf": [{"type": "string"}, {"type": "integer"}]})
+
+
+def test_ecma_named_groups_in_patterns_are_enforced_and_validated():
+    schema = {"type": "string", "pattern": "^(?<major>0|[1-9][0-9]*)\\.(?<minor>0|[1-9][0-9]*)$"}
+    regex = re.compile(convert_schema(schema, SchemaOptions(mode="strict")).regex)
+    assert regex.fullmatch('"1.10"') and not regex.fullmatch('"1.02"')
+    assert validate_output(schema, '"1.10"') == {"valid": True, "error": None}
+    assert validate_output(schema, '"1.02"')["valid"] is False
+
+
+def test_later_keywords_apply_in_older_drafts():
+    """A draft-04 schema's `const` is read as later drafts define it, by the converter and
+    by the output check (a oneOf of two consts is then not always two matches)."""
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "properties": {"s": {"oneOf": [{"const": "a"}, {"const": "b"}]}}}  # fmt: skip
+    regex = re.compile(convert_schema(schema).regex)
+    assert regex.fullmatch('{"s":"a"}') and not regex.fullmatch('{"s":"c"}')
+    assert validate_output(schema, '{"s":"a"}')["valid"] is True
+    assert validate_output(schema, '{"s":"c"}')["valid"] is False
+
+
+def test_a_ref_to_another_document_leaves_the_object_it_joins_open():
+    schema = {"type": "object", "allOf": [{"$ref": "https://example.com/s.json"},
+              {"properties": {"a": {"type": "integer"}}}]}  # fmt: skip
+    converted = convert_schema(schema)
+    assert converted.unenforced == ("$ref",)
+    assert re.fullmatch(converted.regex, '{"a":1,"b":"x"}') and not re.fullmatch(converted.regex, '{"a":"x"}')
+    closed = {**schema, "additionalProperties": False}
+    assert not re.fullmatch(convert_schema(closed).regex, '{"a":1,"b":"x"}')
+
+
+def test_an_unenforceable_if_allows_what_then_or_else_allows():
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}},
+              "if": {"properties": {"a": {"pattern": "x"}}}, "then": {"properties": {"c": {"type": "string"}}}}  # fmt: skip
+    converted = convert_schema(schema)
+    assert "if" in converted.unenforced
+    assert re.fullmatch(converted.regex, '{"a":true,"c":"x"}') and re.fullmatch(converted.regex, '{"a":true}')
+    assert not re.fullmatch(converted.regex, '{"a":1}')
