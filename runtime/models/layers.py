@@ -21,6 +21,7 @@ from spruce.runtime.executor.attention.base import (
     ForwardContext,
 )
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_quant_ops
+from spruce.runtime.models import decode_plan
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.loading.quantize import QuantizedTensor
 from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
@@ -341,13 +342,23 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         backend.prepare(ctx)
         x, residual = self.embed(input_ids), None
-        for layer in self.layers:
+        plan = self._decode_plan(backend, ctx, x)
+        if plan is not None:
+            x, residual = plan.run(x, ctx, backend)
+        for layer in self.layers if plan is None else ():
             x, residual = layer(x, residual, ctx.positions, backend, ctx)
         if logits_rows is not None:
             x, residual = x[logits_rows], residual[logits_rows]
         x, _ = self.norm(x, residual)
         head = self.embed_tokens.as_linear if self.lm_head is None else self.lm_head
         return self.cap_logits(head(x))
+
+    def _decode_plan(self, backend: AttentionBackend, ctx: ForwardContext, x: torch.Tensor):
+        """The C-only decode path for this step (models/decode_plan.py), or None."""
+        plan = self.__dict__.get("_plan")
+        if plan is None or (plan and not plan.holds_weights_of(self)):  # first step, new weights
+            plan = self.__dict__["_plan"] = decode_plan.build(self) or False
+        return plan if plan and plan.applies(backend, ctx, x) else None
 
     def use_quantized_weights(self, weights: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
         """Replaces (before the weights are loaded) each Linear / Embedding module whose

@@ -1,0 +1,175 @@
+"""Few-row decode on the CPU straight through the C kernels, without the module tree.
+
+At batch 1 the weights take about half of a step; most of the rest was Python: every layer
+went through a dozen module calls, tensor checks, conversions and allocations around its
+nine C kernel calls. A `DecodePlan` holds, per layer, the kernels' arguments (weight
+pointers, shapes, the layer's rotary table and attention window) and runs a decode step as
+those nine calls per layer on buffers allocated once per step. The calls and their inputs
+are the module path's, so the results are identical.
+
+It applies to the plain Llama-shaped decoder only (`DecoderLayer`, `Attention` with full
+rotary, `MLP`, `RMSNorm`, quantized linear layers), in float32 on the CPU, with the native
+backend's C decode attention, to all-decode batches the integer kernels take, and when no
+module has hooks (the step breakdown of `spruce bench offline` times the modules, so it
+sees the module path). Anything else goes through the modules as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.kernels.cpu_library import load_library
+
+
+def build(model: nn.Module) -> DecodePlan | None:
+    """The plan for `model`, or None when its layers are not the plain kind."""
+    from spruce.runtime.models import layers as L
+
+    if load_library() is None or not model.layers:
+        return None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        shapes = (type(layer), type(attn), type(attn.rotary), type(mlp))
+        norms = (type(layer.input_layernorm), type(layer.post_attention_layernorm))
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if shapes != (L.DecoderLayer, L.Attention, L.Rotary, L.MLP) or norms != (L.RMSNorm, L.RMSNorm):
+            return None
+        if any(type(m) is not L.QuantizedLinear for m in linears) or attn.rotary.dim != model.config.head_dim:
+            return None
+        bias = attn.qkv_proj.bias
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return None
+        if any(m.bias is not None for m in linears[1:]) or attn.rotary.cos is None:
+            return None
+        if not (attn.rotary.cos.is_contiguous() and attn.rotary.sin.is_contiguous()):
+            return None
+    return DecodePlan(model)
+
+
+def _tensors(model: nn.Module):
+    """Every tensor a plan points into, in order."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        yield from (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        yield from (getattr(m, "blocks", None) for m in linears)
+        yield from (attn.rotary.cos, attn.rotary.sin, attn.qkv_proj.bias)
+
+
+def _linear_args(m: nn.Module) -> tuple:
+    """spruce_quant_linear's arguments before x: type, blocks, n, k."""
+    return (cpu_quant_ops.QUANT_TYPES[m.qtype].ggml_id, m.blocks.data_ptr(), m.out_features, m.in_features)
+
+
+class DecodePlan:
+    def __init__(self, model: nn.Module) -> None:
+        c = model.config
+        self.config = c
+        self.lib = load_library()
+        self.isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())
+        self.qkv_width = c.q_size + 2 * c.kv_size
+        self.inter = model.layers[0].mlp.down_proj.in_features
+        self.modules = [m for layer in model.layers for m in layer.modules()]
+        self.layers = []
+        self.tensors = list(_tensors(model))  # what the pointers point into
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            bias = attn.qkv_proj.bias
+            self.layers.append(
+                (
+                    [m.weight.data_ptr() for m in norms] + [m.eps for m in norms],
+                    [_linear_args(m) for m in linears],
+                    None if bias is None else bias.data_ptr(),
+                    (attn.rotary.cos.data_ptr(), attn.rotary.sin.data_ptr()),
+                    layer.self_attn.layer,
+                )
+            )
+
+    def applies(self, backend, ctx, x: torch.Tensor) -> bool:
+        from spruce.runtime.executor.attention.native_backend import NativeAttentionBackend
+
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+            return False
+        if x.shape[0] > cpu_quant_ops.INTEGER_MAX_ROWS or type(backend) is not NativeAttentionBackend:
+            return False
+        if backend.cpu_kernel is None or not ctx.backend_state.all_decode:
+            return False
+        return not (any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) or _global_hooks())
+
+    def holds_weights_of(self, model: nn.Module) -> bool:
+        """Whether the pointers are still the model's (weights loaded or moved since void them)."""
+        return len(model.layers) == len(self.layers) and all(a is b for a, b in zip(_tensors(model), self.tensors))
+
+    def run(self, x: torch.Tensor, ctx, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on x [rows, hidden] (the embeddings): (last MLP output, residual)."""
+        c, lib, rows = self.config, self.lib, x.shape[0]
+        hidden = c.hidden_size
+        residual = x.contiguous().clone()
+        h, out = torch.empty(rows, hidden), torch.empty(rows, hidden)
+        qkv, attn = torch.empty(rows, self.qkv_width), torch.empty(rows, c.q_size)
+        gate_up, act = torch.empty(rows, 2 * self.inter), torch.empty(rows, self.inter)
+        p_res, p_h, p_out, p_qkv, p_attn = (t.data_ptr() for t in (residual, h, out, qkv, attn))
+        p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
+        attention = self._attention_call(ctx, backend, rows, p_qkv, p_attn)
+        positions = ctx.positions.to(torch.int64).contiguous()
+        rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, lib.spruce_quant_linear
+        isa, width, heads = self.isa, self.qkv_width, c.num_heads + c.num_kv_heads
+        first = True
+        for norm_args, (qkv_w, o_w, gate_up_w, down_w), bias, (cos, sin), layer in self.layers:
+            norm1, norm2, eps1, eps2 = norm_args
+            if first:  # the residual stream starts as the embeddings
+                rms_norm(p_res, None, norm1, p_h, rows, hidden, eps1)
+                first = False
+            else:
+                rms_norm(p_out, p_res, norm1, p_h, rows, hidden, eps1)
+            _check(linear(*qkv_w, p_h, rows, bias, p_qkv, isa))
+            rotary(p_qkv, width, rows, heads, c.head_dim, positions.data_ptr(), cos, sin)
+            attention(layer)
+            _check(linear(*o_w, p_attn, rows, None, p_out, isa))
+            rms_norm(p_out, p_res, norm2, p_h, rows, hidden, eps2)
+            _check(linear(*gate_up_w, p_h, rows, None, p_gate_up, isa))
+            lib.spruce_silu_mul(p_gate_up, p_act, rows, self.inter)
+            _check(linear(*down_w, p_act, rows, None, p_out, isa))
+        return out, residual
+
+    def _attention_call(self, ctx, backend, rows: int, p_qkv: int, p_attn: int):
+        """attention(layer): stores the layer's new K/V and attends (the native backend's
+        C decode kernel, called as CpuDecodeAttention calls it)."""
+        c, lib = self.config, self.lib
+        group = ctx.backend_state.decode
+        table = backend.req_to_token.table
+        table_rows = group.table_rows.to(torch.int64).contiguous()
+        seq_lens = group.seq_lens.to(torch.int64).contiguous()
+        slots = ctx.out_slots.to(torch.int64).contiguous()
+        pool = backend.pool
+        fn = lib.spruce_decode_attention_f16 if pool.k[0].dtype == torch.float16 else lib.spruce_decode_attention_f32
+        p_k, p_v = p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size)
+        width = self.qkv_width
+        fixed = (table.data_ptr(), table.stride(0), table_rows.data_ptr(), seq_lens.data_ptr(), p_attn)
+        keep = (table_rows, seq_lens, slots)  # alive while the closure is
+
+        def attention(layer: int) -> None:
+            failed = fn(
+                p_qkv, width, p_k, p_v, width, slots.data_ptr(), pool.k[layer].data_ptr(),
+                pool.v[layer].data_ptr(), *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim,
+                backend.scale, backend.windows[layer] or 0,
+            )  # fmt: skip
+            if failed:
+                raise ValueError(f"CPU attention kernel: unsupported shape {keep[0].shape}")
+
+        return attention
+
+
+def _check(failed: int) -> None:
+    if failed:
+        raise MemoryError("no memory for a quantized linear layer's activations")
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)

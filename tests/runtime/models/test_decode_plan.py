@@ -1,0 +1,58 @@
+"""The C-only decode path (models/decode_plan.py) gives the module path's logits exactly,
+at batch 1 and for several requests, with and without a q/k/v bias; it stands aside for
+hooked modules and extend batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.models import decode_plan
+from spruce.runtime.models.loading.loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C compiler")
+
+
+def decode(loaded, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Logits of `steps` decode steps after prefilling `prompts` (fixed next tokens, so any
+    two runs feed the same ones)."""
+    runner = ModelRunner(loaded, 256, len(prompts) + 1, 64, kv_dtype=kv_dtype)
+    rows = [runner.req_to_token.alloc_row() for _ in prompts]
+    items = [ForwardItem(r, 0, p, runner.pool.alloc(len(p))) for r, p in zip(rows, prompts)]
+    runner.forward(items)
+    lens, out = [len(p) for p in prompts], []
+    for step in range(steps):
+        items = [
+            ForwardItem(r, lens[i], [(7 * step + 13 * i + 5) % 300], runner.pool.alloc(1))
+            for i, r in enumerate(rows)
+        ]
+        out.append(runner.forward(items).logits)
+        lens = [n + 1 for n in lens]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: q/k/v bias
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("requests,kv_dtype", [(1, torch.float16), (3, torch.float32)])
+def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests, kv_dtype):
+    loaded = load_model(str(request.getfixturevalue(fixture)), quantization=qtype)
+    prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
+    runs = []
+    real_run = decode_plan.DecodePlan.run
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda *a: runs.append(1) or real_run(*a))
+    planned = decode(loaded, prompts, 6, kv_dtype)
+    assert len(runs) == 6  # every decode step, never the prefill
+    hook = loaded.model.layers[0].mlp.register_forward_hook(lambda *_: None)  # the plan stands aside
+    try:
+        plain = decode(loaded, prompts, 6, kv_dtype)
+    finally:
+        hook.remove()
+    assert len(runs) == 6
+    assert torch.equal(planned, plain)
+
+
+def test_plan_needs_quantized_linear_layers(tiny_llama_dir):
+    loaded = load_model(str(tiny_llama_dir), quantization="none")
+    assert decode_plan.build(loaded.model) is None
