@@ -55,6 +55,8 @@ def run_baseline(program: sl.Program, backend: Any, questions: list[str]) -> lis
 
 def measure(args: argparse.Namespace, runner, program: sl.Program, questions: list[str], **options: Any):
     """(seconds, answers, prompt tokens of one program) on a fresh runtime with `options`."""
+    if args.quantization is not None:
+        options["quantization"] = args.quantization
     with sl.Runtime(args.model, num_threads=args.num_threads, kv_memory_gb=args.kv_memory_gb, **options) as rt:
         program.run(question="What is 1 plus 1?", backend=rt)  # warm-up: first-call costs
         sl.flush_cache(rt)  # ... but no head start from the cache
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of each runtime")
     parser.add_argument("--kv-memory-gb", type=float, default=1.0)
+    parser.add_argument("--quantization", default=None, help="weights in memory (default: the runtime's, auto)")
     args = parser.parse_args(argv)
 
     program = make_program(few_shot_prefix(args.num_shots), args.max_tokens)
