@@ -56,3 +56,22 @@ def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests,
 def test_plan_needs_quantized_linear_layers(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir), quantization="none")
     assert decode_plan.build(loaded.model) is None
+
+
+def test_plan_follows_replaced_weights(tiny_llama_dir):
+    """A parameter's storage swapped in place, or a buffer replaced, rebuilds the plan."""
+    loaded = load_model(str(tiny_llama_dir), quantization="q8_0")
+    prompts = [[3, 40, 77]]
+    decode(loaded, prompts, 2, torch.float32)
+    first = loaded.model.__dict__["_plan"]
+    norm = loaded.model.layers[0].input_layernorm
+    norm.weight.data = norm.weight.data * 2
+    mlp = loaded.model.layers[1].mlp
+    mlp.down_proj.blocks = mlp.down_proj.blocks.clone()
+    planned = decode(loaded, prompts, 3, torch.float32)
+    assert loaded.model.__dict__["_plan"] is not first
+    hook = loaded.model.layers[0].register_forward_hook(lambda *_: None)
+    try:
+        assert torch.equal(planned, decode(loaded, prompts, 3, torch.float32))
+    finally:
+        hook.remove()
