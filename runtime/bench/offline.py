@@ -432,12 +432,22 @@ def step_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
         label: sum(mean.get(p, 0.0) for p in plus) - sum(mean.get(p, 0.0) for p in minus)
         for label, plus, minus in BREAKDOWN_ROWS
     }
-    return {"steps": len(decode), "timed_step_ms": mean["step"], "plain_step_ms": plain_ms, "parts_ms": rows}
+    bare_ms = bare_matmul_seconds(engine.core.runner.model, 1) * 1e3
+    return {
+        "steps": len(decode), "timed_step_ms": mean["step"], "plain_step_ms": plain_ms, "parts_ms": rows,
+        "bare_matmul_ms": bare_ms,
+    }  # fmt: skip
 
 
 def print_breakdown(b: dict) -> None:
     print(f"\nbatch-1 decode step, mean of {b['steps']} steps: {b['plain_step_ms']:.2f} ms "
           f"({b['timed_step_ms']:.2f} ms with the timers on)")  # fmt: skip
+    # the timers are module hooks: with them the step takes the module path, not the decode
+    # plan (models/decode_plan.py), so the parts describe the module path
+    print("(timed through the modules: the C-only decode plan stands aside for hooks)")
+    if "bare_matmul_ms" in b:  # the untimed step against its weights alone
+        bare, plain = b["bare_matmul_ms"], b["plain_step_ms"]
+        print(f"untimed step {plain:.2f} ms: linear layers alone (through their modules) {bare:.2f} ms ({bare / plain:.0%}), the rest {plain - bare:.2f} ms")
     print("| part | ms per step | share |\n| --- | --- | --- |")
     for label, ms in b["parts_ms"].items():
         print(f"| {label} | {ms:.3f} | {ms / b['timed_step_ms']:.1%} |")
