@@ -185,6 +185,10 @@ def print_report(r: dict, n: int) -> None:
 
 CONVERT_TIMEOUT_S = 30  # a conversion past it counts as not compiled (the server's grammar timeout)
 MATCH_TIMEOUT_S = 10  # one example against one regex: past it (backtracking), the schema does not pass
+# A larger regex counts as not compiled: Python's regex parsers take minutes on it, beyond the
+# reach of the deadline (raw outlines-core writes 44 MB for one SchemaStore schema), and no
+# token index could be built from it either.
+MAX_MATCH_REGEX_CHARS = 1_000_000
 
 
 def _deadline(*_) -> None:
@@ -292,6 +296,8 @@ def _full_matcher(pattern: str):
     """text -> whether `pattern` matches all of it; TimeoutError past MATCH_TIMEOUT_S (Python's
     `re` backtracks without a bound on some real schemas' regexes; the `regex` module, which
     transformers installs, takes a timeout)."""
+    if len(pattern) > MAX_MATCH_REGEX_CHARS:
+        raise ValueError(f"regex of {len(pattern)} characters: over {MAX_MATCH_REGEX_CHARS}")
     try:
         import regex
     except ImportError:

@@ -37,3 +37,15 @@ def test_a_backtracking_match_times_out_and_the_schema_does_not_pass(monkeypatch
     entry = {"schema": {"type": "string"}, "valid": ["x"], "invalid": []}
     result = json_bench._check_entry(checker, entry)
     assert result["compiled"] and result["match_timeout"] and not result["passed"]
+
+
+def test_a_regex_too_large_to_match_counts_as_not_compiled(monkeypatch):
+    monkeypatch.setattr(json_bench, "MAX_MATCH_REGEX_CHARS", 100)
+
+    def checker(schema):  # an engine whose regex is over the bound
+        matches = json_bench._full_matcher("(?:a|b)" * 20)
+        return (lambda value, orders: matches(value)), (), False
+
+    entry = {"schema": {"type": "string"}, "valid": ["x"], "invalid": []}
+    result = json_bench._check_entry(checker, entry)
+    assert not result["compiled"] and not result["passed"]
