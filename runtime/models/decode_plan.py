@@ -30,12 +30,14 @@ def build(model: nn.Module) -> DecodePlan | None:
     if load_library() is None or not model.layers:
         return None
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        shapes = (type(layer), type(attn), type(attn.rotary), type(mlp))
-        norms = (type(layer.input_layernorm), type(layer.post_attention_layernorm))
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if shapes != (L.DecoderLayer, L.Attention, L.Rotary, L.MLP) or norms != (L.RMSNorm, L.RMSNorm):
+        # the kinds first, before reading their parts: other kinds lack them
+        if type(layer) is not L.DecoderLayer or type(layer.self_attn) is not L.Attention:
             return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (type(layer.input_layernorm), type(layer.post_attention_layernorm))
+        if (type(attn.rotary), type(mlp), *norms) != (L.Rotary, L.MLP, L.RMSNorm, L.RMSNorm):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(type(m) is not L.QuantizedLinear for m in linears) or attn.rotary.dim != model.config.head_dim:
             return None
         bias = attn.qkv_proj.bias
