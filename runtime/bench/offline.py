@@ -432,7 +432,8 @@ def step_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
         label: sum(mean.get(p, 0.0) for p in plus) - sum(mean.get(p, 0.0) for p in minus)
         for label, plus, minus in BREAKDOWN_ROWS
     }
-    bare_ms = bare_matmul_seconds(engine.core.runner.model, 1) * 1e3
+    # the least of a few runs: one slow run (a busy machine) would exceed the whole step
+    bare_ms = min(bare_matmul_seconds(engine.core.runner.model, 1, repeats=2) for _ in range(5)) * 1e3
     return {
         "steps": len(decode), "timed_step_ms": mean["step"], "plain_step_ms": plain_ms, "parts_ms": rows,
         "bare_matmul_ms": bare_ms,
