@@ -164,16 +164,16 @@ class DecodePlan:
         p_k, p_v = p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size)
         width = self.qkv_width
         fixed = (table.data_ptr(), table.stride(0), table_rows.data_ptr(), seq_lens.data_ptr(), p_attn)
-        keep = (table_rows, seq_lens, slots)  # alive while the closure is
+        p_slots = slots.data_ptr()
 
-        def attention(layer: int) -> None:
+        # the default argument holds the tensors behind the pointers for as long as the closure
+        def attention(layer: int, _tensors=(table_rows, seq_lens, slots)) -> None:
             failed = fn(
-                p_qkv, width, p_k, p_v, width, slots.data_ptr(), pool.k[layer].data_ptr(),
-                pool.v[layer].data_ptr(), *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim,
-                backend.scale, backend.windows[layer] or 0,
+                p_qkv, width, p_k, p_v, width, p_slots, pool.k[layer].data_ptr(), pool.v[layer].data_ptr(),
+                *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
             )  # fmt: skip
             if failed:
-                raise ValueError(f"CPU attention kernel: unsupported shape {keep[0].shape}")
+                raise ValueError(f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})")
 
         return attention
 
