@@ -1,4 +1,5 @@
-"""Prints the import graph between Spruce's folders and fails (exit 1) on any cycle.
+"""Prints the import graph between Spruce's folders and fails (exit 1) on any cycle (between
+folders, or between modules: function-level imports included).
 
 Every `import` / `from ... import` in the packages counts, at module level or inside a
 function (a function-level import is still a dependency); imports under
@@ -71,6 +72,7 @@ def main() -> int:
     files = [p for folder in PACKAGES for p in (ROOT / folder).rglob("*.py")]
     modules = {module_name(p): p for p in files}
     edges: dict[str, set[str]] = defaultdict(set)
+    file_edges: dict[str, set[str]] = defaultdict(set)  # between modules
     problems = []
     for module, path in sorted(modules.items()):
         source = node_of(module, modules)
@@ -84,6 +86,7 @@ def main() -> int:
                     problems.append(f"{path.relative_to(ROOT)} imports the private name {full}")
             targets = {f"{target_module}.{n}" for n in names if f"{target_module}.{n}" in modules} or {target_module}
             for target in targets:
+                file_edges[module].add(_module_of(target, modules))
                 node = node_of(target, modules)
                 if node is not None and node != source:
                     edges[source].add(node)
@@ -96,11 +99,21 @@ def main() -> int:
     cycle = find_cycle(edges)
     if cycle:
         problems.append("import cycle between folders: " + " -> ".join(cycle))
+    file_edges = {m: {t for t in targets if t and t != m} for m, targets in file_edges.items()}
+    cycle = find_cycle(file_edges)
+    if cycle:
+        problems.append("import cycle between modules: " + " -> ".join(cycle))
     for problem in problems:
         print("ERROR:", problem)
     if not problems:
         print("no cycles, no private imports, leaves stay leaves")
     return 1 if problems else 0
+
+
+def _module_of(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:

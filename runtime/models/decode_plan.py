@@ -16,6 +16,8 @@ sees the module path). Anything else goes through the modules as before.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -23,22 +25,31 @@ from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.kernels.cpu_library import load_library
 
 
-def build(model: nn.Module) -> DecodePlan | None:
-    """The plan for `model`, or None when its layers are not the plain kind."""
-    from spruce.runtime.models import layers as L
+class PlainKinds(NamedTuple):
+    """The module classes of the plain decoder (layers.py passes its own: no import back)."""
 
+    layer: type
+    attention: type
+    rotary: type
+    mlp: type
+    norm: type
+    linear: type
+
+
+def build(model: nn.Module, kinds: PlainKinds) -> DecodePlan | None:
+    """The plan for `model`, or None when its layers are not the plain kind."""
     if load_library() is None or not model.layers:
         return None
     for layer in model.layers:
         # the kinds first, before reading their parts: other kinds lack them
-        if type(layer) is not L.DecoderLayer or type(layer.self_attn) is not L.Attention:
+        if type(layer) is not kinds.layer or type(layer.self_attn) is not kinds.attention:
             return None
         attn, mlp = layer.self_attn, layer.mlp
         norms = (type(layer.input_layernorm), type(layer.post_attention_layernorm))
-        if (type(attn.rotary), type(mlp), *norms) != (L.Rotary, L.MLP, L.RMSNorm, L.RMSNorm):
+        if (type(attn.rotary), type(mlp), *norms) != (kinds.rotary, kinds.mlp, kinds.norm, kinds.norm):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(m) is not L.QuantizedLinear for m in linears) or attn.rotary.dim != model.config.head_dim:
+        if any(type(m) is not kinds.linear for m in linears) or attn.rotary.dim != model.config.head_dim:
             return None
         bias = attn.qkv_proj.bias
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

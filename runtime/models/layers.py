@@ -357,7 +357,7 @@ class DecoderModel(nn.Module):
         """The C-only decode path for this step (models/decode_plan.py), or None."""
         plan = self.__dict__.get("_plan")
         if plan is None or (plan and not plan.holds_weights_of(self)):  # first step, new weights
-            plan = self.__dict__["_plan"] = decode_plan.build(self) or False
+            plan = self.__dict__["_plan"] = decode_plan.build(self, PLAIN_KINDS) or False
         return plan if plan and plan.applies(backend, ctx, x) else None
 
     def use_quantized_weights(self, weights: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
@@ -375,3 +375,6 @@ class DecoderModel(nn.Module):
         """Loads Hugging Face parameter names (split or fused q/k/v and gate/up, experts one
         by one or stacked); strict."""
         load_hf_state_dict(self, state_dict)
+
+
+PLAIN_KINDS = decode_plan.PlainKinds(DecoderLayer, Attention, Rotary, MLP, RMSNorm, QuantizedLinear)

@@ -10,6 +10,7 @@ import torch
 from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models import decode_plan
+from spruce.runtime.models.layers import PLAIN_KINDS
 from spruce.runtime.models.loading.loader import load_model
 
 pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C compiler")
@@ -55,7 +56,7 @@ def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests,
 
 def test_plan_needs_quantized_linear_layers(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir), quantization="none")
-    assert decode_plan.build(loaded.model) is None
+    assert decode_plan.build(loaded.model, PLAIN_KINDS) is None
 
 
 def test_plan_follows_replaced_weights(tiny_llama_dir):
