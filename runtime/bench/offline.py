@@ -17,7 +17,6 @@ against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import random
@@ -26,9 +25,9 @@ import subprocess
 import time
 
 import torch
-from torch import nn
 
 from spruce.runtime.bench import write_json
+from spruce.runtime.bench.breakdown import print_breakdown, step_breakdown
 
 USES_ENGINE = True
 
@@ -214,7 +213,7 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     if args.compare == "llama.cpp":
         compare_llama_cpp(engine, args, result)
     if args.breakdown:
-        result["breakdown"] = step_breakdown(engine, tokenizer)
+        result["breakdown"] = measure_breakdown(engine, tokenizer)
     if args.plot:
         result["scaling"] = scaling_curves(engine, args)
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
@@ -337,121 +336,17 @@ _LLAMA_ROWS = [
 ]
 
 
-# ---------------------------------------------------------------------------------------
-# Where a batch-1 decode step's time goes
-# ---------------------------------------------------------------------------------------
-
-
-class StepTimers:
-    """Wall time per part of each engine step, from forward hooks on the model's modules
-    and wrappers around the attention backend, the sampler, the runner and the step
-    (instance attributes, removed by close()). Per step: {part: seconds}."""
-
-    def __init__(self, core) -> None:
-        from spruce.runtime.models.layers import QuantizedEmbedding, QuantizedLinear, RMSNorm
-
-        self.core, self.now, self.steps = core, collections.Counter(), []
-        self.handles, self.wrapped = [], []
-        model = core.runner.model
-        for module in model.modules():
-            if isinstance(module, (nn.Embedding, QuantizedEmbedding)):
-                self._hook(module, "embedding")
-            elif isinstance(module, (nn.Linear, QuantizedLinear)):
-                self._hook(module, "matmuls")
-            elif isinstance(module, RMSNorm):
-                self._hook(module, "norms")
-        self._hook(model, "model")
-        if model.lm_head is None:  # the tied output projection is a method, not a module call
-            self._wrap(model.embed_tokens, "as_linear", "matmuls")
-        self._wrap(core.runner.backend, "forward", "attention")
-        self._wrap(core.sampler, "sample", "sampling")
-        self._wrap(core.runner, "forward", "runner")
-        self._wrap(core, "step", "step", per_step=True)
-
-    def _hook(self, module: nn.Module, part: str) -> None:
-        started = []
-        pre = module.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
-        post = module.register_forward_hook(lambda *_: self._add(part, started.pop()))
-        self.handles += [pre, post]
-
-    def _add(self, part: str, start: float) -> None:
-        self.now[part] += time.perf_counter() - start
-
-    def _wrap(self, owner, name: str, part: str, per_step: bool = False) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            if per_step:
-                self.now.clear()
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self._add(part, start)
-                if per_step:
-                    self.steps.append(dict(self.now))
-
-        setattr(owner, name, timed)
-        self.wrapped.append((owner, name))
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        for owner, name in self.wrapped:
-            delattr(owner, name)  # the class's own method shows through again
-
-
-BREAKDOWN_ROWS = [  # (label, parts added, parts taken away)
-    ("matmuls (linear layers + output head)", ["matmuls"], []),
-    ("attention (KV write + attention)", ["attention"], []),
-    ("residual add + RMSNorm", ["norms"], []),
-    ("embedding lookup", ["embedding"], []),
-    ("other model ops (rotary, SiLU*up, Python)", ["model"], ["matmuls", "attention", "norms", "embedding"]),
-    ("runner outside the model (batch tensors)", ["runner"], ["model"]),
-    ("sampling", ["sampling"], []),
-    ("scheduler + step bookkeeping", ["step"], ["runner", "sampling"]),
-]
-
-
-def step_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
-    """Mean ms per part of a batch-1 decode step (timed steps), and the mean step time of
-    the same run without timers (the timers' own cost shows as the difference)."""
+def measure_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
+    """The timed parts of a batch-1 decode step (breakdown.py), the same step untimed, and
+    the linear layers alone at batch 1."""
     prompt = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     engine.flush_cache()
     plain_ms = run_engine(engine, [prompt], params)["decode_step_ms"]
-    timers = StepTimers(engine.core)
-    try:
-        engine.flush_cache()
-        engine.generate(input_ids=prompt, sampling_params=params)
-    finally:
-        timers.close()
-    decode = [st for st in timers.steps[2:] if "model" in st]  # past the prefill and the first step
-    mean = {part: sum(st.get(part, 0.0) for st in decode) / len(decode) * 1e3 for part in timers.now}
-    rows = {
-        label: sum(mean.get(p, 0.0) for p in plus) - sum(mean.get(p, 0.0) for p in minus)
-        for label, plus, minus in BREAKDOWN_ROWS
-    }
+    parts = step_breakdown(engine, prompt, params)
     # the least of a few runs: one slow run (a busy machine) would exceed the whole step
     bare_ms = min(bare_matmul_seconds(engine.core.runner.model, 1, repeats=2) for _ in range(5)) * 1e3
-    return {
-        "steps": len(decode), "timed_step_ms": mean["step"], "plain_step_ms": plain_ms, "parts_ms": rows,
-        "bare_matmul_ms": bare_ms,
-    }  # fmt: skip
-
-
-def print_breakdown(b: dict) -> None:
-    print(f"\nbatch-1 decode step, mean of {b['steps']} steps: {b['plain_step_ms']:.2f} ms "
-          f"({b['timed_step_ms']:.2f} ms with the timers on)")  # fmt: skip
-    # the timers are module hooks: with them the step takes the module path, not the decode
-    # plan (models/decode_plan.py), so the parts describe the module path
-    print("(timed through the modules: the C-only decode plan stands aside for hooks)")
-    if "bare_matmul_ms" in b:  # the untimed step against its weights alone
-        bare, plain = b["bare_matmul_ms"], b["plain_step_ms"]
-        print(f"untimed step {plain:.2f} ms: linear layers alone (through their modules) {bare:.2f} ms ({bare / plain:.0%}), the rest {plain - bare:.2f} ms")
-    print("| part | ms per step | share |\n| --- | --- | --- |")
-    for label, ms in b["parts_ms"].items():
-        print(f"| {label} | {ms:.3f} | {ms / b['timed_step_ms']:.1%} |")
+    return {**parts, "plain_step_ms": plain_ms, "bare_matmul_ms": bare_ms}
 
 
 # ---------------------------------------------------------------------------------------
