@@ -200,27 +200,25 @@ def _leading_lookaheads(branch: str) -> tuple[list[tuple[bool, str]], str]:
 
 
 def _group_end(pattern: str, start: int) -> int:
-    """The index just past the group opening at `start` (escapes and classes skipped)."""
-    depth, i, in_class = 0, start, False
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-        elif char in "()":
-            depth += 1 if char == "(" else -1
-            if depth == 0:
-                return i + 1
-        i += 1
+    """The index just past the group opening at `start`."""
+    for i, char, depth in _structure(pattern, start):
+        if char == ")" and depth == 0:
+            return i + 1
     raise ConstraintError("unbalanced parentheses")
 
 
 def _top_level_branches(pattern: str) -> list[str]:
-    branches, depth, start, i, in_class = [], 0, 0, 0, False
+    branches, start = [], 0
+    for i, char, depth in _structure(pattern):
+        if char == "|" and depth == 0:
+            branches.append(pattern[start:i])
+            start = i + 1
+    return [*branches, pattern[start:]]
+
+
+def _structure(pattern: str, start: int = 0):
+    """(index, character, group depth after it) of each character outside escapes and classes."""
+    depth, i, in_class = 0, start, False
     while i < len(pattern):
         char = pattern[i]
         if char == "\\":
@@ -233,13 +231,10 @@ def _top_level_branches(pattern: str) -> list[str]:
             i += 1 + pattern.startswith("^", i + 1)
             i += pattern.startswith("]", i)  # a leading ']' is a literal
             continue
-        elif char in "()":
-            depth += 1 if char == "(" else -1
-        elif char == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
+        else:
+            depth += (char == "(") - (char == ")")
+            yield i, char, depth
         i += 1
-    return [*branches, pattern[start:]]
 
 
 def _anchored(branch: str) -> str:

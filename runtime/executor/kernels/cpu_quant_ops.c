@@ -152,6 +152,15 @@ TARGET_VNNI static inline __m256i dot16_vnni(__m256i lo, __m256i hi, const int16
  * instantiated per (type, rows) with both constant, so the row loops unroll and the
  * accumulators stay in registers (with a run-time row count they went through the stack:
  * about 3x slower at batch 1). */
+/* A block's weight scale dw and its second term: Q4_0's -8 dw (w = dw (q - 8)), Q4_1's
+ * offset m (w = dw q + m), none for Q8_0. */
+TARGET_AVX2 static inline void block_scales(int64_t type, const uint8_t *block, float *dw, float *second) {
+    uint16_t d16;
+    memcpy(&d16, block, 2);
+    *dw = _cvtsh_ss(d16);
+    *second = type == TYPE_Q4_0 ? -8.0f * *dw : type == TYPE_Q4_1 ? _cvtsh_ss(((const block_q4_1 *)block)->m) : 0.0f;
+}
+
 #define SIMD_ROW(NAME, TARGET, DOT)                                                                  \
     TARGET static inline __attribute__((always_inline)) void NAME##_body(                            \
         const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t rows) { \
@@ -161,11 +170,8 @@ TARGET_VNNI static inline __m256i dot16_vnni(__m256i lo, __m256i hi, const int16
         for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();                          \
         for (int64_t b = 0; b < nb; b++) {                                                            \
             const uint8_t *block = w + b * bytes;                                                     \
-            uint16_t d16;                                                                             \
-            memcpy(&d16, block, 2);                                                                   \
-            float dw = _cvtsh_ss(d16), second = 0.0f;                                                 \
-            if (type == TYPE_Q4_0) second = -8.0f * dw;                                               \
-            if (type == TYPE_Q4_1) second = _cvtsh_ss(((const block_q4_1 *)block)->m);                \
+            float dw, second;                                                                         \
+            block_scales(type, block, &dw, &second);                                                  \
             __m256i w_lo, w_hi;                                                                       \
             load_weight16(type, block, &w_lo, &w_hi);                                                 \
             for (int64_t m = 0; m < rows; m++) {                                                      \
@@ -226,11 +232,8 @@ TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t str
             _mm_prefetch(ahead + 63, _MM_HINT_T0);                                                    \
             for (int r = 0; r < 4; r++) {                                                             \
                 const uint8_t *block = w + r * stride + b * bytes;                                    \
-                uint16_t d16;                                                                         \
-                memcpy(&d16, block, 2);                                                               \
-                float dw = _cvtsh_ss(d16), second = 0.0f;                                             \
-                if (type == TYPE_Q4_0) second = -8.0f * dw;                                           \
-                if (type == TYPE_Q4_1) second = _cvtsh_ss(((const block_q4_1 *)block)->m);            \
+                float dw, second;                                                                     \
+                block_scales(type, block, &dw, &second);                                              \
                 __m256i w_lo, w_hi;                                                                   \
                 load_weight16(type, block, &w_lo, &w_hi);                                             \
                 __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo, x_hi));                        \
