@@ -43,9 +43,9 @@ class GrammarCompiler:
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
     space; at `timeout_s` the worker is killed, so a pathological constraint fails its own
     requests and costs nothing after. The index comes back from the worker; one too large
-    to unpickle without a long GIL hold is built again here, its feasibility proven (starting as
-soon as the worker's index is built, beside the worker's automaton). The
-    character automaton (for jump-forward) is built in the same worker; if it is not ready
+    to unpickle without a long GIL hold is built again here, its feasibility proven (starting
+    as soon as the worker's index is built, beside the worker's automaton). The character
+    automaton (for jump-forward) is built in the same worker; if it is not ready
     `timeout_s / 2` after the index, the grammar goes without it. The cache keeps the most
     recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
     `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
@@ -122,13 +122,15 @@ soon as the worker's index is built, beside the worker's automaton). The
         )  # fmt: skip
         rebuilds: list[Future] = []  # the worker says when its index is built and too large to send
 
-        def rebuild(_) -> None:  # off the GIL, while the worker finishes the character automaton
+        def rebuild(_=None) -> None:  # off the GIL, while the worker finishes the character automaton
             rebuilds.append(self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary))
 
         result = self._workers.run(request, self.timeout_s, on_progress=rebuild)
         index = result.index
         if index is None:  # too large to unpickle without stalling the GIL: built here
-            index = (rebuilds[0] if rebuilds else self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary)).result()
+            if not rebuilds:
+                rebuild()
+            index = rebuilds[0].result()
         grammar = CompiledGrammar(spec, spec.regex, index, self.vocab, result.char_automaton)
         nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
         return _Built(grammar, nbytes)

@@ -9,7 +9,7 @@ from typing import Any
 
 from spruce.constrained.errors import TooLarge
 from spruce.constrained.schema_context import Context
-from spruce.constrained.schema_validator import python_pattern
+from spruce.constrained.schema_validator import pattern_search
 
 KINDS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
 MAX_ALTERNATIVES = 256
@@ -128,7 +128,7 @@ def _schemas_for_name(flat: dict, name: str, ctx: Context) -> list:
 
 def _search(pattern: str, name: str, flat: dict, ctx: Context) -> bool:
     try:
-        return re.search(python_pattern(pattern), name) is not None
+        return pattern_search(pattern, name)
     except re.error:
         ctx.skip("patternProperties", flat["path"], f"the regex {pattern!r} is not supported")
         return False

@@ -20,7 +20,7 @@ from spruce.constrained.patterns import json_value_regex
 from spruce.constrained.schema_context import BOUNDS
 from spruce.constrained.schema_normalize import alternatives
 from spruce.constrained.schema_scalars import SAFE_CHAR, pattern_regex, string_regex
-from spruce.constrained.schema_validator import python_pattern
+from spruce.constrained.schema_validator import pattern_search
 
 KEY_UNIT = r'[^"\\\x00-\x1F\x7F-\x9F]'  # one unescaped key character
 KEY_ESCAPE = r'\\["\\bfnrt]'  # escapes; no "\/" or "\u": every key has one spelling
@@ -106,7 +106,7 @@ def _name_allowed(builder, flat: dict, name: str) -> bool:
 
 def _search(builder, flat: dict, pattern: str, name: str) -> bool:
     try:
-        return re.search(python_pattern(pattern), name) is not None
+        return pattern_search(pattern, name)
     except re.error:
         builder.ctx.skip("patternProperties", flat["path"], f"the regex {pattern!r} is not supported")
         return False

@@ -4,7 +4,6 @@ and numbers (bounds, multipleOf). `flat` is one normalized alternative (schema_n
 from __future__ import annotations
 
 import json
-import re
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -30,9 +29,9 @@ from spruce.constrained.patterns import (
 )
 from spruce.constrained.ranges import integer_range_regex, number_range_regex
 from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
+from spruce.constrained.schema_validator import plain_groups
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
-_NAMED_GROUP = re.compile(r"(?<!\\)\(\?P?<(?![=!])[A-Za-z_][A-Za-z0-9_]*>")
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))
 MAX_MULTIPLE = 1000  # multipleOf k builds a k-state automaton
 MAX_MULTIPLE_REGEX = 20_000  # its regex (7 -> 44k characters: refused)
@@ -165,15 +164,11 @@ def pattern_search_regex(pattern: str) -> str:
     """A search pattern as a full-match regex: `.*` added where it is not anchored; named
     groups (ECMA `(?<name>...)`, Python `(?P<name>...)`) become plain groups, and lookaheads
     at the start of an anchored alternative become automaton intersections / differences."""
-    branches = [_branch_regex(b) for b in _top_level_branches(_plain_groups(pattern))]
+    branches = [_branch_regex(b) for b in _top_level_branches(plain_groups(pattern))]
     kept = [b for b in branches if b is not None]
     if not kept:
         raise ConstraintError("it matches no string")
     return "|".join(kept)
-
-
-def _plain_groups(pattern: str) -> str:
-    return _NAMED_GROUP.sub("(?:", pattern)
 
 
 def _branch_regex(branch: str) -> str | None:

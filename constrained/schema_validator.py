@@ -14,7 +14,8 @@ from jsonschema.exceptions import ValidationError
 
 # Keywords of later drafts that an older draft's validator lacks and that mean nothing else there.
 _LATER_KEYWORDS = ("const", "contains", "propertyNames", "if", "dependentRequired", "dependentSchemas")
-_ECMA_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")
+_ECMA_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")  # "(?<name>", not a lookbehind
+_NAMED_GROUP = re.compile(r"(?<!\\)\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
 
 
 def validator_class(schema: Any) -> type:
@@ -26,6 +27,17 @@ def python_pattern(pattern: str) -> str:
     return _ECMA_NAMED_GROUP.sub("(?P<", pattern)
 
 
+def plain_groups(pattern: str) -> str:
+    """Named groups (either spelling) as plain groups, for the automata (which have no names)."""
+    return _NAMED_GROUP.sub("(?:", python_pattern(pattern))
+
+
+def pattern_search(pattern: str, text: str) -> bool:
+    """Whether a JSON Schema pattern (ECMA spelling) matches somewhere in `text`; re.error
+    when Python cannot compile it."""
+    return re.search(python_pattern(pattern), text) is not None
+
+
 @cache
 def _extended(base: type) -> type:
     latest = jsonschema.Draft202012Validator.VALIDATORS
@@ -35,7 +47,7 @@ def _extended(base: type) -> type:
 
 
 def _pattern(validator, pattern: str, instance: Any, schema: dict):
-    if validator.is_type(instance, "string") and not re.search(python_pattern(pattern), instance):
+    if validator.is_type(instance, "string") and not pattern_search(pattern, instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 
@@ -44,5 +56,5 @@ def _pattern_properties(validator, patterns: dict, instance: Any, schema: dict):
         return
     for pattern, subschema in patterns.items():
         for key, value in instance.items():
-            if re.search(python_pattern(pattern), key):
+            if pattern_search(pattern, key):
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)

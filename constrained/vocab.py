@@ -58,7 +58,8 @@ class TokenVocabulary:
 def _compacted(vocabulary: outlines_core.Vocabulary) -> outlines_core.Vocabulary:
     """The same vocabulary rebuilt from its binary form: index builds on the copy run 1.3-1.8x
     faster (measured with the bundled tokenizer's 49k tokens: 0.9-1.1 s vs 1.4-2.0 s for the
-    `order` schema), presumably because its tokens lie together in memory."""
+    `order` schema), presumably because its tokens lie together in memory. The bytes are
+    made here and read back at once: nothing from outside this process is unpickled."""
     return pickle.loads(pickle.dumps(vocabulary))
 
 

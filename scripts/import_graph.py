@@ -36,9 +36,8 @@ def module_name(path: Path) -> str:
 
 def node_of(module: str, modules: dict[str, Path]) -> str | None:
     """The folder node of a spruce module (or of the module a name in it belongs to)."""
-    while module and module not in modules:
-        module = module.rpartition(".")[0]
-    if not module:
+    module = _module_of(module, modules)
+    if module is None:
         return None
     path = modules[module].relative_to(ROOT)
     if path.parent == Path("runtime") and path.name != "__init__.py":

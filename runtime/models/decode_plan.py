@@ -38,7 +38,7 @@ class PlainKinds(NamedTuple):
 
 def build(model: nn.Module, kinds: PlainKinds) -> DecodePlan | None:
     """The plan for `model`, or None when its layers are not the plain kind."""
-    if load_library() is None or not model.layers:
+    if not model.layers:
         return None
     for layer in model.layers:
         # the kinds first, before reading their parts: other kinds lack them
@@ -58,6 +58,8 @@ def build(model: nn.Module, kinds: PlainKinds) -> DecodePlan | None:
             return None
         if not (attn.rotary.cos.is_contiguous() and attn.rotary.sin.is_contiguous()):
             return None
+    if load_library() is None:  # last: the kinds above rule out other models without building it
+        return None
     return DecodePlan(model)
 
 
