@@ -35,7 +35,7 @@ from pathlib import Path
 logger = logging.getLogger("spruce")
 
 _HERE = Path(__file__).parent
-PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c"]
+PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c", _HERE / "cpu_quant_gemm.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
 HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE / "cpu_quant.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
@@ -66,6 +66,8 @@ SIGNATURES = {
     "spruce_quant_gemv": [_I64, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64],
     # type, blocks, n, k, x, rows, bias, y, isa
     "spruce_quant_linear": [_I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64],
+    # type, blocks, n, k, x, rows, bias, y
+    "spruce_quant_gemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P],
     "spruce_dequantize_rows": [_I64, _P, _I64, _P, _I64, _P],  # type, blocks, k, ids, count, out
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
@@ -73,7 +75,7 @@ SIGNATURES = {
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
 # the float kernels: one function per instruction set, `<name>_<isa>`
 PER_ISA_KERNELS = ("spruce_decode_attention_f32", "spruce_decode_attention_f16", "spruce_rms_norm")
-PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv")
+PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
@@ -81,6 +83,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_best_isa": _I64,
     "spruce_float_best_isa": _I64,
     "spruce_quant_linear": ctypes.c_int,
+    "spruce_quant_gemm": ctypes.c_int,
 }
 
 _library: ctypes.CDLL | None = None

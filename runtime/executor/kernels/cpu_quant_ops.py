@@ -132,6 +132,25 @@ def integer_linear(
     return y
 
 
+def gemm_linear(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear` through the float32 GEMM that dequantizes the weights as it packs them
+    (cpu_quant_gemm.c; the activations stay float: no quantization error from them)."""
+    x = x.contiguous()
+    rows, k = x.shape
+    n = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
+    y = torch.empty(rows, n)
+    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+    failed = load_library().spruce_quant_gemm(
+        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr()
+    )
+    if failed:
+        raise MemoryError(f"no memory to pack a {rows} x {k} quantized linear layer")
+    return y
+
+
 def tiled_linear(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

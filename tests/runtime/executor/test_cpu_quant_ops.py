@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from spruce.runtime.executor.kernels import cpu_library
 from spruce.runtime.executor.kernels import cpu_quant_ops as ops
 from spruce.runtime.models.loading.gguf_quant import GGML_TYPES
 from spruce.runtime.models.loading.quantize import quantize
@@ -174,6 +175,56 @@ def test_many_rows_path_equals_dequantized_matmul(qtype):
     x = torch.from_numpy(rng.standard_normal((ops.INTEGER_MAX_ROWS + 5, k)).astype(np.float32))
     expected = x @ ops.dequantize(qtype, blocks, k).T
     assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(params=cpu_library.available_isas() or ["none"])
+def float_isa(request):
+    """The GEMM path's variant (a float kernel: cpu_library binds it)."""
+    previous = cpu_library.use_isa(request.param)
+    yield request.param
+    cpu_library.use_isa(previous)
+
+
+GEMM_SHAPES = [(1, 7, 32), (33, 37, 96), (7, 16, 64), (64, 48, 576), (13, 100, 1536), (513, 20, 160)]
+GEMM_K_SHAPES = [(1, 7, 256), (33, 37, 512), (64, 48, 768), (513, 20, 256)]
+GEMM_CASES = [(q, *shape) for q in QTYPES for shape in (GEMM_K_SHAPES if q in K_TYPES else GEMM_SHAPES)]
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("qtype,rows,n,k", GEMM_CASES)
+def test_gemm_linear_equals_dequantized_matmul(float_isa, qtype, rows, n, k, with_bias):
+    """Within float32 rounding of the sum of |x w| (the scale of each dot product's
+    rounding error), on row counts off the microkernel's height, n off its width, k in
+    one block or several."""
+    rng = np.random.default_rng(rows * 7 + n + k)
+    blocks = random_blocks(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if with_bias else None
+    w = ops.dequantize(qtype, blocks, k).double()
+    expected = x.double() @ w.T + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    y = ops.gemm_linear(x, qtype, blocks, bias)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    assert ((y.double() - expected).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q4_k"])
+def test_gemm_linear_is_the_same_on_any_thread_count(float_isa, qtype):
+    """Each output is one sum in one order, whichever thread makes it (weight groups split
+    over threads, or groups and rows when the groups are few)."""
+    rng = np.random.default_rng(6)
+    k = 512
+    blocks = random_blocks(qtype, 37, k, rng)
+    x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results.append(ops.gemm_linear(x, qtype, blocks))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 @pytest.mark.parametrize("qtype,bound", [("q8_0", 0.5 / 127), ("q4_0", 1 / 8), ("q4_1", 0.5 / 15)])
