@@ -26,11 +26,18 @@ front door's conversion of a pathological schema (thousands of properties, `$ref
 unroll exponentially) is stopped at its deadline the same way, wherever the front end runs.
 
 Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
-outlines `Vocabulary` once (None for a worker that only converts schemas), then one request
+outlines `Vocabulary` and its sample (`vocab.VocabularySample` as a plain tuple: the worker
+does not import vocab.py, which imports torch) once (None for a worker that only converts
+schemas), then one request
 per job; the worker answers each with a `BuildResult` / `ConstraintSpec` or an error message.
-Before its answer, a build whose index will not be sent says so ("progress", as soon as the
-index is built): the parent starts its own build then, while the worker finishes the
-automaton, instead of after it.
+Before its answer, a build whose index will not be sent says so ("progress"), and the parent
+starts its own build then, while the worker finishes the automaton. The worker first builds
+the index on a sample of the vocabulary (every 16th token and the single bytes: about a
+tenth of the full build's time), which proves the regex's automaton finite and small and
+estimates the full index's size and build time. An index estimated small enough to send is
+built and sent; one estimated within `max_direct_bytes` and `max_rebuild_s` is announced at
+once ("index_estimated") and built only by the parent; a larger one is built in full here
+first, as the proof ("index_built"), before the parent builds it again.
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
@@ -66,7 +73,8 @@ class BuildRequest:
     automaton_regex: str  # the constraint's own regex, for the character automaton
     automaton_wait_s: float  # how long to wait for the automaton once the index is built
     max_transfer_bytes: int  # a larger index is built again by the parent (see above)...
-    max_rebuild_s: float  # ...unless it took longer than this here (a rebuild would be late)
+    max_rebuild_s: float  # ...unless it took (or is estimated to take) longer than this
+    max_direct_bytes: int = 0  # an index estimated up to this size is built by the parent only
 
     @property
     def describe(self) -> str:
@@ -88,7 +96,7 @@ class ConvertRequest:
 class BuildResult:
     index: object | None  # outlines_core.Index; None: too large to send, build it again
     char_automaton: object | None  # jump_forward.CharAutomaton; None: jump-forward off
-    index_bytes: int  # size of the index's binary form (for the cache's byte budget)
+    index_bytes: int  # size of the index's binary form, or its estimate (the cache's budget)
     automaton_bytes: int
 
 
@@ -125,7 +133,7 @@ class BuildWorker:
     (or if the worker dies, e.g. on its memory cap) the worker is killed and a
     ConstraintError raised. Not thread-safe: one job at a time (see WorkerPool)."""
 
-    def __init__(self, vocabulary: object | None, memory_mb: int) -> None:
+    def __init__(self, vocabularies: tuple | None, memory_mb: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         fds = (str(to_child_r), str(from_child_w))
@@ -138,7 +146,7 @@ class BuildWorker:
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self.memory_mb = memory_mb
-        self._send.send_bytes(dumps(vocabulary))
+        self._send.send_bytes(dumps(vocabularies))
         self.ready = False  # the worker says when its imports are done
 
     @property
@@ -213,8 +221,8 @@ class WorkerPool:
     """Idle workers kept for reuse (at most `size`); a killed or dead one is dropped and the
     next build starts a fresh process. Thread-safe."""
 
-    def __init__(self, vocabulary: object | None, memory_mb: int, size: int) -> None:
-        self.vocabulary = vocabulary
+    def __init__(self, vocabularies: tuple | None, memory_mb: int, size: int) -> None:
+        self.vocabularies = vocabularies  # (Vocabulary, sample Vocabulary, scale); None: conversions only
         self.memory_mb = memory_mb
         self.size = size
         self._idle: list[BuildWorker] = []
@@ -240,7 +248,7 @@ class WorkerPool:
                 worker = self._idle.pop()
                 if worker.alive:
                     return worker
-        return BuildWorker(self.vocabulary, self.memory_mb)
+        return BuildWorker(self.vocabularies, self.memory_mb)
 
     def _give_back(self, worker: BuildWorker) -> None:
         with self._lock:
@@ -251,7 +259,7 @@ class WorkerPool:
 
     def start(self, count: int = 1) -> None:
         """Starts workers ahead of the first build (their imports take a moment)."""
-        workers = [BuildWorker(self.vocabulary, self.memory_mb) for _ in range(count)]
+        workers = [BuildWorker(self.vocabularies, self.memory_mb) for _ in range(count)]
         for worker in workers:
             self._give_back(worker)
 
@@ -278,8 +286,8 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    vocabulary = loads(receive.recv_bytes())
-    outlines_core = None if vocabulary is None else import_module("outlines_core")  # after the cap
+    vocabularies = loads(receive.recv_bytes())
+    outlines_core = None if vocabularies is None else import_module("outlines_core")  # after the cap
     send.send_bytes(b"ready")
     while True:
         try:
@@ -290,7 +298,7 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
             reply, stray_thread = _convert(request), False
         else:
             notify = lambda message: send.send_bytes(dumps(("progress", message)))  # noqa: E731
-            reply, stray_thread = _build(outlines_core, vocabulary, request, notify)
+            reply, stray_thread = _build(outlines_core, vocabularies, request, notify)
         send.send_bytes(dumps(reply))
         if stray_thread:  # an automaton still building holds a core: start afresh
             os._exit(0)
@@ -315,7 +323,7 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
     return "ok", spec
 
 
-def _build(outlines_core, vocabulary, request: BuildRequest, notify) -> tuple[tuple[str, object], bool]:
+def _build(outlines_core, vocabularies, request: BuildRequest, notify) -> tuple[tuple[str, object], bool]:
     from spruce.constrained.jump_forward import CharAutomaton
 
     automaton: list = []
@@ -327,24 +335,40 @@ def _build(outlines_core, vocabulary, request: BuildRequest, notify) -> tuple[tu
             automaton.append(None)
 
     thread = threading.Thread(target=build_automaton, daemon=True)
-    thread.start()  # pure Python, while the index build below releases the GIL
-    start = time.monotonic()
+    thread.start()  # pure Python, while the index builds below release the GIL
     try:
-        index = outlines_core.Index(request.regex, vocabulary)
+        sent, index_bytes = _index(outlines_core, vocabularies, request, notify)
     except MemoryError:
         return ("error", "the grammar build ran out of its memory cap; simplify the constraint"), True
     except Exception as e:  # outlines-core raises ValueError with the regex engine's message
         return ("error", f"cannot compile constraint: {e}"), thread.is_alive()
-    build_s = time.monotonic() - start
-    index_bytes = len(index.__reduce__()[1][0])
-    send = index_bytes <= request.max_transfer_bytes or build_s > request.max_rebuild_s
-    sent = index if send else None
-    if sent is None:  # the index is feasible: the parent builds its own beside the automaton's
-        notify(("index_built", index_bytes))
     thread.join(request.automaton_wait_s)
     char_automaton = automaton[0] if automaton else None
     automaton_bytes = len(dumps(char_automaton))
     return ("ok", BuildResult(sent, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
+
+
+def _index(outlines_core, vocabularies, request: BuildRequest, notify) -> tuple[object | None, int]:
+    """(the index to send or None, its size in bytes): see the module docstring."""
+    vocabulary, sample, scale = vocabularies
+    start = time.monotonic()
+    estimate = _binary_size(outlines_core.Index(request.regex, sample)) * scale
+    estimate_s = (time.monotonic() - start) * scale
+    direct = request.max_transfer_bytes < estimate <= request.max_direct_bytes
+    if direct and estimate_s <= request.max_rebuild_s:
+        notify(("index_estimated", int(estimate)))
+        return None, int(estimate)
+    start = time.monotonic()
+    index = outlines_core.Index(request.regex, vocabulary)
+    index_bytes = _binary_size(index)
+    if index_bytes <= request.max_transfer_bytes or time.monotonic() - start > request.max_rebuild_s:
+        return index, index_bytes
+    notify(("index_built", index_bytes))  # feasible: the parent builds its own beside the automaton's
+    return None, index_bytes
+
+
+def _binary_size(index: object) -> int:
+    return len(index.__reduce__()[1][0])
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -26,6 +26,9 @@ INDEX_MEMORY_FACTOR = 3
 # Indexes up to this size come back from the worker (unpickling holds the GIL about 12 ms
 # per MB); larger ones are built again here, where the build releases the GIL.
 MAX_TRANSFER_BYTES = 4 << 20
+# An index the worker estimates (from a sample of the vocabulary) up to this size is built
+# here at once, without the worker's full build as proof (about 3x this in memory).
+MAX_DIRECT_BYTES = 128 << 20
 AUTOMATON_MEMORY_FACTOR = 30
 
 
@@ -42,9 +45,10 @@ class GrammarCompiler:
 
     Each build runs in a worker process (build_worker.py) capped at `memory_mb` of address
     space; at `timeout_s` the worker is killed, so a pathological constraint fails its own
-    requests and costs nothing after. The index comes back from the worker; one too large
-    to unpickle without a long GIL hold is built again here, its feasibility proven (starting
-    as soon as the worker's index is built, beside the worker's automaton). The character
+    requests and costs nothing after. A small index comes back from the worker; one too
+    large to unpickle without a long GIL hold is built here, beside the worker's automaton,
+    once the worker has shown it feasible: by its build on a sample of the vocabulary (an
+    estimate within MAX_DIRECT_BYTES), else by its own full build. The character
     automaton (for jump-forward) is built in the same worker; if it is not ready
     `timeout_s / 2` after the index, the grammar goes without it. The cache keeps the most
     recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
@@ -68,7 +72,7 @@ class GrammarCompiler:
         self._builds: dict[ConstraintSpec, tuple[Future, threading.Event]] = {}  # build, started
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
-        self._workers = WorkerPool(self.vocab.vocabulary, memory_mb, NUM_WORKERS)
+        self._workers = WorkerPool((self.vocab.vocabulary, *self.vocab.sample), memory_mb, NUM_WORKERS)
         self._rebuilds = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-index")
 
     @property
@@ -119,8 +123,9 @@ class GrammarCompiler:
         request = BuildRequest(
             regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
             max_transfer_bytes=MAX_TRANSFER_BYTES, max_rebuild_s=self.timeout_s / 3,
+            max_direct_bytes=MAX_DIRECT_BYTES,
         )  # fmt: skip
-        rebuilds: list[Future] = []  # the worker says when its index is built and too large to send
+        rebuilds: list[Future] = []  # the worker says when the index is too large to send
 
         def rebuild(_=None) -> None:  # off the GIL, while the worker finishes the character automaton
             rebuilds.append(self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary))

@@ -342,20 +342,25 @@ def test_index_and_automaton_cross_the_process_boundary_intact(tiny_tokenizer, m
     compiler.close()
 
 
-@pytest.mark.parametrize("max_transfer_bytes, rebuilt", [(4 << 20, False), (0, True)])
-def test_the_worker_says_when_to_build_the_index_here(tiny_tokenizer, max_transfer_bytes, rebuilt):
-    """An index too large to send is announced as soon as it is built (before the automaton
-    and the answer), so the parent's own build overlaps the worker's remaining work."""
+@pytest.mark.parametrize(
+    "max_transfer_bytes, max_direct_bytes, progress_kind",
+    [(4 << 20, 4 << 20, None), (0, 0, "index_built"), (0, 4 << 20, "index_estimated")],
+)  # sent back / built in full as proof, then built here / estimated, then built here only
+def test_the_worker_says_when_to_build_the_index_here(tiny_tokenizer, max_transfer_bytes, max_direct_bytes, progress_kind):
+    """An index too large to send is announced before the automaton and the answer, so the
+    parent's own build overlaps the worker's remaining work: at once when the sample's
+    estimate is small enough, else after the worker's full build."""
     from spruce.constrained.build_worker import BuildRequest, WorkerPool
 
     compiler = GrammarCompiler(tiny_tokenizer)
-    pool = WorkerPool(compiler.vocab.vocabulary, memory_mb=4096, size=1)
+    pool = WorkerPool((compiler.vocab.vocabulary, *compiler.vocab.sample), memory_mb=4096, size=1)
     regex = '"[^"]{0,5}" ok'
-    request = BuildRequest(index_regex(regex), regex, 30, max_transfer_bytes, max_rebuild_s=30)
+    request = BuildRequest(index_regex(regex), regex, 30, max_transfer_bytes, 30, max_direct_bytes)
     progress: list = []
     result = pool.run(request, 60, on_progress=progress.append)
-    assert (result.index is None) == rebuilt
-    assert progress == ([("index_built", result.index_bytes)] if rebuilt else [])
+    assert (result.index is None) == (progress_kind is not None)
+    assert progress == ([(progress_kind, result.index_bytes)] if progress_kind else [])
     assert result.index_bytes > 0 and result.char_automaton is not None
     pool.close()
     compiler.close()
+

@@ -8,6 +8,7 @@ import json
 import os
 import time
 
+import outlines_core
 import pytest
 import torch
 from test_constrained_helpers import SHARED_SCHEMAS, assert_stopped_by_automaton, assert_valid_json, generate
@@ -52,6 +53,21 @@ def smollm_compiler(smollm_tokenizer):
     compiler = GrammarCompiler(smollm_tokenizer)
     yield compiler
     compiler.close()
+
+
+def test_the_vocabulary_sample_estimates_the_index_size(smollm_compiler, smollm_tokenizer):
+    """The index on the vocabulary sample, scaled, is 1-1.5x the full index (it errs high,
+    by the single bytes it adds) on a free string and on the shared schemas' regexes."""
+    from spruce.constrained.build_worker import _binary_size
+    from spruce.constrained.patterns import index_regex
+
+    vocab = smollm_compiler.vocab
+    assert 15 < vocab.sample.scale < 17
+    regexes = ['"[^"]{0,40}"'] + [make_spec(json_schema=p.read_text()).regex for p in SHARED_SCHEMAS[:4]]
+    for regex in regexes:
+        full = _binary_size(outlines_core.Index(index_regex(regex), vocab.vocabulary))
+        sample = _binary_size(outlines_core.Index(index_regex(regex), vocab.sample.vocabulary))
+        assert full <= sample * vocab.sample.scale <= 1.5 * full, regex[:80]
 
 
 def test_shared_schemas_validate_with_the_real_tokenizer(smollm_compiler, smollm_tokenizer):
