@@ -1,12 +1,12 @@
-"""Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c and
-cpu_kquant_ops.c).
+"""Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c,
+cpu_kquant_ops.c and cpu_quant_gemm.c).
 
 Weights stay in llama.cpp's block formats (`QUANT_TYPES`: blocks of 32 values, or
 super-blocks of 256 for the K formats), as uint8 tensors of shape [n, k / block_size *
 block_bytes]. Up to `INTEGER_MAX_ROWS` activation rows (decode, small
 batches) are quantized to 16-bit blocks and meet the weights in integer dot products; more
-rows (prefill, large batches) dequantize tiles of the weights to float32 and use torch's
-GEMM, which is faster there.
+rows (prefill, large batches) go through a float32 GEMM that dequantizes the weights as it
+packs them (`gemm_linear`), which is faster there.
 
 The instruction set (`ISAS`) is chosen at run time: the best this CPU runs (capped by
 SPRUCE_CPU_ISA, see cpu_library.py), unless the caller forces one (the tests run every
@@ -45,7 +45,6 @@ ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # cores, SmolLM2-135M shapes (576 x 3072, 1536 x 576, 576 x 49152) in Q4_1, the integer
 # kernel is 1.5-3x faster up to 16 rows, even at 32, and 1.3-2x slower from 64 rows on.
 INTEGER_MAX_ROWS = 32
-TILE_VALUES = 1 << 17  # weights dequantized per GEMM tile (512 KB of float32: stays in L2)
 
 _best_isa: int | None = None
 
@@ -104,7 +103,7 @@ def linear(
 ) -> torch.Tensor:
     """x [rows, k] float32 @ W.T (+ bias), W given as `blocks` of `qtype`, [n, row_bytes]."""
     if x.shape[0] > INTEGER_MAX_ROWS:
-        return tiled_linear(x, qtype, blocks, bias)
+        return gemm_linear(x, qtype, blocks, bias)
     return integer_linear(x, qtype, blocks, bias, isa)
 
 
@@ -149,22 +148,6 @@ def gemm_linear(
     if failed:
         raise MemoryError(f"no memory to pack a {rows} x {k} quantized linear layer")
     return y
-
-
-def tiled_linear(
-    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`linear` by tiles of weight rows dequantized to float32 and torch's GEMM (the
-    activations stay float: no quantization error from them)."""
-    rows, k = x.shape
-    n = blocks.shape[0]
-    y_t = torch.empty(n, rows)
-    tile = max(64, TILE_VALUES // k)
-    for start in range(0, n, tile):
-        w = dequantize(qtype, blocks[start : start + tile], k)
-        torch.mm(w, x.T, out=y_t[start : start + tile])
-    y = y_t.T.contiguous()
-    return y if bias is None else y.add_(bias)
 
 
 def dequantize(

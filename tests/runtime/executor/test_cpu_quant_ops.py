@@ -174,7 +174,8 @@ def test_many_rows_path_equals_dequantized_matmul(qtype):
     blocks = random_blocks(qtype, 40, k, rng)
     x = torch.from_numpy(rng.standard_normal((ops.INTEGER_MAX_ROWS + 5, k)).astype(np.float32))
     expected = x @ ops.dequantize(qtype, blocks, k).T
-    assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=1e-5)
+    atol = 1e-5 * expected.abs().max()  # summation orders differ
+    assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=atol)
 
 
 @pytest.fixture(params=cpu_library.available_isas() or ["none"])
