@@ -139,6 +139,26 @@ TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block,
     }
 }
 
+/* kquant_dequantize_row on whole registers (the many-row GEMM's weight packing). */
+TARGET_AVX2 void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out) {
+    for (int64_t sb = 0; sb < k / QK_K; sb++) {
+        const uint8_t *block = w + sb * block_bytes(type);
+        float scale[GROUPS][2], offset[GROUPS];
+        __m256i q[GROUPS];
+        k_scales(type, block, scale, offset);
+        k_values_avx2(type, block, q);
+        for (int g = 0; g < GROUPS; g++) {
+            __m128i bytes[2] = {_mm256_castsi256_si128(q[g]), _mm256_extracti128_si256(q[g], 1)};
+            for (int i = 0; i < 4; i++) {
+                __m128i eight = i % 2 ? _mm_srli_si128(bytes[i / 2], 8) : bytes[i / 2];
+                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+                __m256 y = _mm256_fmadd_ps(v, _mm256_set1_ps(scale[g][i / 2]), _mm256_set1_ps(offset[g]));
+                _mm256_storeu_ps(out + sb * QK_K + g * QK + 8 * i, y);
+            }
+        }
+    }
+}
+
 /* The row loop, once per instruction set (DOT_HALVES from cpu_quant.h), its body
  * instantiated per row count (constant: the accumulators stay in registers). */
 #define KQUANT_ROW(NAME, TARGET, DOT_HALVES)                                                             \
@@ -182,6 +202,9 @@ TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block,
 KQUANT_ROW(kquant_row_avx2, TARGET_AVX2, dot_halves_avx2)
 KQUANT_ROW(kquant_row_vnni, TARGET_VNNI, dot_halves_vnni)
 #else
+void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out) {
+    kquant_dequantize_row(type, w, k, out);
+}
 void kquant_row_avx2(int64_t type, const uint8_t *w, const activations *a, float *out) { kquant_row_scalar(type, w, a, out); }
 void kquant_row_vnni(int64_t type, const uint8_t *w, const activations *a, float *out) { kquant_row_scalar(type, w, a, out); }
 #endif

@@ -99,6 +99,7 @@ HIDDEN void kquant_row_scalar(int64_t type, const uint8_t *w, const activations 
 HIDDEN void kquant_row_avx2(int64_t type, const uint8_t *w, const activations *a, float *out);
 HIDDEN void kquant_row_vnni(int64_t type, const uint8_t *w, const activations *a, float *out);
 HIDDEN void kquant_dequantize_row(int64_t type, const uint8_t *w, int64_t k, float *out);
+HIDDEN void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out); /* needs AVX2 */
 
 #if defined(__x86_64__)
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))

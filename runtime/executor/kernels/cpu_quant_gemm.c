@@ -119,7 +119,11 @@ static inline void dequantize_block(int64_t type, const uint8_t *block, float *o
 static void dequantize_range(const gemm *g, int64_t row, int64_t k0, int64_t count, float *out) {
     const uint8_t *w = g->w + row * g->row_bytes;
     if (is_k_type(g->type)) {
+#if defined(__AVX2__)
+        kquant_dequantize_row_avx2(g->type, w + k0 / QK_K * block_bytes(g->type), count, out);
+#else
         kquant_dequantize_row(g->type, w + k0 / QK_K * block_bytes(g->type), count, out);
+#endif
         return;
     }
     int64_t bytes = block_bytes(g->type);
