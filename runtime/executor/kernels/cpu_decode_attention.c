@@ -2,11 +2,39 @@
  *
  * For each request b, all its query heads attend over the request's seq_len tokens, whose
  * slots are req_to_token[rows[b], 0..seq_len); query head h reads kv head h / G (GQA).
- * Keys are processed in blocks of 16 with an online softmax, so each K and V row (all kv
- * heads, contiguous) is read from memory once and nothing is gathered into a temporary.
- * A block's 16 scores of one head fill one vector: the 16 dot products are summed by a
- * transpose-and-add tree (15 shuffle pairs instead of 16 horizontal sums), and the softmax
- * update (max, exp, sum) runs on whole vectors.
+ * Keys are processed in blocks of BLOCK tokens with an online softmax, so each K and V row
+ * (all kv heads, contiguous) is read from memory once and nothing is gathered into a
+ * temporary. The `group` query heads of one kv head are one pass, so each K/V load serves
+ * them all.
+ *
+ * Vector width: the kernel has its own vector type `avec` of AL floats, one register of the
+ * instruction set: 8 on AVX2 (one ymm), 16 on AVX-512 (one zmm); the portable build keeps 16
+ * (it is a fallback, and so runs and tests the 16-lane code the AVX-512 copy compiles). A
+ * block is 16 tokens: one head's scores of a block fill SCORE_VECS vectors (2 on AVX2).
+ *
+ * Registers decide the speed. An earlier version used 16-float vectors everywhere (two ymm
+ * on AVX2) and kept every head's q and accumulator and a whole block's dot products live
+ * (~100 ymm worth against 16 registers): it spent ~475 cycles per (token, kv head) in
+ * spills, for ~50 cycles of arithmetic. Now each phase of a block works on a register tile
+ * that fits (TILE_REGS, ~15 ymm on AVX2):
+ *   scores: T tokens at a time (score_tile), for each AL-float chunk of the head dimension
+ *     each token's K chunk is loaded (widened) once and multiplied into the G x T dot
+ *     accumulators; q (pre-multiplied by `scale`) is read from an L1 copy as an FMA memory
+ *     operand. The accumulators go to dots[g][token]; a transpose-and-add tree then turns a
+ *     head's AL dot vectors into one vector of AL scores (AL - 1 adds, 2 (AL - 1) shuffles
+ *     instead of AL horizontal sums).
+ *   softmax: per head, on whole vectors (compare, exp, per-lane sum); gives the block's
+ *     weights p[g][token]. Its reference max moves only when a score passes it by
+ *     RESCALE_SLACK (softmax_update), so past the first block the accumulators are rarely
+ *     rescaled and no block needs a max reduction.
+ *   values: VC chunks of the head dimension at a time (value_tile), the G x VC accumulator
+ *     tile is loaded from an L1 array and every token's V chunks (widened once) are
+ *     multiplied by the broadcast weights of the G heads; then stored back.
+ * Tokens past the end of the last block read token 0's row (valid memory) and are masked out
+ * of the softmax (weight 0), so the tiles keep constant shapes.
+ * The next blocks' scattered K/V rows are prefetched PREFETCH_AHEAD tokens ahead (the
+ * hardware prefetcher cannot guess the slots).
+ *
  * When given the step's new K/V, each request first stores its own token's K/V into its
  * slot (converted to the cache type), so one call replaces the pool write and the
  * attention; the new token is the last of its context, so only its own thread reads it.
@@ -19,63 +47,219 @@
  *
  * Layouts: q [B, H, D] with row stride q_stride; k_new, v_new [B, KH, D] with row stride
  * new_stride; out [B, H, D] contiguous; k_cache, v_cache [S, KH, D]; req_to_token int32
- * [R, table_stride]; rows, seq_lens, new_slots int64 [B].
- * Vectors are GCC vector extensions (16 floats), lowered to the instruction set this copy is
- * compiled for (cpu_vector.h: one copy per instruction set, picked at load).
+ * [R, table_stride]; rows, seq_lens, new_slots int64 [B]. D must be a multiple of 16 (on
+ * every variant, so they all accept the same shapes), at most MAX_DIM.
  */
 #include "cpu_vector.h"
 
-#define BLOCK LANES /* tokens per block: one score vector per head */
-#define MAX_GROUP 64 /* query heads per kv head */
-#define MAX_CHUNKS 16 /* head_dim up to 256 */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define AL 8
+#define TILE_REGS 15 /* of 16 ymm */
+#else
+#define AL 16
+#define TILE_REGS 28 /* of 32 zmm (the portable build splits its vectors anyway) */
+#endif
 
-/* d[j] holds token j's 16 partial dot products; returns the vector whose lane j is token
- * j's full sum. Each level halves the partials per token and doubles the tokens per vector. */
-static inline vec transpose_sum(const vec d[BLOCK]) {
-    vec a[8], b[4], c[2];
+typedef float avec __attribute__((vector_size(AL * sizeof(float))));
+typedef int32_t aivec __attribute__((vector_size(AL * sizeof(int32_t))));
+typedef float avec_unaligned __attribute__((vector_size(AL * sizeof(float)), aligned(4)));
+
+#ifndef BLOCK
+#define BLOCK 16 /* tokens per block */
+#endif
+#define SCORE_VECS (BLOCK / AL) /* a head's scores of one block */
+#define RESCALE_SLACK 8.0f /* see softmax_update */
+#define MAX_GROUP 64 /* query heads per kv head */
+#define MAX_PASS 16 /* query heads per pass over the K/V: larger groups take several */
+#define MAX_DIM 256
+#define MAX_CHUNKS (MAX_DIM / AL)
+#define MAX_TILE 32 /* accumulators in a register tile */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD (2 * BLOCK) /* tokens */
+#endif
+
+static inline avec aload(const float *p) { return *(const avec_unaligned *)p; }
+
+/* x, loaded into a register once: keeps GCC from re-reading a float cache chunk as the memory
+ * operand of each head's FMA and holding the heads' q chunks in registers instead (which
+ * spilled the accumulator tile). */
+#if defined(__x86_64__) && AL == 8
+#define IN_REGISTER(x) ({ avec in_register_ = (x); __asm__("" : "+x"(in_register_)); in_register_; })
+#else
+#define IN_REGISTER(x) (x)
+#endif
+static inline avec asplat(float x) { return x - (avec){0}; } /* (x - 0 is x, unlike x + 0: one broadcast) */
+static inline void astore(float *p, avec x) { memcpy(p, &x, sizeof x); }
+
+static inline avec aselect(aivec mask, avec a, avec b) { return (avec)(((aivec)a & mask) | ((aivec)b & ~mask)); }
+static inline avec amax2(avec a, avec b) { return aselect(a > b, a, b); }
+
+static inline aivec lane_index(void) {
+#if AL == 8
+    return (aivec){0, 1, 2, 3, 4, 5, 6, 7};
+#else
+    return (aivec){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#endif
+}
+
+/* Reductions over the lanes: a butterfly of half-swaps, every lane ends with the result. */
+#if AL == 8
+#define SWAP_HALVES(v) SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3)
+#define SWAP_QUARTERS(v) SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5)
+#define SWAP_PAIRS(v) SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6)
+#define BUTTERFLY(v, op) (v = op(v, SWAP_HALVES(v)), v = op(v, SWAP_QUARTERS(v)), v = op(v, SWAP_PAIRS(v)))
+#else
+#define SWAP_HALVES(v) SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+#define SWAP_QUARTERS(v) SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+#define SWAP_EIGHTHS(v) SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+#define SWAP_PAIRS(v) SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+#define BUTTERFLY(v, op)                                                                     \
+    (v = op(v, SWAP_HALVES(v)), v = op(v, SWAP_QUARTERS(v)), v = op(v, SWAP_EIGHTHS(v)),     \
+     v = op(v, SWAP_PAIRS(v)))
+#endif
+static inline avec add2(avec a, avec b) { return a + b; }
+static inline float amax_lanes(avec v) { return BUTTERFLY(v, amax2), v[0]; }
+static inline float asum_lanes(avec v) { return BUTTERFLY(v, add2), v[0]; }
+
+/* exp(x), as exp_nonpositive in cpu_vector.h (x clamped to >= -87), on this kernel's vector
+ * width; also right for positive x up to 88 (the 2^round(t) factor is added to the exponent). */
+static inline avec aexp(avec x) {
+    x = amax2(x, asplat(-87.0f));
+    avec t = x * 1.4426950408889634f;
+    avec whole = (t + 12582912.0f) - 12582912.0f;
+    avec f = t - whole;
+    avec p = asplat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    return (avec)((aivec)p + (__builtin_convertvector(whole, aivec) << 23));
+}
+
+/* AL half floats widened (F16C / AVX-512 instructions; GCC's generic vector conversion goes
+ * element by element). */
+static inline avec aload_half(const _Float16 *p) {
+    avec out;
+#if AL == 16 && defined(__AVX512F__)
+    __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&out, &wide, sizeof out);
+#elif AL == 8 && defined(__F16C__)
+    __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&out, &wide, sizeof out);
+#else
+    for (int i = 0; i < AL; i++) out[i] = (float)p[i];
+#endif
+    return out;
+}
+
+/* d[j] holds token j's AL partial dot products; returns the vector whose lane j is token j's
+ * full sum. Each level halves the partials per token and doubles the tokens per vector; the
+ * pairing (token j with token j + AL/2 first) leaves the lanes in token order. */
+static inline avec transpose_sum(const avec d[AL]) {
+#if AL == 8
+    /* level 1 within 128-bit lanes (two tokens' partials per 128-bit half), level 2 the same
+     * on pairs, the last level crosses the 128-bit halves once. The tokens pair as (0, 1),
+     * (4, 5), (2, 3), (6, 7), (0-1, 2-3), (4-5, 6-7), which leaves the lanes in token order. */
+    avec a[4], b[2];
+    for (int i = 0; i < 4; i++) {
+        avec x = d[(i & 1) * 4 + (i >> 1) * 2], y = d[(i & 1) * 4 + (i >> 1) * 2 + 1];
+        a[i] = SHUFFLE(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    /* a[i] = [x0+x2, x1+x3, y0+y2, y1+y3 | x4+x6, x5+x7, y4+y6, y5+y7] */
+    for (int i = 0; i < 2; i++) {
+        avec x = a[i], y = a[i + 2];
+        b[i] = SHUFFLE(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+    }
+    /* b[0] = tokens 0, 1, 2, 3's sums over lanes 0-3 | the same over lanes 4-7; b[1] tokens 4-7 */
+    return SHUFFLE(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    avec a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) {
-        vec x = d[2 * i], y = d[2 * i + 1];
+        avec x = d[2 * i], y = d[2 * i + 1];
         a[i] = SHUFFLE(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
                SHUFFLE(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     }
     for (int i = 0; i < 4; i++) {
-        vec x = a[2 * i], y = a[2 * i + 1];
+        avec x = a[2 * i], y = a[2 * i + 1];
         b[i] = SHUFFLE(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
                SHUFFLE(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     }
     for (int i = 0; i < 2; i++) {
-        vec x = b[2 * i], y = b[2 * i + 1];
+        avec x = b[2 * i], y = b[2 * i + 1];
         c[i] = SHUFFLE(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
                SHUFFLE(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
     }
     return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
            SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
 }
 
-/* Folds one block's scores `s` of one head (lanes >= n unused) into its online softmax:
- * running max *m, per-lane sum *l and accumulator acc[0..chunks); the block's weights go
- * to p[0..BLOCK). */
-static inline void softmax_update(vec s, int64_t n, float *m, vec *l, float *p, vec *acc, int64_t chunks) {
-    ivec live = (ivec){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < (int32_t)n;
-    s = (vec)(((ivec)s & live) | ((ivec)splat(-INFINITY) & ~live));
-    float block_max = max_lanes(s);
-    float new_max = block_max > *m ? block_max : *m;
-    vec correction = exp_nonpositive(splat(*m - new_max));
-    *m = new_max;
-    vec weights = (vec)((ivec)exp_nonpositive(s - new_max) & live);
-    memcpy(p, &weights, sizeof weights);
-    *l = *l * correction + weights;
-    for (int64_t c = 0; c < chunks; c++) acc[c] *= correction;
+/* Whether any lane of the mask is set. */
+static inline int any_lane(aivec mask) {
+#if AL == 8 && defined(__AVX__)
+    __m256 bits;
+    memcpy(&bits, &mask, sizeof bits);
+    return _mm256_movemask_ps(bits) != 0;
+#elif AL == 16 && defined(__AVX512F__)
+    __m512i bits;
+    memcpy(&bits, &mask, sizeof bits);
+    return _mm512_test_epi32_mask(bits, bits) != 0;
+#else
+    int32_t any = 0;
+    for (int i = 0; i < AL; i++) any |= mask[i];
+    return any != 0;
+#endif
 }
 
-/* out[0..chunks) = acc / (sum of the lanes of l). */
-static inline void finish_head(float *out, const vec *acc, vec l, int64_t chunks) {
-    float total = sum_lanes(l);
-    float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int64_t c = 0; c < chunks; c++) {
-        vec o = acc[c] * inv;
-        memcpy(out + c * LANES, &o, sizeof o);
+/* Folds one block's scores of one head, s[0..SCORE_VECS) (token i * AL + lane; tokens >= n
+ * unused), into its online softmax: running reference *m, per-lane sum *l and accumulator
+ * acc[0..chunks); the block's weights go to p[0..BLOCK) (0 past n).
+ * The reference moves (and l and acc are rescaled) only when a score exceeds it by more than
+ * RESCALE_SLACK, so weights stay below e^RESCALE_SLACK and the result, a ratio, is the same;
+ * past the first block that is rare, and a block costs a compare instead of a max
+ * reduction, an exp and a multiply of the accumulator. */
+static inline void softmax_update(avec *s, int64_t n, float *m, avec *l, float *p, avec *acc, int64_t chunks) {
+    aivec live[SCORE_VECS];
+    for (int i = 0; i < SCORE_VECS; i++) {
+        live[i] = lane_index() + i * AL < (int32_t)n;
+        if (n < BLOCK) s[i] = aselect(live[i], s[i], asplat(-INFINITY));
     }
+    avec limit = asplat(*m + RESCALE_SLACK);
+    aivec over = s[0] > limit;
+    for (int i = 1; i < SCORE_VECS; i++) over |= s[i] > limit;
+    if (any_lane(over)) {
+        avec top = s[0];
+        for (int i = 1; i < SCORE_VECS; i++) top = amax2(top, s[i]);
+        float new_max = amax_lanes(top);
+        float c = expf(*m - new_max); /* 0 on the first block (m = -inf) */
+        *m = new_max;
+        *l *= c;
+        for (int64_t j = 0; j < chunks; j++) acc[j] *= c;
+    }
+    for (int i = 0; i < SCORE_VECS; i++) {
+        avec w = aexp(s[i] - *m);
+        if (n < BLOCK) w = (avec)((aivec)w & live[i]);
+        astore(p + i * AL, w);
+        *l += w;
+    }
+}
+
+/* Tokens per score tile: G x T accumulators and the K chunk in the registers (q is an FMA
+ * memory operand), T a power of two <= BLOCK. */
+static inline int64_t score_tile(int64_t group) {
+    int64_t t = BLOCK;
+    while (t > 1 && group * t + 1 > TILE_REGS) t /= 2;
+    return t;
+}
+
+/* Head-dimension chunks per value tile: G x VC accumulators, G broadcast weights and the V
+ * chunk in the registers, VC a power of two dividing `chunks`. */
+static inline int64_t value_tile(int64_t group, int64_t chunks) {
+    int64_t vc = 8;
+    while (vc > 1 && (group * vc + group + 1 > TILE_REGS || chunks % vc != 0)) vc /= 2;
+    return vc;
 }
 
 #define CAT_(a, b) a##_##b
@@ -83,7 +267,7 @@ static inline void finish_head(float *out, const vec *acc, vec l, int64_t chunks
 #define NAME(x) CAT(x, SUFFIX)
 
 #define CACHE_T float
-#define LOAD_CACHE load
+#define LOAD_CACHE aload
 #define SUFFIX f32
 #include "cpu_decode_attention_impl.h"
 #undef CACHE_T
@@ -91,6 +275,6 @@ static inline void finish_head(float *out, const vec *acc, vec l, int64_t chunks
 #undef SUFFIX
 
 #define CACHE_T _Float16
-#define LOAD_CACHE load_half
+#define LOAD_CACHE aload_half
 #define SUFFIX f16
 #include "cpu_decode_attention_impl.h"

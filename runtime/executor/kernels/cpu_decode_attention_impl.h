@@ -1,13 +1,13 @@
 /* The cache-reading half of the CPU decode attention, generic over the K/V element type:
  * included by cpu_decode_attention.c once per CACHE_T (float, _Float16), with NAME(x)
- * giving each copy its own function names and LOAD_CACHE widening 16 elements to floats. */
+ * giving each copy its own function names and LOAD_CACHE widening AL elements to floats. */
 
-/* Asks for the kv head's part of a block's K/V rows one block ahead of use (slots are
- * scattered, so the hardware prefetcher cannot guess them), into L2. */
-static inline void NAME(prefetch_block)(const CACHE_T *k, const CACHE_T *v, const int32_t *slots,
-                                        int64_t start, int64_t seq_len, int64_t row_len, int64_t dim) {
-    int64_t end = seq_len < start + BLOCK ? seq_len : start + BLOCK;
-    for (int64_t j = start; j < end; j++) {
+/* Asks for the kv head's part of the K/V rows of tokens [from, to) (clipped to seq_len),
+ * into L2 (slots are scattered, so the hardware prefetcher cannot guess them). */
+static inline void NAME(prefetch_rows)(const CACHE_T *k, const CACHE_T *v, const int32_t *slots, int64_t from,
+                                       int64_t to, int64_t seq_len, int64_t row_len, int64_t dim) {
+    if (to > seq_len) to = seq_len;
+    for (int64_t j = from; j < to; j++) {
         int64_t row = (int64_t)slots[j] * row_len;
         for (int64_t c = 0; c < dim; c += 64 / (int64_t)sizeof(CACHE_T)) { /* one cache line */
             __builtin_prefetch(k + row + c, 0, 2);
@@ -16,98 +16,133 @@ static inline void NAME(prefetch_block)(const CACHE_T *k, const CACHE_T *v, cons
     }
 }
 
-/* The `group` query heads that share one kv head attend over the request's tokens. k and
+/* The `group` (<= MAX_PASS) query heads that share one kv head attend over the request's tokens. k and
  * v point at that kv head's part of slot 0's row; q and out at the first of the heads.
- * Per block of 16 tokens each K and V chunk is loaded once for all the heads, and the
- * heads' dot products and accumulators form independent chains. Always inlined, so with
- * constant group and chunks the loops unroll and the state lives in registers. */
+ * Always inlined, so with constant group and chunks the tiles are constants, the loops
+ * unroll and the tiles live in registers (see the file's header for the phases). */
 static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
     const float *q, const CACHE_T *k, const CACHE_T *v, const int32_t *slots, int64_t seq_len,
     int64_t row_len, float *out, float scale, const int64_t group, const int64_t chunks) {
-    vec qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS], l[MAX_GROUP];
-    vec dots[MAX_GROUP][BLOCK];
-    float m[MAX_GROUP], p[MAX_GROUP][BLOCK];
-    int64_t dim = chunks * LANES;
+    const int64_t dim = chunks * AL, T = score_tile(group), VC = value_tile(group, chunks);
+    avec qs[MAX_PASS][MAX_CHUNKS], acc[MAX_PASS][MAX_CHUNKS], dots[MAX_PASS][BLOCK], l[MAX_PASS];
+    float m[MAX_PASS], p[MAX_PASS][BLOCK];
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
-        l[g] = (vec){0};
+        l[g] = (avec){0};
         for (int64_t c = 0; c < chunks; c++) {
-            qv[g][c] = load(q + g * dim + c * LANES);
-            acc[g][c] = (vec){0};
+            qs[g][c] = aload(q + g * dim + c * AL) * scale;
+            acc[g][c] = (avec){0};
         }
     }
-    NAME(prefetch_block)(k, v, slots, 0, seq_len, row_len, dim);
+    NAME(prefetch_rows)(k, v, slots, 0, PREFETCH_AHEAD, seq_len, row_len, dim);
     for (int64_t start = 0; start < seq_len; start += BLOCK) {
         int64_t n = seq_len - start < BLOCK ? seq_len - start : BLOCK;
         const CACHE_T *krow[BLOCK], *vrow[BLOCK];
-        for (int64_t j = 0; j < n; j++) {
-            int64_t row = (int64_t)slots[start + j] * row_len;
+        for (int64_t j = 0; j < BLOCK; j++) { /* past n: token 0's row, weight 0 */
+            int64_t row = (int64_t)slots[start + (j < n ? j : 0)] * row_len;
             krow[j] = k + row;
             vrow[j] = v + row;
         }
-        NAME(prefetch_block)(k, v, slots, start + BLOCK, seq_len, row_len, dim);
-        for (int64_t j = 0; j < n; j++) {
-            vec kc[MAX_CHUNKS];
-            for (int64_t c = 0; c < chunks; c++) kc[c] = LOAD_CACHE(krow[j] + c * LANES);
-            for (int64_t g = 0; g < group; g++) {
-                vec d = qv[g][0] * kc[0];
-                for (int64_t c = 1; c < chunks; c++) d += qv[g][c] * kc[c];
-                dots[g][j] = d;
+        NAME(prefetch_rows)(k, v, slots, start + PREFETCH_AHEAD, start + PREFETCH_AHEAD + BLOCK, seq_len, row_len, dim);
+        /* scores: G x T dot products at a time, each K chunk loaded once */
+        for (int64_t j0 = 0; j0 < BLOCK; j0 += T) {
+            avec d[MAX_TILE];
+#pragma GCC unroll 32
+            for (int64_t i = 0; i < group * T; i++) d[i] = (avec){0};
+            if (j0 < n) {
+                for (int64_t c = 0; c < chunks; c++) {
+#pragma GCC unroll 8
+                    for (int64_t t = 0; t < T; t++) {
+                        avec kc = IN_REGISTER(LOAD_CACHE(krow[j0 + t] + c * AL));
+#pragma GCC unroll 16
+                        for (int64_t g = 0; g < group; g++) d[g * T + t] += qs[g][c] * kc;
+                    }
+                }
             }
+#pragma GCC unroll 16
+            for (int64_t g = 0; g < group; g++)
+#pragma GCC unroll 8
+                for (int64_t t = 0; t < T; t++) dots[g][j0 + t] = d[g * T + t];
         }
         for (int64_t g = 0; g < group; g++) {
-            for (int64_t j = n; j < BLOCK; j++) dots[g][j] = (vec){0};
-            softmax_update(transpose_sum(dots[g]) * scale, n, &m[g], &l[g], p[g], acc[g], chunks);
+            avec s[SCORE_VECS];
+            for (int i = 0; i < SCORE_VECS; i++) s[i] = transpose_sum(dots[g] + i * AL);
+            softmax_update(s, n, &m[g], &l[g], p[g], acc[g], chunks);
         }
-        for (int64_t j = 0; j < n; j++) {
-            vec vc[MAX_CHUNKS];
-            for (int64_t c = 0; c < chunks; c++) vc[c] = LOAD_CACHE(vrow[j] + c * LANES);
+        /* values: G x VC accumulators at a time, each V chunk loaded once */
+        for (int64_t c0 = 0; c0 < chunks; c0 += VC) {
+            avec a[MAX_TILE];
+#pragma GCC unroll 16
             for (int64_t g = 0; g < group; g++)
-                for (int64_t c = 0; c < chunks; c++) acc[g][c] += p[g][j] * vc[c];
+#pragma GCC unroll 8
+                for (int64_t cc = 0; cc < VC; cc++) a[g * VC + cc] = acc[g][c0 + cc];
+#pragma GCC unroll 1 /* unrolled, GCC keeps the weights in registers and spills the tile */
+            for (int64_t j = 0; j < BLOCK; j++) { /* weight 0 past n */
+                avec w[MAX_TILE];
+#pragma GCC unroll 16
+                for (int64_t g = 0; g < group; g++) w[g] = asplat(p[g][j]);
+#pragma GCC unroll 8
+                for (int64_t cc = 0; cc < VC; cc++) {
+                    avec vc = IN_REGISTER(LOAD_CACHE(vrow[j] + (c0 + cc) * AL));
+#pragma GCC unroll 16
+                    for (int64_t g = 0; g < group; g++) a[g * VC + cc] += w[g] * vc;
+                }
+            }
+#pragma GCC unroll 16
+            for (int64_t g = 0; g < group; g++)
+#pragma GCC unroll 8
+                for (int64_t cc = 0; cc < VC; cc++) acc[g][c0 + cc] = a[g * VC + cc];
         }
     }
-    for (int64_t g = 0; g < group; g++) finish_head(out + g * dim, acc[g], l[g], chunks);
+    for (int64_t g = 0; g < group; g++) {
+        float total = asum_lanes(l[g]);
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t c = 0; c < chunks; c++) astore(out + g * dim + c * AL, acc[g][c] * inv);
+    }
 }
 
-/* Shapes of common models get their own unrolled copy; any other shape runs the same code
- * with run-time loop bounds. The portable variant (a fallback, whose 16-float vectors the
- * compiler splits into pieces, slowly) keeps the run-time bounds only. */
+/* Shapes of common models (group, head_dim) get their own unrolled copy; any other shape
+ * runs the same code with run-time tiles and loop bounds. The portable variant (a fallback,
+ * whose vectors the compiler splits into pieces, slowly) keeps the run-time bounds only. */
 #if !defined(SPRUCE_GENERIC_SHAPES)
-#define SPECIALIZED(G, C)                                                                     \
-    static void NAME(CAT(CAT(attend, G), C))(const float *q, const CACHE_T *k, const CACHE_T *v, \
+#define SPECIALIZED(G, D)                                                                     \
+    static void NAME(CAT(CAT(attend, G), D))(const float *q, const CACHE_T *k, const CACHE_T *v, \
                                              const int32_t *slots, int64_t seq_len,             \
                                              int64_t row_len, float *out, float scale) {        \
-        NAME(attend_kv_head)(q, k, v, slots, seq_len, row_len, out, scale, G, C);             \
+        NAME(attend_kv_head)(q, k, v, slots, seq_len, row_len, out, scale, G, D / AL);        \
     }
-SPECIALIZED(1, 4)
-SPECIALIZED(3, 4)
-SPECIALIZED(4, 4)
-SPECIALIZED(7, 4)
-SPECIALIZED(3, 8)
-SPECIALIZED(4, 8)
-SPECIALIZED(6, 8)
-SPECIALIZED(7, 8)
+SPECIALIZED(1, 64)
+SPECIALIZED(3, 64)
+SPECIALIZED(4, 64)
+SPECIALIZED(7, 64)
+SPECIALIZED(3, 128)
+SPECIALIZED(4, 128)
+SPECIALIZED(6, 128)
+SPECIALIZED(7, 128)
 #undef SPECIALIZED
 #endif
 
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache,
                          const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
                          int64_t kv_heads, int64_t dim, float scale) {
-    int64_t group = heads / kv_heads, chunks = dim / LANES, row_len = kv_heads * dim;
+    int64_t group = heads / kv_heads, row_len = kv_heads * dim;
     for (int64_t h = 0; h < kv_heads; h++) {
         const float *qh = q + h * group * dim;
         float *oh = out + h * group * dim;
         const CACHE_T *k = k_cache + h * dim, *v = v_cache + h * dim;
 #if !defined(SPRUCE_GENERIC_SHAPES)
-#define CASE(G, C)                                                                     \
-    if (group == G && chunks == C) {                                                   \
-        NAME(CAT(CAT(attend, G), C))(qh, k, v, slots, seq_len, row_len, oh, scale);     \
+#define CASE(G, D)                                                                     \
+    if (group == G && dim == D) {                                                      \
+        NAME(CAT(CAT(attend, G), D))(qh, k, v, slots, seq_len, row_len, oh, scale);     \
         continue;                                                                      \
     }
-        CASE(1, 4) CASE(3, 4) CASE(4, 4) CASE(7, 4) CASE(3, 8) CASE(4, 8) CASE(6, 8) CASE(7, 8)
+        CASE(1, 64) CASE(3, 64) CASE(4, 64) CASE(7, 64) CASE(3, 128) CASE(4, 128) CASE(6, 128) CASE(7, 128)
 #undef CASE
 #endif
-        NAME(attend_kv_head)(qh, k, v, slots, seq_len, row_len, oh, scale, group, chunks);
+        for (int64_t g = 0; g < group; g += MAX_PASS) { /* larger groups: several passes */
+            int64_t heads_here = group - g < MAX_PASS ? group - g : MAX_PASS;
+            NAME(attend_kv_head)(qh + g * dim, k, v, slots, seq_len, row_len, oh + g * dim, scale, heads_here, dim / AL);
+        }
     }
 }
 
@@ -120,8 +155,7 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
                                 CACHE_T *v_cache, const int32_t *req_to_token, int64_t table_stride,
                                 const int64_t *rows, const int64_t *seq_lens, float *out, int64_t batch,
                                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window) {
-    if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % LANES != 0 || dim / LANES > MAX_CHUNKS)
-        return 1;
+    if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % 16 != 0 || dim > MAX_DIM) return 1;
     int64_t row_len = kv_heads * dim;
 #pragma omp parallel for schedule(dynamic, 1) if (batch > 1) /* one request: no thread wake-up */
     for (int64_t b = 0; b < batch; b++) {
