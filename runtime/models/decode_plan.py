@@ -9,7 +9,8 @@ are the module path's, so the results are identical.
 
 It applies to the plain Llama-shaped decoder only (`DecoderLayer`, `Attention` with full
 rotary, `MLP`, `RMSNorm`, quantized linear layers), in float32 on the CPU, with the native
-backend's C decode attention, to all-decode batches the integer kernels take, and when no
+backend's C decode attention, to all-decode batches (their linear layers through the kernel
+`cpu_quant_ops.linear` picks for the row count), and when no
 module has hooks (the step breakdown of `spruce bench offline` times the modules, so it
 sees the module path). Anything else goes through the modules as before.
 """
@@ -116,7 +117,7 @@ class DecodePlan:
 
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
             return False
-        if x.shape[0] > cpu_quant_ops.INTEGER_MAX_ROWS or type(backend) is not NativeAttentionBackend:
+        if type(backend) is not NativeAttentionBackend:
             return False
         if backend.cpu_kernel is None or not ctx.backend_state.all_decode:
             return False
@@ -143,7 +144,7 @@ class DecodePlan:
         p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
         attention = self._attention_call(ctx, backend, rows, p_qkv, p_attn)
         positions = ctx.positions.to(torch.int64).contiguous()
-        rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, lib.spruce_quant_linear
+        rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, self._linear(rows)
         isa, width, heads = self.isa, self.qkv_width, c.num_heads + c.num_kv_heads
         first = True
         for norm_args, (qkv_w, o_w, gate_up_w, down_w), bias, (cos, sin), layer in self.layers:
@@ -162,6 +163,14 @@ class DecodePlan:
             lib.spruce_silu_mul(p_gate_up, p_act, rows, self.inter)
             _check(linear(*down_w, p_act, rows, None, p_out, isa))
         return out, residual
+
+    def _linear(self, rows: int):
+        """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.linear
+        uses for `rows` (the integer one, or the GEMM, which takes no isa)."""
+        if rows <= cpu_quant_ops.INTEGER_MAX_ROWS:
+            return self.lib.spruce_quant_linear
+        gemm = self.lib.spruce_quant_gemm
+        return lambda *args: gemm(*args[:-1])
 
     def _attention_call(self, ctx, backend, rows: int, p_qkv: int, p_attn: int):
         """attention(layer): stores the layer's new K/V and attends (the native backend's

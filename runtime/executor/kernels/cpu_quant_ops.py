@@ -41,10 +41,11 @@ QUANT_TYPES = {
     "q6_k": QuantType("q6_k", 14, 210, 256),
 }
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
-# Above this many rows the dequantized-tile + float32 GEMM path wins: measured on 2 AVX2
-# cores, SmolLM2-135M shapes (576 x 3072, 1536 x 576, 576 x 49152) in Q4_1, the integer
-# kernel is 1.5-3x faster up to 16 rows, even at 32, and 1.3-2x slower from 64 rows on.
-INTEGER_MAX_ROWS = 32
+# Above this many rows the GEMM (gemm_linear) wins: measured on an AVX2 core, SmolLM2-135M
+# shapes (the 30 layers' four and the output head), per model pass, integer / GEMM time:
+# Q4_1 0.96 at 8 rows, 1.29 at 12, 1.40 at 16; Q8_0 0.77 at 8, 1.18 at 12, 1.06 at 16; Q4_K and Q6_K
+# (768-wide shapes) already 1.14 and 1.04 at 8 rows.
+INTEGER_MAX_ROWS = 8
 
 _best_isa: int | None = None
 

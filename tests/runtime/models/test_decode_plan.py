@@ -1,6 +1,6 @@
 """The C-only decode path (models/decode_plan.py) gives the module path's logits exactly,
-at batch 1 and for several requests, with and without a q/k/v bias; it stands aside for
-hooked modules and extend batches."""
+at batch 1 and for several requests (integer kernel or GEMM), with and without a q/k/v
+bias; it stands aside for hooked modules and extend batches."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C comp
 def decode(loaded, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype) -> torch.Tensor:
     """Logits of `steps` decode steps after prefilling `prompts` (fixed next tokens, so any
     two runs feed the same ones)."""
-    runner = ModelRunner(loaded, 256, len(prompts) + 1, 64, kv_dtype=kv_dtype)
+    runner = ModelRunner(loaded, 256 + 12 * len(prompts), len(prompts) + 1, 64, kv_dtype=kv_dtype)
     rows = [runner.req_to_token.alloc_row() for _ in prompts]
     items = [ForwardItem(r, 0, p, runner.pool.alloc(len(p))) for r, p in zip(rows, prompts)]
     runner.forward(items)
@@ -34,9 +34,13 @@ def decode(loaded, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype) 
     return torch.cat(out)
 
 
+# more requests than the integer kernel takes: the plan's linear layers are the GEMM's
+MANY = cpu_quant_ops.INTEGER_MAX_ROWS + 2
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: q/k/v bias
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("requests,kv_dtype", [(1, torch.float16), (3, torch.float32)])
+@pytest.mark.parametrize("requests,kv_dtype", [(1, torch.float16), (3, torch.float32), (MANY, torch.float32)])
 def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests, kv_dtype):
     loaded = load_model(str(request.getfixturevalue(fixture)), quantization=qtype)
     prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
