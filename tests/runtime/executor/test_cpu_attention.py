@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
+from spruce.runtime.executor.kernels import cpu_library
 from spruce.runtime.executor.kernels.cpu_library import c_compiler
 
 
@@ -116,3 +117,56 @@ def test_sliding_window_reads_the_last_tokens_only(window):
     q = torch.randn(3, 8, 64, generator=g)
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window=window)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(params=cpu_library.available_isas() or ["none"])
+def isa(request):
+    """Each variant of the float kernels this CPU runs (portable, avx2, avx512), bound in turn."""
+    kernel = built_kernel()
+    previous = cpu_library.use_isa(request.param)
+    yield kernel
+    cpu_library.use_isa(previous)
+
+
+# (heads, kv_heads, dim): the specialized shapes (group 1, 3, 4, 6, 7 at head_dim 64 and 128),
+# run-time shapes (group 2, head_dim 16, 96), and groups above one pass's 16 heads
+SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 64), (14, 2, 64), (4, 4, 128), (12, 4, 128), (8, 2, 128)]
+SHAPES += [(24, 4, 128), (28, 4, 128), (6, 3, 16), (4, 2, 96), (16, 1, 64), (20, 1, 64), (40, 2, 32)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_every_variant_every_shape(isa, heads, kv_heads, dim, cache_dtype):
+    """Sequence lengths around the 16-token block (1, 15, 16, 17, 47) and longer, with a
+    sliding window inside a block, across blocks and beyond the sequence."""
+    g = torch.Generator().manual_seed(heads * 1000 + dim)
+    slots_total = 800
+    seq_lens = torch.tensor([1, 15, 16, 17, 47, 150])
+    batch = len(seq_lens)
+    k_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(cache_dtype)
+    table = torch.stack([torch.randperm(slots_total, generator=g)[:160] for _ in range(batch)]).int()
+    rows = torch.randperm(batch, generator=g)
+    q = torch.randn(batch, heads, dim, generator=g)
+    for window in (None, 5, 20, 500):
+        got = isa(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window)
+        want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, dim**-0.5, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_rising_scores_rescale_exactly(isa, cache_dtype):
+    """Scores that climb block after block (and one outlier late) move the softmax's
+    reference max many times: the rescaled accumulators still give the reference."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, length = 9, 3, 64, 300
+    q = torch.randn(2, heads, dim, generator=g)
+    growth = torch.linspace(0.0, 6.0, length).view(length, 1, 1)  # scores up to ~6x, past the slack
+    k_cache = (torch.randn(length, kv_heads, dim, generator=g) * (1 + growth)).to(cache_dtype)
+    k_cache[250] *= 4
+    v_cache = torch.randn(length, kv_heads, dim, generator=g).to(cache_dtype)
+    table = torch.stack([torch.arange(length), torch.arange(length).flip(0)]).int()
+    rows, seq_lens = torch.tensor([0, 1]), torch.tensor([length, 290])
+    got = isa(q, k_cache, v_cache, table, rows, seq_lens, 1.0)
+    want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, 1.0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
