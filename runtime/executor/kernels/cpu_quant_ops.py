@@ -43,8 +43,10 @@ QUANT_TYPES = {
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # Above this many rows the GEMM (gemm_linear) wins: measured on an AVX2 core, SmolLM2-135M
 # shapes (the 30 layers' four and the output head), per model pass, integer / GEMM time:
-# Q4_1 0.96 at 8 rows, 1.29 at 12, 1.40 at 16; Q8_0 0.77 at 8, 1.18 at 12, 1.06 at 16; Q4_K and Q6_K
-# (768-wide shapes) already 1.14 and 1.04 at 8 rows.
+# Q4_1 0.96 at 8 rows, 1.29 at 12, 1.40 at 16; Q8_0 0.77 at 8, 1.18 at 12, 1.06 at 16;
+# Q4_K and Q6_K (768-wide shapes) already 1.14 and 1.04 at 8 rows. On two threads the
+# crossing comes a little later (Q4_1 layers: 0.74 at 8 rows, 1.09 at 10; Q8_0 about even
+# from 10 to 16), so Q8_0 loses a little from 9 to about 15 rows, the K formats gain most.
 INTEGER_MAX_ROWS = 8
 
 _best_isa: int | None = None
