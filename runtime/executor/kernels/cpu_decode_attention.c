@@ -126,22 +126,8 @@ static inline avec add2(avec a, avec b) { return a + b; }
 static inline float amax_lanes(avec v) { return BUTTERFLY(v, amax2), v[0]; }
 static inline float asum_lanes(avec v) { return BUTTERFLY(v, add2), v[0]; }
 
-/* exp(x), as exp_nonpositive in cpu_vector.h (x clamped to >= -87), on this kernel's vector
- * width; also right for positive x up to 88 (the 2^round(t) factor is added to the exponent). */
-static inline avec aexp(avec x) {
-    x = amax2(x, asplat(-87.0f));
-    avec t = x * 1.4426950408889634f;
-    avec whole = (t + 12582912.0f) - 12582912.0f;
-    avec f = t - whole;
-    avec p = asplat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return (avec)((aivec)p + (__builtin_convertvector(whole, aivec) << 23));
-}
+/* exp(x) on this kernel's vector width (cpu_vector.h). */
+DEFINE_VECTOR_EXP(aexp, avec, aivec, amax2, asplat)
 
 /* AL half floats widened (F16C / AVX-512 instructions; GCC's generic vector conversion goes
  * element by element). */

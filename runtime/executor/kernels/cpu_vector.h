@@ -56,21 +56,26 @@ static inline float sum_lanes(vec v) {
 
 /* exp(x) for x <= 0 to about 2e-7 relative error, on whole vectors: 2^t = 2^round(t) * 2^f
  * with f in [-0.5, 0.5] by a degree-6 polynomial; round() by adding and removing 1.5 * 2^23
- * (valid without -ffast-math, which would fold it away). */
-static inline vec exp_nonpositive(vec x) {
-    x = max2(x, splat(-87.0f));
-    vec t = x * 1.4426950408889634f;
-    vec whole = (t + 12582912.0f) - 12582912.0f;
-    vec f = t - whole;
-    vec p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return (vec)((ivec)p + (__builtin_convertvector(whole, ivec) << 23));
-}
+ * (valid without -ffast-math, which would fold it away). x is clamped to >= -87; positive x
+ * up to 88 come out right too (the 2^round(t) factor is added to the exponent). Defined for
+ * a vector type V (int vector IV, lane max MAX, broadcast SPLAT), so that a kernel with its
+ * own vector width gets the same function. */
+#define DEFINE_VECTOR_EXP(NAME, V, IV, MAX, SPLAT)                                  \
+    static inline V NAME(V x) {                                                     \
+        x = MAX(x, SPLAT(-87.0f));                                                  \
+        V t = x * 1.4426950408889634f;                                              \
+        V whole = (t + 12582912.0f) - 12582912.0f;                                  \
+        V f = t - whole;                                                            \
+        V p = SPLAT(1.535336188319500e-4f);                                         \
+        p = p * f + 1.339887440266574e-3f;                                          \
+        p = p * f + 9.618437357674640e-3f;                                          \
+        p = p * f + 5.550332471162809e-2f;                                          \
+        p = p * f + 2.402264791363012e-1f;                                          \
+        p = p * f + 6.931472028550421e-1f;                                          \
+        p = p * f + 1.0f;                                                           \
+        return (V)((IV)p + (__builtin_convertvector(whole, IV) << 23));             \
+    }
+DEFINE_VECTOR_EXP(exp_nonpositive, vec, ivec, max2, splat)
 
 /* Half-precision caches: half the memory traffic, widened to float in registers (with the
  * F16C instructions; GCC's generic vector conversion goes element by element). */
