@@ -119,19 +119,8 @@ def integer_linear(
 ) -> torch.Tensor:
     """`linear` through the integer kernel (any number of rows): one C call quantizes the
     activations and meets the weights."""
-    x = x.contiguous()
-    rows, k = x.shape
-    n = blocks.shape[0]
-    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
-    y = torch.empty(rows, n)
-    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    failed = load_library().spruce_quant_linear(
-        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr,
-        y.data_ptr(), ISAS.index(isa) if isa else _best_index(),
-    )  # fmt: skip
-    if failed:
-        raise MemoryError(f"no memory for the activations of a {rows} x {k} quantized linear layer")
-    return y
+    isa_index = ISAS.index(isa) if isa else _best_index()
+    return _call_linear(load_library().spruce_quant_linear, x, qtype, blocks, bias, isa_index)
 
 
 def gemm_linear(
@@ -139,17 +128,21 @@ def gemm_linear(
 ) -> torch.Tensor:
     """`linear` through the float32 GEMM that dequantizes the weights as it packs them
     (cpu_quant_gemm.c; the activations stay float: no quantization error from them)."""
+    return _call_linear(load_library().spruce_quant_gemm, x, qtype, blocks, bias)
+
+
+def _call_linear(kernel, x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None, *extra) -> torch.Tensor:
+    """y = kernel(type, blocks, n, k, x, rows, bias, y, *extra); a nonzero return means the
+    kernel could not allocate its work buffers."""
     x = x.contiguous()
     rows, k = x.shape
     n = blocks.shape[0]
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
     y = torch.empty(rows, n)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    failed = load_library().spruce_quant_gemm(
-        QUANT_TYPES[qtype].ggml_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr()
-    )
-    if failed:
-        raise MemoryError(f"no memory to pack a {rows} x {k} quantized linear layer")
+    type_id = QUANT_TYPES[qtype].ggml_id
+    if kernel(type_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr(), *extra):
+        raise MemoryError(f"no memory for the work buffers of a {rows} x {k} quantized linear layer")
     return y
 
 
