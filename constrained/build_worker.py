@@ -352,16 +352,21 @@ def _index(outlines_core, vocabularies, request: BuildRequest, notify) -> tuple[
     """(the index to send or None, its size in bytes): see the module docstring."""
     vocabulary, sample, scale = vocabularies
     start = time.monotonic()
-    estimate = _binary_size(outlines_core.Index(request.regex, sample)) * scale
+    sampled = outlines_core.Index(request.regex, sample)
+    estimate = _binary_size(sampled) * scale
     estimate_s = (time.monotonic() - start) * scale
     direct = request.max_transfer_bytes < estimate <= request.max_direct_bytes
     if direct and estimate_s <= request.max_rebuild_s:
         notify(("index_estimated", int(estimate)))
         return None, int(estimate)
-    start = time.monotonic()
-    index = outlines_core.Index(request.regex, vocabulary)
+    if scale == 1:  # a small vocabulary is its own sample: that was the full build
+        index, build_s = sampled, estimate_s
+    else:
+        start = time.monotonic()
+        index = outlines_core.Index(request.regex, vocabulary)
+        build_s = time.monotonic() - start
     index_bytes = _binary_size(index)
-    if index_bytes <= request.max_transfer_bytes or time.monotonic() - start > request.max_rebuild_s:
+    if index_bytes <= request.max_transfer_bytes or build_s > request.max_rebuild_s:
         return index, index_bytes
     notify(("index_built", index_bytes))  # feasible: the parent builds its own beside the automaton's
     return None, index_bytes
