@@ -33,7 +33,7 @@ class ModelOptions:
 @dataclass(frozen=True)
 class CacheOptions:
     kv_memory_gb: float | None = None  # KV pool budget; None: 2 GB on CPU, most free memory on GPU
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; float16 for float32 on CPU | float16 | bfloat16 | float32
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; float16 for float32 on CPU | float16 | bfloat16 | float32 | int8 (CPU)
     gpu_memory_fraction: float = 0.85  # share of free GPU memory for the pool when on GPU
     disable_radix_cache: bool = False
 

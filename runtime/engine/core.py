@@ -22,7 +22,7 @@ from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import close_group
 from spruce.runtime.executor.distributed import send_stop as send_stop_message
 from spruce.runtime.config import EngineConfig
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import InvalidRequestError, SpruceError
 from spruce.runtime.executor.logits_mask import GrammarMask
 from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.executor.kv_pool import KVShape, pool_slots_for_budget
@@ -126,8 +126,12 @@ class EngineCore:
         """auto: the model's dtype, except float16 for a float32 model on the CPU (as
         llama.cpp does): half the memory and half the decode attention's memory traffic,
         which bounds a large batch's step there. float32 keeps greedy tokens identical to
-        transformers'."""
+        transformers'. int8 (CPU only): a scale per token and kv head, half float16's bytes."""
         name = self.config.cache.kv_cache_dtype
+        if name == "int8":
+            if device != "cpu":
+                raise SpruceError("--kv-cache-dtype int8 runs on the CPU only (its kernels are C)")
+            return torch.int8
         if name != "auto":
             return parse_dtype(name)
         model_dtype = next(self.loaded.model.parameters()).dtype

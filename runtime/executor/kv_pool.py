@@ -4,6 +4,11 @@
 free list of slot indices. Slot 0 is reserved as a padding target (never handed out), so
 a padded batch can always write somewhere harmless.
 
+An int8 pool (`--kv-cache-dtype int8`, CPU) stores each (token, kv head) row of K and of V
+as round(x / s) with its own float32 scale s = max |x| / 127 (k_scale, v_scale [num_slots,
+kv_heads] per layer): 68 bytes per row of 64 values instead of 128 in float16, so the decode
+attention, which reads every cached token each step, reads half the bytes.
+
 `ReqToTokenTable` maps (request row, position) -> slot index; a request's row is held from
 admission to finish.
 
@@ -41,12 +46,26 @@ class KVShape:
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes one token takes across all layers, K and V."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * _itemsize(self.dtype)
+        """Bytes one token takes across all layers, K and V (with an int8 pool's scales)."""
+        row = self.head_dim * _itemsize(self.dtype) + (4 if self.dtype == torch.int8 else 0)
+        return 2 * self.num_layers * self.kv_heads * row
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (round(x / s) as int8, s float32 [...]) with s = max |x| / 127 per row
+    (1 for a zero row); the C decode kernel stores new tokens the same way."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(x / scale[..., None]).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)
 
 
 class SlotAllocator:
@@ -117,12 +136,31 @@ class KVPool:
         dims = (num_slots, shape.kv_heads, shape.head_dim)
         self.k = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.quantized = shape.dtype == torch.int8
+        scale_dims = (num_slots, shape.kv_heads) if self.quantized else (0,)
+        self.k_scale = [torch.ones(scale_dims, device=self.device) for _ in range(shape.num_layers)]
+        self.v_scale = [torch.ones(scale_dims, device=self.device) for _ in range(shape.num_layers)]
         self.allocator = SlotAllocator(num_slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stores new tokens' K/V (converted to the pool's dtype when it differs)."""
+        """Stores new tokens' K/V [n, KH, D] (converted to the pool's dtype when it differs)."""
+        if self.quantized:
+            self.k[layer][slots], self.k_scale[layer][slots] = quantize_int8(k)
+            self.v[layer][slots], self.v_scale[layer][slots] = quantize_int8(v)
+            return
         self.k[layer][slots] = k.to(self.shape.dtype)
         self.v[layer][slots] = v.to(self.shape.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of `slots` (any shape) as `dtype`: [*slots.shape, KH, D] each."""
+        if self.quantized:
+            k = dequantize_int8(self.k[layer][slots], self.k_scale[layer][slots], dtype)
+            return k, dequantize_int8(self.v[layer][slots], self.v_scale[layer][slots], dtype)
+        return self.k[layer][slots].to(dtype), self.v[layer][slots].to(dtype)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 pool's (k_scale, v_scale) [num_slots, KH] of a layer; None for float pools."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else None
 
     # The allocator's API, re-exported so callers hold one object.
     def alloc(self, n: int) -> torch.Tensor:

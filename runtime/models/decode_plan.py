@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.kernels.cpu_attention import KERNELS, scale_pointers
 from spruce.runtime.executor.kernels.cpu_library import load_library
 
 
@@ -182,7 +183,7 @@ class DecodePlan:
         seq_lens = group.seq_lens.to(torch.int64).contiguous()
         slots = ctx.out_slots.to(torch.int64).contiguous()
         pool = backend.pool
-        fn = lib.spruce_decode_attention_f16 if pool.k[0].dtype == torch.float16 else lib.spruce_decode_attention_f32
+        fn = getattr(lib, KERNELS[pool.k[0].dtype])
         p_k, p_v = p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size)
         width = self.qkv_width
         fixed = (table.data_ptr(), table.stride(0), table_rows.data_ptr(), seq_lens.data_ptr(), p_attn)
@@ -192,6 +193,7 @@ class DecodePlan:
         def attention(layer: int, _tensors=(table_rows, seq_lens, slots)) -> None:
             failed = fn(
                 p_qkv, width, p_k, p_v, width, p_slots, pool.k[layer].data_ptr(), pool.v[layer].data_ptr(),
+                *scale_pointers(pool.scales(layer)),
                 *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
             )  # fmt: skip
             if failed:

@@ -70,9 +70,9 @@ class NativeAttentionBackend(AttentionBackend):
         self.windows = [self.options.window(layer) for layer in range(pool.shape.num_layers)]
         self.distinct_windows = sorted(set(self.windows), key=lambda w: -1 if w is None else w)
         self.cpu_kernel = None
-        if pool.device.type == "cpu" and pool.shape.dtype in (torch.float32, torch.float16) and self.softcap is None:
-            from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
+        from spruce.runtime.executor.kernels.cpu_attention import KERNELS, CpuDecodeAttention
 
+        if pool.device.type == "cpu" and pool.shape.dtype in KERNELS and self.softcap is None:
             kernel = CpuDecodeAttention()
             self.cpu_kernel = kernel if kernel.available else None
 
@@ -137,21 +137,18 @@ class NativeAttentionBackend(AttentionBackend):
 
     def _attend_decode(self, q, layer: int, window, group: _DecodeGroup, new_kv=None) -> torch.Tensor:
         if self.cpu_kernel is not None:
-            k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+            k_cache, v_cache, scales = self.pool.k[layer], self.pool.v[layer], self.pool.scales(layer)
             table = self.req_to_token.table
             return self.cpu_kernel(
-                q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale, new_kv, window
+                q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale, new_kv, window, scales
             )
-        batch, length = group.slots.shape
-        flat = group.slots.flatten()
-        k = self.pool.k[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        v = self.pool.v[layer][flat].to(q.dtype).view(batch, length, -1, self.head_dim).transpose(1, 2)
-        o = self._attention(q[:, :, None, :], k, v, group.masks[window], False)
+        k, v = self.pool.read(layer, group.slots, q.dtype)  # [B, L, KH, D]
+        o = self._attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), group.masks[window], False)
         return o[:, :, 0, :]
 
     def _attend_extend(self, q, k, v, layer: int, window, ext: _Extend) -> torch.Tensor:
         if ext.slots is not None:
-            k, v = self.pool.k[layer][ext.slots].to(q.dtype), self.pool.v[layer][ext.slots].to(q.dtype)
+            k, v = self.pool.read(layer, ext.slots, q.dtype)
         mask = ext.masks[window]
         o = self._attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None

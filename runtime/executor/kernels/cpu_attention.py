@@ -12,14 +12,23 @@ import torch
 from spruce.runtime.executor.kernels.cpu_library import load_library
 
 
+# the kernel for each cache dtype
+KERNELS = {
+    torch.float32: "spruce_decode_attention_f32",
+    torch.float16: "spruce_decode_attention_f16",
+    torch.int8: "spruce_decode_attention_i8",
+}
+
+
 class CpuDecodeAttention:
-    """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv, window) -> out [B, H, D].
+    """(q, k_cache, v_cache, table, rows, seq_lens, scale, new_kv, window, scales) -> out [B, H, D].
 
     q [B, H, D] (rows may be strided; computed in float32, returned in q's dtype); the
-    caches float32 or float16 (half the memory traffic); all CPU tensors. `new_kv = (k, v,
-    slots)`, when given, is each request's new K/V [B, KH, D] (rows may be strided), stored
-    at `slots` before attending. `window` = W attends to each request's last W tokens only
-    (a sliding-window layer); None, every token."""
+    caches float32, float16 (half the memory traffic) or int8 with `scales` = (k_scale,
+    v_scale), float32 [S, KH] (a quarter, plus the scales); all CPU tensors. `new_kv = (k,
+    v, slots)`, when given, is each request's new K/V [B, KH, D] (rows may be strided),
+    stored at `slots` before attending. `window` = W attends to each request's last W tokens
+    only (a sliding-window layer); None, every token."""
 
     def __init__(self) -> None:
         self.lib = load_library()
@@ -29,10 +38,12 @@ class CpuDecodeAttention:
         return self.lib is not None
 
     def __call__(
-        self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None, window: int | None = None
-    ) -> torch.Tensor:
+        self, q, k_cache, v_cache, table, rows, seq_lens, scale: float, new_kv=None, window: int | None = None,
+        scales=None,
+    ) -> torch.Tensor:  # fmt: skip
         assert table.dtype == torch.int32
-        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16)
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KERNELS
+        assert (scales is not None) == (k_cache.dtype == torch.int8)
         dtype, q = q.dtype, _rows_strided(q)
         rows, seq_lens = rows.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
         batch, heads, dim = q.shape
@@ -46,15 +57,21 @@ class CpuDecodeAttention:
             assert k.shape[0] == v.shape[0] == batch
             slots = slots.to(torch.int64).contiguous()
             new = (k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr())
-        fn = self.lib.spruce_decode_attention_f16 if k_cache.dtype == torch.float16 else self.lib.spruce_decode_attention_f32
+        fn = getattr(self.lib, KERNELS[k_cache.dtype])
         failed = fn(
-            q.data_ptr(), q.stride(0), *new, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+            q.data_ptr(), q.stride(0), *new, k_cache.data_ptr(), v_cache.data_ptr(), *scale_pointers(scales),
+            table.data_ptr(),
             table.stride(0), rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
             batch, heads, k_cache.shape[1], dim, scale, window or 0,
         )  # fmt: skip
         if failed:
             raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")
         return out.to(dtype)
+
+
+def scale_pointers(scales) -> tuple[int | None, int | None]:
+    """The kernel's k_scale, v_scale arguments: an int8 pool's scales, else NULL."""
+    return (scales[0].data_ptr(), scales[1].data_ptr()) if scales is not None else (None, None)
 
 
 def _rows_strided(x: torch.Tensor) -> torch.Tensor:

@@ -52,9 +52,9 @@ ISA_FLAGS = _X86_FLAGS if _X86 else {"portable": []}
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    # q, q_stride, k_new, v_new, new_stride, new_slots, k_cache, v_cache, table, table_stride,
+    # q, q_stride, k_new, v_new, new_stride, new_slots, k_cache, v_cache, k_scale, v_scale, table, table_stride,
     # rows, seq_lens, out, batch, heads, kv_heads, dim, scale, window (0: none)
-    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
+    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
     + [_I64] * 4
     + [_F32, _I64],
     "spruce_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32],  # x, residual, weight, out, rows, dim, eps
@@ -73,13 +73,16 @@ SIGNATURES = {
     "spruce_float_best_isa": [],
 }
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
+SIGNATURES["spruce_decode_attention_i8"] = SIGNATURES["spruce_decode_attention_f32"]
 # the float kernels: one function per instruction set, `<name>_<isa>`
-PER_ISA_KERNELS = ("spruce_decode_attention_f32", "spruce_decode_attention_f16", "spruce_rms_norm")
+PER_ISA_KERNELS = ("spruce_decode_attention_f32", "spruce_decode_attention_f16", "spruce_decode_attention_i8")
+PER_ISA_KERNELS += ("spruce_rms_norm",)
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
     "spruce_decode_attention_f16": ctypes.c_int,
+    "spruce_decode_attention_i8": ctypes.c_int,
     "spruce_quant_best_isa": _I64,
     "spruce_float_best_isa": _I64,
     "spruce_quant_linear": ctypes.c_int,

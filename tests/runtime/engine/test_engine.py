@@ -9,6 +9,7 @@ import transformers
 
 from spruce.runtime import Engine, InvalidRequestError, SamplingParams
 from spruce.runtime.core.request import Req
+from spruce.runtime.errors import SpruceError
 from spruce.runtime.executor.sampler import Sampler
 
 from support import add_request
@@ -65,6 +66,20 @@ def test_cpu_default_cache_is_float16_and_batch_invariant(tiny_llama_dir):
     batch = prompts(8, seed=1)
     together = ids_of(engine.generate(input_ids=batch, sampling_params=GREEDY))
     assert together == [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    engine.shutdown()
+
+
+def test_int8_cache_is_batch_invariant_and_cpu_only(tiny_llama_dir):
+    """--kv-cache-dtype int8: prefill writes through the pool (torch), decode through the C
+    kernel; both quantize alike, so a request's tokens do not depend on its batch."""
+    engine = Engine(str(tiny_llama_dir), kv_memory_gb=0.02, num_threads=1, kv_cache_dtype="int8")
+    pool = engine.core.runner.pool
+    assert pool.shape.dtype == torch.int8 and pool.scales(0) is not None
+    batch = prompts(8, seed=1)
+    together = ids_of(engine.generate(input_ids=batch, sampling_params=GREEDY))
+    assert together == [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    with pytest.raises(SpruceError, match="CPU only"):
+        engine.core._kv_dtype("cuda")
     engine.shutdown()
 
 

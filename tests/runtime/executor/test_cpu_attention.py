@@ -8,6 +8,19 @@ import torch
 from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
 from spruce.runtime.executor.kernels import cpu_library
 from spruce.runtime.executor.kernels.cpu_library import c_compiler
+from spruce.runtime.executor.kv_pool import dequantize_int8, quantize_int8
+
+CACHE_DTYPES = [torch.float32, torch.float16, torch.int8]
+
+
+def to_cache(k, v, dtype):
+    """(k_cache, v_cache, scales, k_read, v_read): float K/V [S, KH, D] in a pool's dtype,
+    the int8 pool's scales (else None), and the float values the kernel should read."""
+    if dtype != torch.int8:
+        k, v = k.to(dtype), v.to(dtype)
+        return k, v, None, k.float(), v.float()
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    return kq, vq, (ks, vs), dequantize_int8(kq, ks, torch.float32), dequantize_int8(vq, vs, torch.float32)
 
 
 def reference(q, k_cache, v_cache, table, rows, seq_lens, scale, window=None):
@@ -34,7 +47,7 @@ def built_kernel() -> CpuDecodeAttention:
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
     torch.set_num_threads(threads)
     kernel = built_kernel()
@@ -48,21 +61,23 @@ def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
     for row in rows:  # shuffled slots, different for every request
         table[row] = (torch.randperm(slots_total - 1, generator=g)[:200] + 1).int()
     q = torch.randn(batch, heads, dim, generator=g)
-    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5)
-    want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, dim**-0.5)
+    k_cache, v_cache, scales, k_read, v_read = to_cache(k_cache, v_cache, cache_dtype)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, scales=scales)
+    want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_stores_new_tokens_then_attends(cache_dtype):
-    """With new_kv, each request's new K/V lands in its slot (as the pool's dtype) and is
-    attended as the last token; q, k and v may be strided column blocks of one matrix."""
+    """With new_kv, each request's new K/V lands in its slot (as the pool's dtype; int8
+    exactly as the pool's own quantization) and is attended as the last token; q, k and v
+    may be strided column blocks of one matrix."""
     kernel = built_kernel()
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, batch = 9, 3, 64, 4
-    k_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(300, kv_heads, dim, generator=g).to(cache_dtype)
+    k_cache, v_cache, scales, _, _ = to_cache(
+        torch.randn(300, kv_heads, dim, generator=g), torch.randn(300, kv_heads, dim, generator=g), cache_dtype
+    )
     seq_lens = torch.tensor([1, 17, 40, 5])
     table = (torch.randperm(299, generator=g)[:200] + 1).int().view(4, 50)
     rows = torch.tensor([2, 0, 3, 1])
@@ -71,11 +86,16 @@ def test_stores_new_tokens_then_attends(cache_dtype):
     q = qkv[:, : heads * dim].view(batch, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(batch, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    want_k[new_slots], want_v[new_slots] = k.to(cache_dtype), v.to(cache_dtype)
-    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, new_slots))
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    want = reference(q, want_k.float(), want_v.float(), table, rows, seq_lens, dim**-0.5)
+    want = [t.clone() for t in (k_cache, v_cache, *(scales or ()))]
+    if scales is None:
+        want[0][new_slots], want[1][new_slots] = k.to(cache_dtype), v.to(cache_dtype)
+    else:
+        (want[0][new_slots], want[2][new_slots]), (want[1][new_slots], want[3][new_slots]) = map(quantize_int8, (k, v))
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, new_slots), scales=scales)
+    assert all(torch.equal(a, b) for a, b in zip((k_cache, v_cache, *(scales or ())), want))
+    k_read, v_read = (want[0].float(), want[1].float()) if scales is None else (
+        dequantize_int8(want[0], want[2], torch.float32), dequantize_int8(want[1], want[3], torch.float32))
+    want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -135,7 +155,7 @@ SHAPES += [(24, 4, 128), (28, 4, 128), (6, 3, 16), (4, 2, 96), (16, 1, 64), (20,
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_every_variant_every_shape(isa, heads, kv_heads, dim, cache_dtype):
     """Sequence lengths around the 16-token block (1, 15, 16, 17, 47) and longer, with a
     sliding window inside a block, across blocks and beyond the sequence."""
@@ -143,18 +163,20 @@ def test_every_variant_every_shape(isa, heads, kv_heads, dim, cache_dtype):
     slots_total = 800
     seq_lens = torch.tensor([1, 15, 16, 17, 47, 150])
     batch = len(seq_lens)
-    k_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(slots_total, kv_heads, dim, generator=g).to(cache_dtype)
+    k_cache, v_cache, scales, k_read, v_read = to_cache(
+        torch.randn(slots_total, kv_heads, dim, generator=g), torch.randn(slots_total, kv_heads, dim, generator=g),
+        cache_dtype,
+    )
     table = torch.stack([torch.randperm(slots_total, generator=g)[:160] for _ in range(batch)]).int()
     rows = torch.randperm(batch, generator=g)
     q = torch.randn(batch, heads, dim, generator=g)
     for window in (None, 5, 20, 500):
-        got = isa(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window)
-        want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, dim**-0.5, window)
+        got = isa(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window, scales=scales)
+        want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_rising_scores_rescale_exactly(isa, cache_dtype):
     """Scores that climb block after block (and one outlier late) move the softmax's
     reference max many times: the rescaled accumulators still give the reference."""
@@ -162,11 +184,11 @@ def test_rising_scores_rescale_exactly(isa, cache_dtype):
     heads, kv_heads, dim, length = 9, 3, 64, 300
     q = torch.randn(2, heads, dim, generator=g)
     growth = torch.linspace(0.0, 6.0, length).view(length, 1, 1)  # scores up to ~6x, past the slack
-    k_cache = (torch.randn(length, kv_heads, dim, generator=g) * (1 + growth)).to(cache_dtype)
+    k_cache = torch.randn(length, kv_heads, dim, generator=g) * (1 + growth)
     k_cache[250] *= 4
-    v_cache = torch.randn(length, kv_heads, dim, generator=g).to(cache_dtype)
+    k_cache, v_cache, scales, k_read, v_read = to_cache(k_cache, torch.randn(length, kv_heads, dim, generator=g), cache_dtype)
     table = torch.stack([torch.arange(length), torch.arange(length).flip(0)]).int()
     rows, seq_lens = torch.tensor([0, 1]), torch.tensor([length, 290])
-    got = isa(q, k_cache, v_cache, table, rows, seq_lens, 1.0)
-    want = reference(q, k_cache.float(), v_cache.float(), table, rows, seq_lens, 1.0)
+    got = isa(q, k_cache, v_cache, table, rows, seq_lens, 1.0, scales=scales)
+    want = reference(q, k_read, v_read, table, rows, seq_lens, 1.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from spruce.runtime.errors import SpruceError
-from spruce.runtime.executor.kv_pool import KVShape, OutOfSlotsError, SlotAllocator, pool_slots_for_budget
+from spruce.runtime.executor.kv_pool import (
+    KVPool,
+    KVShape,
+    OutOfSlotsError,
+    SlotAllocator,
+    dequantize_int8,
+    pool_slots_for_budget,
+    quantize_int8,
+)
 
 
 def test_alloc_is_ascending_and_contiguous_when_fresh():
@@ -57,3 +65,33 @@ def test_budget_sizing_and_clear_error():
     assert pool_slots_for_budget(shape, 512 * 100, min_slots=10) == 100
     with pytest.raises(SpruceError, match="raise --kv-memory-gb"):
         pool_slots_for_budget(shape, 512 * 5, min_slots=10)
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    """Each row's scale is its max |x| / 127: the extreme maps to +-127 exactly, every value
+    comes back within half a scale step, and a zero row stays zero (scale 1, no NaN)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.rand(50, 3, 1, generator=g) * 10
+    x[7, 1] = 0
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == (50, 3)
+    assert int(q.abs().amax(-1).min()) == 0 and bool((q.abs().amax(-1)[scale != 1] == 127).all())
+    back = dequantize_int8(q, scale, torch.float32)
+    assert bool(((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all())
+    assert scale[7, 1] == 1 and bool((back[7, 1] == 0).all())
+
+
+def test_int8_pool_writes_reads_and_counts_its_scales():
+    shape = KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype=torch.int8)
+    assert shape.bytes_per_slot == 2 * 2 * 3 * (64 + 4)  # int8 values and a float32 scale per row
+    assert shape.bytes_per_slot / KVShape(2, 3, 64, torch.float16).bytes_per_slot == pytest.approx(0.53, abs=0.01)
+    pool = KVPool(shape, num_slots=20)
+    slots = pool.alloc(5)
+    k, v = torch.randn(5, 3, 64), torch.randn(5, 3, 64)
+    pool.write(1, slots, k, v)
+    got_k, got_v = pool.read(1, slots.view(1, 5), torch.float32)
+    assert got_k.shape == (1, 5, 3, 64)
+    torch.testing.assert_close(got_k[0], k, atol=k.abs().max().item() / 127, rtol=0)
+    torch.testing.assert_close(got_v[0], v, atol=v.abs().max().item() / 127, rtol=0)
+    assert pool.scales(1)[0].shape == (20, 3) and pool.scales(0)[0] is not pool.scales(1)[0]
+    assert KVPool(KVShape(2, 3, 64, torch.float16), 20).scales(0) is None

@@ -40,7 +40,9 @@ MANY = cpu_quant_ops.INTEGER_MAX_ROWS + 2
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: q/k/v bias
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("requests,kv_dtype", [(1, torch.float16), (3, torch.float32), (MANY, torch.float32)])
+@pytest.mark.parametrize(
+    "requests,kv_dtype", [(1, torch.float16), (3, torch.float32), (MANY, torch.float32), (MANY, torch.int8)]
+)
 def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests, kv_dtype):
     loaded = load_model(str(request.getfixturevalue(fixture)), quantization=qtype)
     prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]

@@ -39,9 +39,11 @@ TEXT = (
 )
 
 
-def decode_logits(loaded, ids: list[int], chunk: int = 4) -> torch.Tensor:
-    """Logits of every position, fed a few tokens per step (the decode kernels' row counts)."""
-    runner = ModelRunner(loaded, num_slots=len(ids) + 8, max_requests=2, max_context_len=len(ids) + 8)
+def decode_logits(loaded, ids: list[int], chunk: int = 4, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits of every position, fed a few tokens per step (the decode kernels' row counts;
+    one: every step a decode step)."""
+    size = len(ids) + 8
+    runner = ModelRunner(loaded, num_slots=size, max_requests=2, max_context_len=size, kv_dtype=kv_dtype)
     row, out = runner.req_to_token.alloc_row(), []
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
@@ -161,6 +163,19 @@ def test_bundled_q4_1_model_agrees_with_its_float_twin(bundled_pair):
     ids = quantized.tokenizer.encode(TEXT)[:300]
     top1, kl = agreement(decode_logits(quantized, ids), decode_logits(plain, ids))
     print(f"bundled Q4_1, integer kernels vs dequantized float32, {len(ids)} positions: top-1 {top1:.4f}, mean KL {kl:.5f}")
+    assert top1 >= 0.98 and kl <= 0.02
+
+
+@pytest.mark.slow
+@needs_bundled
+def test_bundled_model_with_int8_kv_cache_agrees_with_float32_cache(bundled_pair):
+    """--kv-cache-dtype int8 against a float32 cache, same Q4_1 weights, token by token
+    (the C decode kernel reads every cached token through its scales)."""
+    quantized, _ = bundled_pair
+    ids = quantized.tokenizer.encode(TEXT)[:300]
+    int8 = decode_logits(quantized, ids, chunk=1, kv_dtype=torch.int8)
+    top1, kl = agreement(int8, decode_logits(quantized, ids, chunk=1, kv_dtype=torch.float32))
+    print(f"bundled Q4_1, int8 KV cache vs float32 KV cache, {len(ids)} positions: top-1 {top1:.4f}, mean KL {kl:.5f}")
     assert top1 >= 0.98 and kl <= 0.02
 
 
