@@ -48,7 +48,7 @@ void PER_ISA(spruce_rms_norm)(const float *x, float *residual, const float *weig
 /* x * sigmoid(x), with sigmoid from exp(-|x|) <= 1 so it never overflows. */
 static inline vec silu_vec(vec x) {
     vec e = exp_nonpositive(-abs_vec(x));
-    ivec positive = x >= 0.0f;
+    ivec positive = ~((ivec)x >> 31); /* sign bit clear (a shift: see max2 on wide compares) */
     vec numerator = (vec)(((ivec)splat(1.0f) & positive) | ((ivec)e & ~positive));
     return x * (numerator / (1.0f + e));
 }

@@ -31,9 +31,26 @@ typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), a
 static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline vec splat(float x) { return (vec){0} + x; }
 
+/* a > b ? a : b per lane. With instructions: GCC lowers a comparison of vectors wider than
+ * the registers (16 floats on AVX2) lane by lane, with scalar compares (SiLU over a batch-64
+ * decode step spent 3 ns per value on it). */
 static inline vec max2(vec a, vec b) {
+#if defined(__AVX512F__)
+    __m512 x, y;
+    memcpy(&x, &a, sizeof x), memcpy(&y, &b, sizeof y);
+    x = _mm512_max_ps(x, y);
+    memcpy(&a, &x, sizeof a);
+    return a;
+#elif defined(__AVX__)
+    __m256 x[2], y[2];
+    memcpy(x, &a, sizeof x), memcpy(y, &b, sizeof y);
+    x[0] = _mm256_max_ps(x[0], y[0]), x[1] = _mm256_max_ps(x[1], y[1]);
+    memcpy(&a, x, sizeof a);
+    return a;
+#else
     ivec a_wins = a > b;
     return (vec)(((ivec)a & a_wins) | ((ivec)b & ~a_wins));
+#endif
 }
 
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
