@@ -78,5 +78,5 @@ def _check_harmless(key: str, value: Any) -> None:
 def _check_kv_cache_dtype(value: Any) -> None:
     if isinstance(value, str) and value.startswith("fp8"):
         raise ProgramError(
-            f"kv_cache_dtype={value!r}: Spruce keeps the KV cache in auto, float16, bfloat16 or float32 (no fp8)"
+            f"kv_cache_dtype={value!r}: Spruce keeps the KV cache in auto, float16, bfloat16, float32 or int8 on the CPU (no fp8)"
         )

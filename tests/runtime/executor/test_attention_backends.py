@@ -95,3 +95,22 @@ def test_flashinfer_refuses_sliding_windows_in_one_line():
     refuse_unsupported(AttentionOptions(scale=0.1))
     with pytest.raises(SpruceError, match="'flashinfer' does not implement sliding-window attention"):
         refuse_unsupported(AttentionOptions(layer_windows=(4096, None)))
+
+
+def test_int8_cache_without_the_c_kernel_equals_with_it(tiny_llama_dir):
+    """The torch path (no C compiler) reads an int8 pool through its scales as the C kernel
+    does: a prefill, then decode steps over the cached tokens, same logits to rounding."""
+    loaded = load_model(str(tiny_llama_dir))
+    results = []
+    for use_kernel in (True, False):
+        runner = ModelRunner(loaded, 64, 2, 32, kv_dtype=torch.int8)
+        if use_kernel and runner.backend.cpu_kernel is None:
+            pytest.skip("no C compiler here")
+        if not use_kernel:
+            runner.backend.cpu_kernel = None
+        row = runner.req_to_token.alloc_row()
+        logits = [runner.forward([ForwardItem(row, 0, [5, 9, 2, 7], runner.pool.alloc(4))]).logits]
+        for step in range(6):
+            logits.append(runner.forward([ForwardItem(row, 4 + step, [11 + step], runner.pool.alloc(1))]).logits)
+        results.append(torch.cat(logits))
+    torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-4)
