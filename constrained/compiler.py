@@ -11,7 +11,7 @@ from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 import outlines_core
-from spruce.constrained.build_worker import BuildRequest, WorkerPool
+from spruce.constrained.build_worker import BuildRequest, BuildResult, WorkerPool
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
 from spruce.constrained.patterns import index_regex
@@ -30,11 +30,21 @@ MAX_TRANSFER_BYTES = 4 << 20
 # here at once, without the worker's full build as proof (about 3x this in memory).
 MAX_DIRECT_BYTES = 128 << 20
 AUTOMATON_MEMORY_FACTOR = 30
+# How long a ready index waits for the character automaton before the grammar goes out
+# without it: most automata come within it (every small regex); the slow ones (seconds to
+# tens of seconds for large schemas) then join the grammar later.
+AUTOMATON_GRACE_S = 1.0
 
 
 class _Built(NamedTuple):
     grammar: CompiledGrammar
     nbytes: int  # estimated memory (see estimated_bytes)
+
+
+class _InFlight(NamedTuple):
+    started: threading.Event  # the build left the queue (its deadline counts from here)
+    ready: Future  # the grammar, as soon as its index is ready
+    build: Future  # _Built, once the automaton has come (or not)
 
 
 class GrammarCompiler:
@@ -49,8 +59,11 @@ class GrammarCompiler:
     large to unpickle without a long GIL hold is built here, beside the worker's automaton,
     once the worker has shown it feasible: by its build on a sample of the vocabulary (an
     estimate within MAX_DIRECT_BYTES), else by its own full build. The character
-    automaton (for jump-forward) is built in the same worker; if it is not ready
-    `timeout_s / 2` after the index, the grammar goes without it. The cache keeps the most
+    automaton (for jump-forward) is built in the same worker; when it is not ready within
+    AUTOMATON_GRACE_S of the index, `submit` hands the grammar out without jump-forward until
+    the automaton joins it (requests that started before keep going without; see
+    cursor.py), and `compile` waits for it. If it is not ready `timeout_s / 2` after the
+    index (or the worker is stopped at `timeout_s`), the grammar stays without it. The cache keeps the most
     recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
     `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
 
@@ -69,7 +82,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self._cache: OrderedDict[ConstraintSpec, _Built] = OrderedDict()
         self._cached_bytes = 0
-        self._builds: dict[ConstraintSpec, tuple[Future, threading.Event]] = {}  # build, started
+        self._builds: dict[ConstraintSpec, _InFlight] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
         self._workers = WorkerPool((self.vocab.vocabulary, *self.vocab.sample), memory_mb, NUM_WORKERS)
@@ -85,7 +98,13 @@ class GrammarCompiler:
         return self._cached_bytes
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
-        return self.submit(spec).result()
+        """The grammar once its build is over (with its automaton, when it came)."""
+        grammar = self.submit(spec).result()
+        with self._lock:
+            entry = self._builds.get(spec)
+        if entry is not None:
+            futures_wait([entry.build], self.timeout_s)
+        return grammar
 
     def submit(self, spec: ConstraintSpec) -> Future:
         """Future[CompiledGrammar]; already resolved on a cache hit."""
@@ -96,15 +115,20 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 result.set_result(built.grammar)
                 return result
-            build, started = self._builds.get(spec) or (None, threading.Event())
-            if build is None:
-                build = self._executor.submit(self._build, spec, started)
-                self._builds[spec] = (build, started)
+            entry, fresh = self._builds.get(spec), False
+            if entry is None:
+                started, ready = threading.Event(), Future()
+                build = self._executor.submit(self._build, spec, started, ready)
+                entry = self._builds[spec] = _InFlight(started, ready, build)
+                fresh = True
+        if fresh:  # outside the lock: a build that already failed runs _finish right here
+            entry.build.add_done_callback(lambda done: self._finish(spec, done, entry.ready))
         deadline = threading.Thread(
-            target=_watch, args=(result, started, spec, self.timeout_s), daemon=True, name="spruce-grammar-deadline"
-        )
+            target=_watch, args=(result, entry.started, spec, self.timeout_s), daemon=True,
+            name="spruce-grammar-deadline",
+        )  # fmt: skip
         deadline.start()
-        build.add_done_callback(lambda done: self._finish(spec, done, result))
+        entry.ready.add_done_callback(lambda done: _resolve(result, *_outcome(done)))
         return result
 
     def cached(self, spec: ConstraintSpec) -> CompiledGrammar | None:
@@ -117,43 +141,66 @@ class GrammarCompiler:
         self._rebuilds.shutdown(wait=False, cancel_futures=True)
         self._workers.close()
 
-    def _build(self, spec: ConstraintSpec, started: threading.Event) -> _Built:
+    def _build(self, spec: ConstraintSpec, started: threading.Event, ready: Future) -> _Built:
+        """The grammar with its automaton (or without, see the class); `ready` gets the
+        grammar as soon as its index is ready."""
         started.set()
         regex = index_regex(spec.regex)
         request = BuildRequest(
-            regex, spec.regex, automaton_wait_s=self.timeout_s / 2,
+            regex, spec.regex, automaton_wait_s=self.timeout_s / 2, automaton_grace_s=AUTOMATON_GRACE_S,
             max_transfer_bytes=MAX_TRANSFER_BYTES, max_rebuild_s=self.timeout_s / 3,
             max_direct_bytes=MAX_DIRECT_BYTES,
         )  # fmt: skip
         rebuilds: list[Future] = []  # the worker says when the index is too large to send
+        early: list[CompiledGrammar] = []  # the grammar handed out before its automaton
 
-        def rebuild(_=None) -> None:  # off the GIL, while the worker finishes the character automaton
-            rebuilds.append(self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary))
-
-        result = self._workers.run(request, self.timeout_s, on_progress=rebuild)
-        index = result.index
-        if index is None:  # too large to unpickle without stalling the GIL: built here
+        def rebuild() -> None:  # off the GIL, while the worker goes on (see build_worker)
             if not rebuilds:
+                rebuilds.append(self._rebuilds.submit(outlines_core.Index, regex, self.vocab.vocabulary))
+
+        def index_of(result: BuildResult) -> object:
+            if result.index is not None:
+                return result.index
+            rebuild()  # too large to unpickle without stalling the GIL: built here
+            return rebuilds[0].result()
+
+        def progress(message: tuple[str, object]) -> None:
+            kind, payload = message
+            if kind != "index_ready":  # index_estimated / index_built
                 rebuild()
-            index = rebuilds[0].result()
-        grammar = CompiledGrammar(spec, spec.regex, index, self.vocab, result.char_automaton)
+                return
+            early.append(CompiledGrammar(spec, spec.regex, index_of(payload), self.vocab, None))
+            _resolve(ready, early[0])
+
+        try:
+            result = self._workers.run(request, self.timeout_s, on_progress=progress)
+        except (ConstraintError, RuntimeError):
+            if not early:
+                raise
+            result = BuildResult(None, None, 0, 0)  # the automaton did not come: no jump-forward
+        if early:
+            grammar = early[0]
+            grammar.char_automaton = result.char_automaton
+        else:
+            grammar = CompiledGrammar(spec, spec.regex, index_of(result), self.vocab, result.char_automaton)
         nbytes = estimated_bytes(result.index_bytes, result.automaton_bytes, spec)
         return _Built(grammar, nbytes)
 
-    def _finish(self, spec: ConstraintSpec, build: Future, result: Future) -> None:
+    def _finish(self, spec: ConstraintSpec, build: Future, ready: Future) -> None:
+        """Caches the finished grammar and resolves `ready`, unless it was resolved early."""
         error = build.exception()
         if error is None:
             built = build.result()
             with self._lock:
                 self._store(spec, built)
                 self._builds.pop(spec, None)
-            _resolve(result, value=built.grammar)
+            _resolve(ready, value=built.grammar)
         else:
             with self._lock:
                 self._builds.pop(spec, None)
             if not isinstance(error, ConstraintError):
                 error = ConstraintError(f"cannot compile constraint: {error!r}")
-            _resolve(result, error=error)
+            _resolve(ready, error=error)
 
     def _store(self, spec: ConstraintSpec, built: _Built) -> None:
         """Caches a grammar, evicting least recently used ones beyond the bounds (one larger
@@ -190,6 +237,12 @@ def _watch(result: Future, started: threading.Event, spec: ConstraintSpec, timeo
 def _expire(result: Future, spec: ConstraintSpec, timeout_s: float) -> None:
     message = f"constraint not compiled within {timeout_s:g} s: {spec.value[:80]!r}"
     _resolve(result, error=ConstraintError(message))
+
+
+def _outcome(done: Future) -> tuple[object, BaseException | None]:
+    """(value, error) of a finished future, as _resolve takes them."""
+    error = done.exception()
+    return (None, error) if error is not None else (done.result(), None)
 
 
 def _resolve(result: Future, value: object = None, error: BaseException | None = None) -> None:

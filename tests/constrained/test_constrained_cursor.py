@@ -3,7 +3,9 @@ cache, build workers (processes) and their deadline, memory cap and byte budget.
 
 from __future__ import annotations
 
+import random
 import re
+import string
 import threading
 import time
 
@@ -250,10 +252,10 @@ def test_submit_builds_on_a_worker_once_per_spec(tiny_tokenizer):
     threads, release = [], threading.Event()
     build = compiler._build
 
-    def slow_build(spec, started):
+    def slow_build(spec, *args):
         threads.append(threading.current_thread().name)
         release.wait(5)
-        return build(spec, started)
+        return build(spec, *args)
 
     compiler._build = slow_build
     spec = make_spec(regex="worker[a-z]{2}")
@@ -269,10 +271,10 @@ def test_the_deadline_counts_from_the_build_start_not_the_queue(tiny_tokenizer):
     compiler = GrammarCompiler(tiny_tokenizer, timeout_s=2)
     build = compiler._build
 
-    def slow_build(spec, started):  # each build takes 1.2 s of its 2 s
+    def slow_build(spec, started, ready):  # each build takes 1.2 s of its 2 s
         started.set()
         time.sleep(1.2)
-        return build(spec, started)
+        return build(spec, started, ready)
 
     compiler._build = slow_build
     specs = [make_spec(regex=f"queue{i}[a-z]") for i in range(4)]  # 2 build at once, 2 wait 1.2 s
@@ -364,3 +366,25 @@ def test_the_worker_says_when_to_build_the_index_here(tiny_tokenizer, max_transf
     pool.close()
     compiler.close()
 
+
+
+def test_an_index_goes_out_before_a_slow_automaton_which_joins_later(tiny_tokenizer, monkeypatch):
+    """300 alternatives of 12 letters: the index takes a fraction of interegular's
+    determinization. With no grace period, submit's grammar comes without jump-forward, its
+    cursors work, and the automaton joins the same grammar when the build is over (as
+    `compile`, which waits for it, shows)."""
+    monkeypatch.setattr(compiler_module, "AUTOMATON_GRACE_S", 0.0)
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=12)) for _ in range(300)]
+    spec = make_spec(regex='"(' + "|".join(words) + ')" done')
+    compiler = GrammarCompiler(tiny_tokenizer)
+    grammar = compiler.submit(spec).result(30)
+    assert grammar.char_automaton is None and compiler.cached(spec) is None  # still building
+    cursor = grammar.cursor()
+    for token_id in tiny_tokenizer.encode(f'"{words[7]}" done', add_special_tokens=False):
+        assert cursor.accept_token(token_id)
+    assert compiler.compile(spec) is grammar and grammar.char_automaton is not None
+    assert compiler.cached(spec) is grammar
+    late = grammar.cursor()
+    assert late.jump_forward_text() == '"'  # the automaton serves the cursors made from now on
+    compiler.close()
