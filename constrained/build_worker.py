@@ -42,7 +42,10 @@ tenth of the full build's time), which proves the regex's automaton finite and s
 estimates the full index's size and build time. An index estimated small enough to send is
 built and sent; one estimated within `max_direct_bytes` and `max_rebuild_s` is announced at
 once ("index_estimated") and built only by the parent; a larger one is built in full here
-first, as the proof ("index_built"), before the parent builds it again.
+first, as the proof ("index_built"), before the parent builds it again. A worker whose
+automaton is still running `automaton_wait_s` after the index answers without it and ends
+(the thread would hold a core); it marks that answer "last", so the parent sends it nothing
+more.
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
@@ -174,6 +177,9 @@ class BuildWorker:
             if on_progress is not None:
                 on_progress(payload)
             kind, payload = self._receive(request, start, timeout_s)
+        if kind == "last":  # the worker ends after this answer
+            self.kill()
+            kind, payload = payload
         if kind == "error":
             raise ConstraintError(payload)
         if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
@@ -305,8 +311,10 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
         else:
             notify = lambda message: send.send_bytes(dumps(("progress", message)))  # noqa: E731
             reply, stray_thread = _build(outlines_core, vocabularies, request, notify)
+        if stray_thread:  # an automaton still building holds a core: this worker ends
+            reply = ("last", reply)  # (said first, so the parent does not send it another job)
         send.send_bytes(dumps(reply))
-        if stray_thread:  # an automaton still building holds a core: start afresh
+        if stray_thread:
             os._exit(0)
 
 

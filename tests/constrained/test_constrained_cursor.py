@@ -388,3 +388,21 @@ def test_an_index_goes_out_before_a_slow_automaton_which_joins_later(tiny_tokeni
     late = grammar.cursor()
     assert late.jump_forward_text() == '"'  # the automaton serves the cursors made from now on
     compiler.close()
+
+
+def test_a_worker_that_ends_after_its_answer_gets_no_further_job(tiny_tokenizer):
+    """A worker whose automaton is still building after its answer ends itself; it says so in
+    that answer, so the next job goes to a fresh worker instead of finding it gone."""
+    from spruce.constrained.build_worker import BuildRequest, WorkerPool
+
+    compiler = GrammarCompiler(tiny_tokenizer)
+    pool = WorkerPool((compiler.vocab.vocabulary, *compiler.vocab.sample), memory_mb=4096, size=1)
+    rng = random.Random(1)
+    slow = '"(' + "|".join("".join(rng.choices(string.ascii_lowercase, k=12)) for _ in range(300)) + ')"'
+    quick = '"[a-z]{1,4}"'
+    first = pool.run(BuildRequest(index_regex(slow), slow, 0.0, 4 << 20, 30, automaton_grace_s=0.0), 60)
+    assert first.char_automaton is None  # not waited for
+    second = pool.run(BuildRequest(index_regex(quick), quick, 30, 4 << 20, 30), 60)
+    assert second.index is not None and second.char_automaton is not None
+    pool.close()
+    compiler.close()
