@@ -63,9 +63,9 @@ class GrammarCompiler:
     AUTOMATON_GRACE_S of the index, `submit` hands the grammar out without jump-forward until
     the automaton joins it (requests that started before keep going without; see
     cursor.py), and `compile` waits for it. If it is not ready `timeout_s / 2` after the
-    index (or the worker is stopped at `timeout_s`), the grammar stays without it. The cache keeps the most
-    recently used grammars within `cache_bytes` (estimated, see `estimated_bytes`) and
-    `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
+    index (or the worker is stopped at `timeout_s`), the grammar stays without it. The
+    cache keeps the most recently used grammars within `cache_bytes` (estimated, see
+    `estimated_bytes`) and `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class GrammarCompiler:
             max_direct_bytes=MAX_DIRECT_BYTES,
         )  # fmt: skip
         rebuilds: list[Future] = []  # the worker says when the index is too large to send
-        early: list[CompiledGrammar] = []  # the grammar handed out before its automaton
+        early: list[tuple[CompiledGrammar, int]] = []  # handed out before its automaton; index bytes
 
         def rebuild() -> None:  # off the GIL, while the worker goes on (see build_worker)
             if not rebuilds:
@@ -169,17 +169,17 @@ class GrammarCompiler:
             if kind != "index_ready":  # index_estimated / index_built
                 rebuild()
                 return
-            early.append(CompiledGrammar(spec, spec.regex, index_of(payload), self.vocab, None))
-            _resolve(ready, early[0])
+            early.append((CompiledGrammar(spec, spec.regex, index_of(payload), self.vocab, None), payload.index_bytes))
+            _resolve(ready, early[0][0])
 
         try:
             result = self._workers.run(request, self.timeout_s, on_progress=progress)
         except (ConstraintError, RuntimeError):
             if not early:
                 raise
-            result = BuildResult(None, None, 0, 0)  # the automaton did not come: no jump-forward
+            result = BuildResult(None, None, early[0][1], 0)  # the automaton did not come: no jump-forward
         if early:
-            grammar = early[0]
+            grammar = early[0][0]
             grammar.char_automaton = result.char_automaton
         else:
             grammar = CompiledGrammar(spec, spec.regex, index_of(result), self.vocab, result.char_automaton)
