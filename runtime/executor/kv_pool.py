@@ -137,9 +137,9 @@ class KVPool:
         self.k = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
         self.quantized = shape.dtype == torch.int8
-        scale_dims = (num_slots, shape.kv_heads) if self.quantized else (0,)
-        self.k_scale = [torch.ones(scale_dims, device=self.device) for _ in range(shape.num_layers)]
-        self.v_scale = [torch.ones(scale_dims, device=self.device) for _ in range(shape.num_layers)]
+        scale_layers = shape.num_layers if self.quantized else 0  # float pools have no scales
+        self.k_scale = [torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)]
+        self.v_scale = [torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)]
         self.allocator = SlotAllocator(num_slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
