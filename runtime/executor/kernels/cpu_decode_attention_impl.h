@@ -147,16 +147,36 @@ SPECIALIZED(7, 128)
 #undef SPECIALIZED
 #endif
 
+/* Reads tokens [0, n)'s K/V rows (and an int8 cache's scales) into L2: one load per cache
+ * line, none depending on another, so the core has as many misses in flight as it can track
+ * (see the file's header, "staging"). */
+static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks, const float *vs,
+                             const int32_t *slots, int64_t n, int64_t row_len, int64_t kv_heads) {
+    const int64_t line = 64 / (int64_t)sizeof(CACHE_T), last = row_len - 1; /* last: a row across a line's end */
+    uint32_t sink = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const volatile CACHE_T *kr = k + (int64_t)slots[j] * row_len, *vr = v + (int64_t)slots[j] * row_len;
+        for (int64_t c = 0; c < row_len; c += line) sink += (uint32_t)kr[c] + (uint32_t)vr[c];
+        sink += (uint32_t)kr[last] + (uint32_t)vr[last];
+        if (ks != NULL) sink += ((const volatile uint32_t *)ks)[slots[j] * kv_heads] + ((const volatile uint32_t *)vs)[slots[j] * kv_heads];
+    }
+    __asm__ volatile("" ::"r"(sink));
+}
+
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache, const float *k_scale,
                          const float *v_scale, const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
-                         int64_t kv_heads, int64_t dim, float scale) {
+                         int64_t kv_heads, int64_t dim, float scale, int64_t stage_bytes) {
     int64_t group = heads / kv_heads, row_len = kv_heads * dim;
+    int64_t staged = stage_bytes / (2 * row_len * (int64_t)sizeof(CACHE_T));
+    if (staged > seq_len) staged = seq_len;
+    NAME(stage_rows)(k_cache, v_cache, k_scale, v_scale, slots, staged, row_len, kv_heads);
     for (int64_t h = 0; h < kv_heads; h++) {
         const float *qh = q + h * group * dim;
         float *oh = out + h * group * dim;
         const CACHE_T *k = k_cache + h * dim, *v = v_cache + h * dim;
         const float *ks = k_scale ? k_scale + h : NULL, *vs = v_scale ? v_scale + h : NULL;
-        int64_t offset = h * dim, prefetch = h == 0 ? row_len : 0; /* whole rows, in the first pass */
+        /* past the staged tokens, the first pass prefetches whole rows for all */
+        int64_t offset = h * dim, prefetch = h == 0 && staged < seq_len ? row_len : 0;
 #if !defined(SPRUCE_GENERIC_SHAPES)
 #define CASE(G, D)                                                                     \
     if (group == G && dim == D) {                                                      \
@@ -198,7 +218,7 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
                                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window) {
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % 16 != 0 || dim > MAX_DIM) return 1;
     if (CACHE_SCALED && (k_scale == NULL || v_scale == NULL)) return 1;
-    int64_t row_len = kv_heads * dim;
+    int64_t row_len = kv_heads * dim, stage_bytes = l2_bytes() / 2;
 #pragma omp parallel for schedule(dynamic, 1) if (batch > 1) /* one request: no thread wake-up */
     for (int64_t b = 0; b < batch; b++) {
         if (new_slots != NULL) {
@@ -211,7 +231,7 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
         /* a sliding window reads only the last `window` tokens: the tail of the row */
         int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
         NAME(attend)(q + b * q_stride, k_cache, v_cache, k_scale, v_scale, req_to_token + rows[b] * table_stride + first,
-               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale);
+               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, stage_bytes);
     }
     return 0;
 }
