@@ -38,19 +38,21 @@
  * as a memory operand per head and holds q in registers instead, spilling the tile), and no
  * unrolling of the value phase's token loop (unrolled, it keeps a block's weights in
  * registers and spills the accumulators).
- * Staging: before its passes, a request's K/V rows (as many as fit in half the core's L2)
- * are read once, one plain load per cache line and none depending on another, so the core
- * keeps as many misses in flight as it can track; the passes then find their rows in L2.
- * Before, the passes asked for the rows themselves with prefetches a few blocks ahead of the
- * arithmetic (still done past the staged tokens, for long contexts): at batch 64 the kernel
- * then read main memory at 5-7 GB/s of the ~19 GB/s the machine streams, and each layer
- * call took ~3x its time with the rows already in cache. Staged, the same calls are 1.5-2x
- * faster (64 requests x 150 or 400 tokens, float16, a Zen 3 VM: 1.2-1.4 -> 0.6-0.8 ms and
- * 2.9-3.2 -> 2.0-2.2 ms per call, alternating runs; batch 8 x 500 tokens 2x); prefetching
- * the next layer's rows during the GEMMs before it (tried: spread between their tiles)
- * slowed the GEMMs by as much as it saved. Neither the distance nor the locality hint of
- * the prefetches changed the time measurably, nor whether a request's slots are contiguous
- * or its decode tokens lie a batch apart (so the pool's allocation order does not matter).
+ * Spans and staging: a request's tokens go in spans of as many as fit in half the core's L2;
+ * each span's K/V rows are first read once (staged), one plain load per cache line and none
+ * depending on another, so the core keeps as many misses in flight as it can track; then
+ * every kv head's pass finds its part of the span's rows in L2, and the online softmax goes
+ * on from span to span (its state, the accumulators in `out`, divided once at the end).
+ * Before, each pass ran over all the tokens asking for the rows with prefetches a few blocks
+ * ahead of its arithmetic: at batch 64 the kernel then read main memory at 5-7 GB/s of the
+ * ~19 GB/s the machine streams, and a layer call took ~3x its time with the rows already
+ * in cache. Staged, the same calls are 1.5-2x faster (64 requests x 150 or 400 tokens,
+ * float16, a Zen 3 VM: 1.2-1.4 -> 0.6-0.8 ms and 2.9-3.2 -> 2.0-2.2 ms per call,
+ * alternating runs; 8 x 500 tokens 2x). Tried and not kept: prefetching the next layer's
+ * rows during the GEMMs before it (spread between their tiles: slowed the GEMMs by as much
+ * as it saved); other prefetch distances and locality hints; contiguous slots against
+ * decode tokens a batch apart (no difference, so the pool's allocation order does not
+ * matter).
  * When given the step's new K/V, each request first stores its own token's K/V into its
  * slot (converted to the cache type), so one call replaces the pool write and the
  * attention; the new token is the last of its context, so only its own thread reads it.
@@ -91,7 +93,6 @@ typedef float avec_unaligned __attribute__((vector_size(AL * sizeof(float)), ali
 #define MAX_DIM 256
 #define MAX_CHUNKS (MAX_DIM / AL)
 #define MAX_TILE 32 /* accumulators in a register tile */
-#define PREFETCH_AHEAD (2 * BLOCK) /* tokens */
 
 static inline avec aload(const float *p) { return *(const avec_unaligned *)p; }
 

@@ -4,47 +4,30 @@
  * CACHE_SCALED (int8): each (slot, kv head) row of K and V has its own float scale,
  * k_scale / v_scale [S, KH]; a K row's scale multiplies its scores, a V row's its weights. */
 
-/* Asks for `len` elements of the K/V rows of tokens [from, to) (clipped to seq_len), from k
- * and v on, into L2 (slots are scattered, so the hardware prefetcher cannot guess them). */
-static inline void NAME(prefetch_rows)(const CACHE_T *k, const CACHE_T *v, const int32_t *slots, int64_t from,
-                                       int64_t to, int64_t seq_len, int64_t row_len, int64_t len) {
-    if (to > seq_len) to = seq_len;
-    for (int64_t j = from; j < to; j++) {
-        int64_t row = (int64_t)slots[j] * row_len;
-        for (int64_t c = 0; c < len; c += 64 / (int64_t)sizeof(CACHE_T)) { /* one cache line */
-            __builtin_prefetch(k + row + c, 0, 2);
-            __builtin_prefetch(v + row + c, 0, 2);
-        }
-    }
-}
-
-/* The `group` (<= MAX_PASS) query heads that share one kv head attend over the request's tokens. k and
- * v point at that kv head's part of slot 0's row (ks, vs at its scales, KH apart per slot);
- * q and out at the first of the heads. The rows are prefetched from `head_offset` elements
- * before k on, `prefetch_len` elements each: the first kv head's pass asks for whole rows
- * (the later heads' parts then wait in L2: ~15% faster at batch 64 from main memory than
- * each pass asking for its own part), the others for nothing.
+/* The `group` (<= MAX_PASS) query heads that share one kv head attend over the request's
+ * tokens [from, to) (a span, staged in L2 by the caller), continuing their online softmax:
+ * running references m_in[g], per-lane sums l_in[g] and the accumulators, which wait in `out` (the
+ * heads' rows, unnormalized: the caller divides once the last span is done). k and v point at
+ * that kv head's part of slot 0's row (ks, vs at its scales, KH apart per slot); q and out
+ * at the first of the heads.
  * Always inlined, so with constant group and chunks the tiles are constants, the loops
  * unroll and the tiles live in registers (see the file's header for the phases). */
 static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
     const float *q, const CACHE_T *k, const CACHE_T *v, const float *ks, const float *vs, const int32_t *slots,
-    int64_t seq_len, int64_t row_len, int64_t kv_heads, int64_t head_offset, int64_t prefetch_len, float *out,
-    float scale, const int64_t group, const int64_t chunks) {
+    int64_t from, int64_t to, int64_t row_len, int64_t kv_heads, float *m_in, avec *l_in, float *out, float scale,
+    const int64_t group, const int64_t chunks) {
     const int64_t dim = chunks * AL, T = score_tile(group), VC = value_tile(group, chunks);
     avec qs[MAX_PASS][MAX_CHUNKS], acc[MAX_PASS][MAX_CHUNKS], dots[MAX_PASS][BLOCK], l[MAX_PASS];
     float m[MAX_PASS], p[MAX_PASS][BLOCK];
     for (int64_t g = 0; g < group; g++) {
-        m[g] = -INFINITY;
-        l[g] = (avec){0};
+        m[g] = m_in[g], l[g] = l_in[g];
         for (int64_t c = 0; c < chunks; c++) {
             qs[g][c] = aload(q + g * dim + c * AL) * scale;
-            acc[g][c] = (avec){0};
+            acc[g][c] = aload(out + g * dim + c * AL);
         }
     }
-    const CACHE_T *k_rows = k - head_offset, *v_rows = v - head_offset;
-    NAME(prefetch_rows)(k_rows, v_rows, slots, 0, PREFETCH_AHEAD, seq_len, row_len, prefetch_len);
-    for (int64_t start = 0; start < seq_len; start += BLOCK) {
-        int64_t n = seq_len - start < BLOCK ? seq_len - start : BLOCK;
+    for (int64_t start = from; start < to; start += BLOCK) {
+        int64_t n = to - start < BLOCK ? to - start : BLOCK;
         const CACHE_T *krow[BLOCK], *vrow[BLOCK];
 #if CACHE_SCALED
         float kscale[BLOCK], vscale[BLOCK];
@@ -58,8 +41,6 @@ static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
             vscale[j] = vs[slot * kv_heads];
 #endif
         }
-        NAME(prefetch_rows)(k_rows, v_rows, slots, start + PREFETCH_AHEAD, start + PREFETCH_AHEAD + BLOCK, seq_len,
-                            row_len, prefetch_len);
         /* scores: G x T dot products at a time, each K chunk loaded once */
         for (int64_t j0 = 0; j0 < BLOCK; j0 += T) {
             avec d[MAX_TILE];
@@ -117,9 +98,8 @@ static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float total = asum_lanes(l[g]);
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t c = 0; c < chunks; c++) astore(out + g * dim + c * AL, acc[g][c] * inv);
+        m_in[g] = m[g], l_in[g] = l[g];
+        for (int64_t c = 0; c < chunks; c++) astore(out + g * dim + c * AL, acc[g][c]);
     }
 }
 
@@ -130,11 +110,10 @@ static inline __attribute__((always_inline)) void NAME(attend_kv_head)(
 #define SPECIALIZED(G, D)                                                                     \
     static void NAME(CAT(CAT(attend, G), D))(const float *q, const CACHE_T *k, const CACHE_T *v, \
                                              const float *ks, const float *vs,                  \
-                                             const int32_t *slots, int64_t seq_len,             \
-                                             int64_t row_len, int64_t kv_heads, int64_t offset, \
-                                             int64_t prefetch, float *out, float scale) {       \
-        NAME(attend_kv_head)(q, k, v, ks, vs, slots, seq_len, row_len, kv_heads, offset, prefetch, out, scale, G, \
-                             D / AL);                                                          \
+                                             const int32_t *slots, int64_t from, int64_t to,    \
+                                             int64_t row_len, int64_t kv_heads, float *m,       \
+                                             avec *l, float *out, float scale) {                \
+        NAME(attend_kv_head)(q, k, v, ks, vs, slots, from, to, row_len, kv_heads, m, l, out, scale, G, D / AL); \
     }
 SPECIALIZED(1, 64)
 SPECIALIZED(3, 64)
@@ -163,34 +142,48 @@ static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks
     __asm__ volatile("" ::"r"(sink));
 }
 
+/* Every query head of one request attends over its tokens, span by span: each span is as
+ * many tokens as fit in half the core's L2 (`stage_bytes`), staged, then every kv head's
+ * pass reads its part of the span's rows from L2. */
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache, const float *k_scale,
                          const float *v_scale, const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
                          int64_t kv_heads, int64_t dim, float scale, int64_t stage_bytes) {
     int64_t group = heads / kv_heads, row_len = kv_heads * dim;
-    int64_t staged = stage_bytes / (2 * row_len * (int64_t)sizeof(CACHE_T));
-    if (staged > seq_len) staged = seq_len;
-    NAME(stage_rows)(k_cache, v_cache, k_scale, v_scale, slots, staged, row_len, kv_heads);
-    for (int64_t h = 0; h < kv_heads; h++) {
-        const float *qh = q + h * group * dim;
-        float *oh = out + h * group * dim;
-        const CACHE_T *k = k_cache + h * dim, *v = v_cache + h * dim;
-        const float *ks = k_scale ? k_scale + h : NULL, *vs = v_scale ? v_scale + h : NULL;
-        /* past the staged tokens, the first pass prefetches whole rows for all */
-        int64_t offset = h * dim, prefetch = h == 0 && staged < seq_len ? row_len : 0;
+    int64_t span = stage_bytes / (2 * row_len * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
+    if (span < BLOCK) span = BLOCK;
+    float m[heads];
+    avec l[heads];
+    for (int64_t i = 0; i < heads; i++) m[i] = -INFINITY, l[i] = (avec){0};
+    memset(out, 0, (size_t)(heads * dim) * sizeof(float));
+    for (int64_t from = 0; from < seq_len; from += span) {
+        int64_t to = seq_len - from < span ? seq_len : from + span;
+        NAME(stage_rows)(k_cache, v_cache, k_scale, v_scale, slots + from, to - from, row_len, kv_heads);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *qh = q + h * group * dim;
+            float *oh = out + h * group * dim, *mh = m + h * group;
+            avec *lh = l + h * group;
+            const CACHE_T *k = k_cache + h * dim, *v = v_cache + h * dim;
+            const float *ks = k_scale ? k_scale + h : NULL, *vs = v_scale ? v_scale + h : NULL;
 #if !defined(SPRUCE_GENERIC_SHAPES)
-#define CASE(G, D)                                                                     \
-    if (group == G && dim == D) {                                                      \
-        NAME(CAT(CAT(attend, G), D))(qh, k, v, ks, vs, slots, seq_len, row_len, kv_heads, offset, prefetch, oh, scale); \
-        continue;                                                                      \
+#define CASE(G, D)                                                                                    \
+    if (group == G && dim == D) {                                                                     \
+        NAME(CAT(CAT(attend, G), D))(qh, k, v, ks, vs, slots, from, to, row_len, kv_heads, mh, lh, oh, scale); \
+        continue;                                                                                     \
     }
-        CASE(1, 64) CASE(3, 64) CASE(4, 64) CASE(7, 64) CASE(3, 128) CASE(4, 128) CASE(6, 128) CASE(7, 128)
+            CASE(1, 64) CASE(3, 64) CASE(4, 64) CASE(7, 64) CASE(3, 128) CASE(4, 128) CASE(6, 128) CASE(7, 128)
 #undef CASE
 #endif
-        for (int64_t g = 0; g < group; g += MAX_PASS) { /* larger groups: several passes */
-            int64_t heads_here = group - g < MAX_PASS ? group - g : MAX_PASS;
-            NAME(attend_kv_head)(qh + g * dim, k, v, ks, vs, slots, seq_len, row_len, kv_heads, offset,
-                                 g == 0 ? prefetch : 0, oh + g * dim, scale, heads_here, dim / AL);
+            for (int64_t g = 0; g < group; g += MAX_PASS) { /* larger groups: several passes */
+                int64_t heads_here = group - g < MAX_PASS ? group - g : MAX_PASS;
+                NAME(attend_kv_head)(qh + g * dim, k, v, ks, vs, slots, from, to, row_len, kv_heads, mh + g, lh + g,
+                                     oh + g * dim, scale, heads_here, dim / AL);
+            }
         }
+    }
+    for (int64_t i = 0; i < heads; i++) { /* the accumulators over the softmax's sums */
+        float total = asum_lanes(l[i]);
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t c = 0; c < dim; c += AL) astore(out + i * dim + c, aload(out + i * dim + c) * inv);
     }
 }
 
