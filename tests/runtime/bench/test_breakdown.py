@@ -21,3 +21,18 @@ def test_the_parts_add_up_to_the_step_and_the_timers_come_off(tiny_llama_dir):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in core.runner.model.modules())
     engine.flush_cache()
     assert engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"] == before
+
+
+def test_step_over_matmuls_pairs_each_sampled_step_with_the_bare_matmuls(tiny_llama_dir):
+    """The paired probe of `spruce bench offline`: every 2nd all-decode step at the full batch
+    is timed with the bare matmuls right after it; the requests all finish and the step log
+    is put back."""
+    from spruce.runtime.bench.offline import step_over_matmuls
+
+    engine = Engine(str(tiny_llama_dir), kv_memory_gb=0.02, num_threads=1)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    result = step_over_matmuls(engine, prompts, {"max_new_tokens": 12, "temperature": 0}, every=2)
+    assert result["paired_batch"] == 3 and 3 <= result["pairs"] <= 6
+    assert result["paired_step_ms"] > 0 and result["bare_matmul_ms"] > 0
+    assert result["decode_step_over_matmul"] == result["paired_step_ms"] / result["bare_matmul_ms"]
+    assert engine.core.step_log is None and not engine.core.has_work()
