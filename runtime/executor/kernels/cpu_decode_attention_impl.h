@@ -131,12 +131,14 @@ SPECIALIZED(7, 128)
  * (see the file's header, "staging"). */
 static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks, const float *vs,
                              const int32_t *slots, int64_t n, int64_t row_len, int64_t kv_heads) {
-    const int64_t line = 64 / (int64_t)sizeof(CACHE_T), last = row_len - 1; /* last: a row across a line's end */
+    /* bytes, not elements: widening a half float to an integer costs two conversions */
+    const int64_t bytes = row_len * (int64_t)sizeof(CACHE_T);
     uint32_t sink = 0;
     for (int64_t j = 0; j < n; j++) {
-        const volatile CACHE_T *kr = k + (int64_t)slots[j] * row_len, *vr = v + (int64_t)slots[j] * row_len;
-        for (int64_t c = 0; c < row_len; c += line) sink += (uint32_t)kr[c] + (uint32_t)vr[c];
-        sink += (uint32_t)kr[last] + (uint32_t)vr[last];
+        const volatile uint8_t *kr = (const uint8_t *)(k + (int64_t)slots[j] * row_len);
+        const volatile uint8_t *vr = (const uint8_t *)(v + (int64_t)slots[j] * row_len);
+        for (int64_t c = 0; c < bytes; c += 64) sink += kr[c] + vr[c];
+        if (bytes % 64 != 0) sink += kr[bytes - 1] + vr[bytes - 1]; /* a row across a line's end */
         if (ks != NULL) sink += ((const volatile uint32_t *)ks)[slots[j] * kv_heads] + ((const volatile uint32_t *)vs)[slots[j] * kv_heads];
     }
     __asm__ volatile("" ::"r"(sink));
