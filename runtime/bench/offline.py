@@ -143,19 +143,30 @@ def run_engine(engine, prompts: list[list[int]], params: dict) -> dict:
     }
 
 
-def single_probes(engine, tokenizer) -> dict:
+def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
+    """Prefill tokens/s of one 512-token prompt and batch-1 decode tokens/s (64 new tokens
+    after a 16-token prompt): each the mean over `repetitions` runs after a warm-up, as
+    llama-bench reports its pp512 / tg128 (one run alone moved by 30% on a busy host)."""
     prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
-    engine.flush_cache()
-    start = time.perf_counter()
-    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
-    prefill = 512 / (time.perf_counter() - start)
     short = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
     params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=short, sampling_params={**params, "max_new_tokens": 4})
-    start = time.perf_counter()
-    out = engine.generate(input_ids=short, sampling_params=params)
-    decode = len(out["output_ids"]) / (time.perf_counter() - start)
-    return {"prefill_512_tokens_per_s": prefill, "batch1_decode_tokens_per_s": decode}
+
+    def prefill() -> float:
+        engine.flush_cache()  # the whole prompt computed, none of it from the cache
+        start = time.perf_counter()
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
+        return 512 / (time.perf_counter() - start)
+
+    def decode() -> float:
+        start = time.perf_counter()
+        out = engine.generate(input_ids=short, sampling_params=params)
+        return len(out["output_ids"]) / (time.perf_counter() - start)
+
+    rates = {}
+    for name, probe in (("prefill_512_tokens_per_s", prefill), ("batch1_decode_tokens_per_s", decode)):
+        probe()  # warm-up
+        rates[name] = statistics.mean(probe() for _ in range(repetitions))
+    return rates
 
 
 def run_hf(loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool) -> dict:
