@@ -1,8 +1,9 @@
 """Offline throughput: N requests through the Engine (optionally vs transformers).
 
 Prints requests/s, input and output tokens/s, the mean decode-step time at the largest
-batch, the model's bare matrix multiplications for that batch measured alone, batch-1
-decode tokens/s and the prefill tokens/s of one long prompt. `--compare hf` runs the same
+batch, that step against the model's bare matrix multiplications for the batch (measured in
+pairs, see step_over_matmuls), batch-1 decode tokens/s and the prefill tokens/s of one long
+prompt (means of 5 runs). `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
 `--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128, pp512) and
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
