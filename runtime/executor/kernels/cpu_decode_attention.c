@@ -46,9 +46,9 @@
  * Before, each pass ran over all the tokens asking for the rows with prefetches a few blocks
  * ahead of its arithmetic: at batch 64 the kernel then read main memory at 5-7 GB/s of the
  * ~19 GB/s the machine streams, and a layer call took ~3x its time with the rows already
- * in cache. Staged, the same calls are 1.5-2x faster (64 requests x 150 or 400 tokens,
- * float16, a Zen 3 VM: 1.2-1.4 -> 0.6-0.8 ms and 2.9-3.2 -> 2.0-2.2 ms per call,
- * alternating runs; 8 x 500 tokens 2x). Tried and not kept: prefetching the next layer's
+ * in cache. Staged, the same calls are 1.5-2x faster (float16, a Zen 3 VM, alternating old
+ * and new code: 64 requests x 150 tokens 1.2-1.4 -> 0.55-0.8 ms per call, 64 x 400 2.9-3.2
+ * -> 1.6-2.4 ms, 8 x 500 2x, 16 x 2000 in several spans 5.2 -> 2.0-2.3 ms). Tried and not kept: prefetching the next layer's
  * rows during the GEMMs before it (spread between their tiles: slowed the GEMMs by as much
  * as it saved); other prefetch distances and locality hints; contiguous slots against
  * decode tokens a batch apart (no difference, so the pool's allocation order does not

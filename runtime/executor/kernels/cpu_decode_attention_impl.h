@@ -144,15 +144,13 @@ static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks
     __asm__ volatile("" ::"r"(sink));
 }
 
-/* Every query head of one request attends over its tokens, span by span: each span is as
- * many tokens as fit in half the core's L2 (`stage_bytes`), staged, then every kv head's
- * pass reads its part of the span's rows from L2. */
+/* Every query head of one request attends over its tokens, `span` at a time (as many as fit
+ * in half the core's L2; a multiple of BLOCK): each span is staged, then every kv head's pass
+ * reads its part of the span's rows from L2. */
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache, const float *k_scale,
                          const float *v_scale, const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
-                         int64_t kv_heads, int64_t dim, float scale, int64_t stage_bytes) {
+                         int64_t kv_heads, int64_t dim, float scale, int64_t span) {
     int64_t group = heads / kv_heads, row_len = kv_heads * dim;
-    int64_t span = stage_bytes / (2 * row_len * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
-    if (span < BLOCK) span = BLOCK;
     float m[heads];
     avec l[heads];
     for (int64_t i = 0; i < heads; i++) m[i] = -INFINITY, l[i] = (avec){0};
@@ -213,7 +211,10 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
                                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window) {
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % 16 != 0 || dim > MAX_DIM) return 1;
     if (CACHE_SCALED && (k_scale == NULL || v_scale == NULL)) return 1;
-    int64_t row_len = kv_heads * dim, stage_bytes = l2_bytes() / 2;
+    int64_t row_len = kv_heads * dim;
+    /* tokens per span: their K and V rows in half the L2 */
+    int64_t span = l2_bytes() / 2 / (2 * row_len * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
+    if (span < BLOCK) span = BLOCK;
 #pragma omp parallel for schedule(dynamic, 1) if (batch > 1) /* one request: no thread wake-up */
     for (int64_t b = 0; b < batch; b++) {
         if (new_slots != NULL) {
@@ -226,7 +227,7 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
         /* a sliding window reads only the last `window` tokens: the tail of the row */
         int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
         NAME(attend)(q + b * q_stride, k_cache, v_cache, k_scale, v_scale, req_to_token + rows[b] * table_stride + first,
-               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, stage_bytes);
+               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, span);
     }
     return 0;
 }
