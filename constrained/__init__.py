@@ -1,5 +1,5 @@
-"""spruce.constrained: regex / JSON-schema constraints on outlines-core, packed token
-bitmasks and a compressed FSM (jump-forward).
+"""spruce.constrained: regex / JSON-schema constraints as lazily determinized byte automata,
+packed token bitmasks and a compressed FSM (jump-forward).
 
     spec = make_spec(json_schema=MyModel)          # validated, hashable
     grammar = compiler.compile(spec)               # or compiler.submit(spec) -> Future
@@ -11,11 +11,11 @@ bitmasks and a compressed FSM (jump-forward).
 from importlib import import_module
 
 # Public name -> submodule. Imported on first use, so light users (the DSL's dtype
-# patterns) do not pull in torch and outlines-core.
+# patterns) do not pull in torch and NumPy.
 _EXPORTS = {
     "allocate_bitmask": "bitmask", "apply_bitmask": "bitmask", "unpack_bitmask": "bitmask",
     "GrammarCompiler": "compiler", "GrammarCursor": "cursor", "CompiledGrammar": "grammar",
-    "CharAutomaton": "jump_forward", "JumpForward": "jump_forward",
+    "JumpForward": "jump_forward",
     "ConstraintSpec": "spec", "make_spec": "spec", "ConstraintError": "errors",
 }  # fmt: skip
 
@@ -27,7 +27,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CharAutomaton",
     "CompiledGrammar",
     "ConstraintError",
     "ConstraintSpec",

@@ -41,6 +41,19 @@ def subtract_regexes(regex: str, removed: list[str]) -> str | None:
     return fsm_to_regex(result)
 
 
+def can_emit(regex: str, chars: frozenset[str]) -> bool:
+    """Whether some string `regex` matches contains one of `chars`."""
+    fsm = regex_fsm(regex)
+    live = _live_states(fsm)
+    outside = any(c not in dict(fsm.alphabet.items()) for c in chars)  # read as anything_else
+    for state in live:
+        for symbol, target in fsm.map.get(state, {}).items():
+            members = fsm.alphabet.by_transition[symbol]
+            if target in live and (any(c in chars for c in members) or (outside and anything_else in members)):
+                return True
+    return False
+
+
 def regexes_disjoint(a: str, b: str) -> bool:
     return regex_fsm(a).isdisjoint(regex_fsm(b))
 

@@ -1,61 +1,32 @@
-"""Grammar builds in a child process that can be stopped: the outlines-core index and the
-interegular character automaton of a regex are built in a worker process with a memory cap
-(RLIMIT_AS); a build past its deadline is ended by killing the worker, and the next build
-starts a fresh one. The scheduler's process never runs a build, so a pathological regex
-(`(a|b)*a(a|b){24}` determinizes to millions of states) can cost a worker, not the server.
+"""Grammar builds in a child process that can be stopped: a constraint's regex is turned into
+its byte-level NFA (byte_nfa.py) in a worker process with a memory cap (RLIMIT_AS); a
+build past its deadline is ended by killing the worker, and the next build starts a fresh
+one. The NFA is linear in the regex's expanded size (capped), so a build takes milliseconds
+to about a second; the worker guards against what the caps miss. The DFA and the token
+masks are made lazily in the parent, as requests need them (grammar.py).
 
 Why a `subprocess` (`python -m spruce.constrained.build_worker`) and not multiprocessing:
 the server's scheduler runs in a daemonic multiprocessing child, which multiprocessing does
 not let start children, and a fresh interpreter imports only this module's few dependencies
 (no torch, no re-import of the parent's `__main__`).
 
-The results come back pickled: `outlines_core.Index` pickles through its own binary form
-(`Index.__reduce__` -> `Index.from_binary`), so the parent gets the very index the worker
-built. But `from_binary` holds the GIL (measured: about 12 ms per MB of binary form, 0.65 s
-for the 55 MB index of a 200-character JSON string field with a 49k vocabulary), which
-would stall the scheduler loop; the index build itself releases it. So an index larger
-than `BuildRequest.max_transfer_bytes` is not sent: the worker's build served as a guard
-(it finished within the deadline and the memory cap) and the parent builds it again, off
-the GIL, unless the worker's build took so long that a second one would overrun the
-deadline (then the GIL hold is the lesser harm). interegular's `anything_else` sentinel is
-not a singleton after unpickling, so it travels as a persistent id and comes back as the
-parent's object.
-
 The same workers convert JSON schemas to regexes (`ConvertRequest`, see `convert.py`): the
 front door's conversion of a pathological schema (thousands of properties, `$ref`s that
 unroll exponentially) is stopped at its deadline the same way, wherever the front end runs.
 
-Protocol over two inherited pipes (multiprocessing.connection framing): the parent sends the
-outlines `Vocabulary` and its sample (`vocab.VocabularySample` as a plain tuple: the worker
-does not import vocab.py, which imports torch) once (None for a worker that only converts
-schemas), then one request
-per job; the worker answers each with a `BuildResult` / `ConstraintSpec` or an error message.
-Before its answer, a build whose index will not be sent says so ("progress"), and the parent
-starts its own build then, while the worker finishes the automaton. An index whose
-character automaton is not ready `automaton_grace_s` after it goes ahead as progress too
-("index_ready", a `BuildResult` without the automaton), so the grammar serves at once; the
-answer then brings the automaton alone
-(interegular's determinization in Python takes 2-10x the index's time on real schemas:
-p50 1.1 s against 0.55 s on 24 of the corpus's schemas). The worker first builds
-the index on a sample of the vocabulary (every 16th token and the single bytes: about a
-tenth of the full build's time), which proves the regex's automaton finite and small and
-estimates the full index's size and build time. An index estimated small enough to send is
-built and sent; one estimated within `max_direct_bytes` and `max_rebuild_s` is announced at
-once ("index_estimated") and built only by the parent; a larger one is built in full here
-first, as the proof ("index_built"), before the parent builds it again. A worker whose
-automaton is still running `automaton_wait_s` after the index answers without it and ends
-(the thread would hold a core); it marks that answer "last", so the parent sends it nothing
-more.
+Protocol over two inherited pipes (multiprocessing.connection framing): the worker says
+"ready" once its imports are done, then answers each request with ("ok", NFA or
+ConstraintSpec), ("error", message) or ("crash", message).
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
-crosses is objects our own code built (the vocabulary, a regex string, the built index), so
-a user's constraint is only ever pickled as a string, never unpickled from bytes they chose.
+crosses is objects our own code built (a regex or schema string, the NFA's lists of ints, a
+ConstraintSpec), so a user's constraint is only ever pickled as a string, never unpickled
+from bytes they chose.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import resource
@@ -64,30 +35,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from importlib import import_module
 from multiprocessing.connection import Connection
-
-from interegular.fsm import anything_else
 
 from spruce.constrained.errors import ConstraintError
 
-_ANYTHING_ELSE_ID = "interegular.anything_else"
-STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing outlines-core on a loaded machine
+STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing its modules on a loaded machine
 
 
 @dataclass(frozen=True, slots=True)
 class BuildRequest:
-    regex: str  # the index regex (patterns.index_regex of the constraint's regex)
-    automaton_regex: str  # the constraint's own regex, for the character automaton
-    automaton_wait_s: float  # how long to wait for the automaton once the index is built
-    max_transfer_bytes: int  # a larger index is built again by the parent (see above)...
-    max_rebuild_s: float  # ...unless it took (or is estimated to take) longer than this
-    max_direct_bytes: int = 0  # an index estimated up to this size is built by the parent only
-    automaton_grace_s: float = 1.0  # an automaton later than this goes after the index ("index_ready")
+    regex: str  # the constraint's regex
 
     @property
     def describe(self) -> str:
-        return _short(self.automaton_regex)
+        return _short(self.regex)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,37 +62,12 @@ class ConvertRequest:
         return f"json_schema {_short(self.schema_text)}"
 
 
-@dataclass(frozen=True, slots=True)
-class BuildResult:
-    index: object | None  # outlines_core.Index; None: too large to send (build it again), or sent ahead
-    char_automaton: object | None  # jump_forward.CharAutomaton; None: jump-forward off
-    index_bytes: int  # size of the index's binary form, or its estimate (the cache's budget)
-    automaton_bytes: int
-
-
-# -- pickling with interegular's sentinel ---------------------------------------------------------
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        return _ANYTHING_ELSE_ID if obj is anything_else else None
-
-
-class _Unpickler(pickle.Unpickler):
-    def persistent_load(self, pid):
-        if pid != _ANYTHING_ELSE_ID:
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        return anything_else
-
-
 def dumps(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def loads(data: bytes) -> object:
-    return _Unpickler(io.BytesIO(data)).load()
+    return pickle.loads(data)  # noqa: S301 - only from this module's own pipes (see Trust above)
 
 
 # -- the parent's handle on one worker --------------------------------------------------------------
@@ -142,7 +78,7 @@ class BuildWorker:
     (or if the worker dies, e.g. on its memory cap) the worker is killed and a
     ConstraintError raised. Not thread-safe: one job at a time (see WorkerPool)."""
 
-    def __init__(self, vocabularies: tuple | None, memory_mb: int) -> None:
+    def __init__(self, memory_mb: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         fds = (str(to_child_r), str(from_child_w))
@@ -155,16 +91,14 @@ class BuildWorker:
         self._send = Connection(to_child_w, readable=False)
         self._recv = Connection(from_child_r, writable=False)
         self.memory_mb = memory_mb
-        self._send.send_bytes(dumps(vocabularies))
         self.ready = False  # the worker says when its imports are done
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float, on_progress=None) -> object:
-        """Raises WorkerGone if the worker was dead before the job started. `on_progress` is
-        called with each progress message the worker sends before its answer."""
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
+        """Raises WorkerGone if the worker was dead before the job started."""
         self._wait_ready()
         start = time.monotonic()
         try:
@@ -173,13 +107,6 @@ class BuildWorker:
             self.kill()
             raise WorkerGone from None
         kind, payload = self._receive(request, start, timeout_s)
-        while kind == "progress":
-            if on_progress is not None:
-                on_progress(payload)
-            kind, payload = self._receive(request, start, timeout_s)
-        if kind == "last":  # the worker ends after this answer
-            self.kill()
-            kind, payload = payload
         if kind == "error":
             raise ConstraintError(payload)
         if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
@@ -205,7 +132,7 @@ class BuildWorker:
             ) from None
 
     def _wait_ready(self) -> None:
-        """A fresh worker first imports outlines-core: that time is not the build's."""
+        """A fresh worker first imports its modules: that time is not the build's."""
         if self.ready:
             return
         try:
@@ -233,19 +160,18 @@ class WorkerPool:
     """Idle workers kept for reuse (at most `size`); a killed or dead one is dropped and the
     next build starts a fresh process. Thread-safe."""
 
-    def __init__(self, vocabularies: tuple | None, memory_mb: int, size: int) -> None:
-        self.vocabularies = vocabularies  # (Vocabulary, sample Vocabulary, scale); None: conversions only
+    def __init__(self, memory_mb: int, size: int) -> None:
         self.memory_mb = memory_mb
         self.size = size
         self._idle: list[BuildWorker] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float, on_progress=None) -> object:
+    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
         for _ in range(2):  # an idle worker may have died meanwhile: once more, fresh
             worker = self._take()
             try:
-                return worker.run(request, timeout_s, on_progress)
+                return worker.run(request, timeout_s)
             except WorkerGone:
                 continue
             finally:
@@ -260,7 +186,7 @@ class WorkerPool:
                 worker = self._idle.pop()
                 if worker.alive:
                     return worker
-        return BuildWorker(self.vocabularies, self.memory_mb)
+        return BuildWorker(self.memory_mb)
 
     def _give_back(self, worker: BuildWorker) -> None:
         with self._lock:
@@ -271,7 +197,7 @@ class WorkerPool:
 
     def start(self, count: int = 1) -> None:
         """Starts workers ahead of the first build (their imports take a moment)."""
-        workers = [BuildWorker(self.vocabularies, self.memory_mb) for _ in range(count)]
+        workers = [BuildWorker(self.memory_mb) for _ in range(count)]
         for worker in workers:
             self._give_back(worker)
 
@@ -298,24 +224,16 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    vocabularies = loads(receive.recv_bytes())
-    outlines_core = None if vocabularies is None else import_module("outlines_core")  # after the cap
+    from spruce.constrained import byte_nfa, spec  # noqa: F401 - imported before "ready"
+
     send.send_bytes(b"ready")
     while True:
         try:
             request = loads(receive.recv_bytes())
         except EOFError:  # the parent is gone or closed us
             return
-        if isinstance(request, ConvertRequest):
-            reply, stray_thread = _convert(request), False
-        else:
-            notify = lambda message: send.send_bytes(dumps(("progress", message)))  # noqa: E731
-            reply, stray_thread = _build(outlines_core, vocabularies, request, notify)
-        if stray_thread:  # an automaton still building holds a core: this worker ends
-            reply = ("last", reply)  # (said first, so the parent does not send it another job)
+        reply = _convert(request) if isinstance(request, ConvertRequest) else _build(request)
         send.send_bytes(dumps(reply))
-        if stray_thread:
-            os._exit(0)
 
 
 def _convert(request: ConvertRequest) -> tuple[str, object]:
@@ -337,61 +255,17 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
     return "ok", spec
 
 
-def _build(outlines_core, vocabularies, request: BuildRequest, notify) -> tuple[tuple[str, object], bool]:
-    from spruce.constrained.jump_forward import CharAutomaton
+def _build(request: BuildRequest) -> tuple[str, object]:
+    from spruce.constrained.byte_nfa import build_nfa
 
-    automaton: list = []
-
-    def build_automaton() -> None:
-        try:
-            automaton.append(CharAutomaton(request.automaton_regex))
-        except Exception:  # a regex interegular cannot handle (or out of memory): no jump-forward
-            automaton.append(None)
-
-    thread = threading.Thread(target=build_automaton, daemon=True)
-    thread.start()  # pure Python, while the index builds below release the GIL
     try:
-        sent, index_bytes = _index(outlines_core, vocabularies, request, notify)
-        thread.join(request.automaton_grace_s)
-        if thread.is_alive():  # the index serves now; jump-forward follows in the answer
-            notify(("index_ready", BuildResult(sent, None, index_bytes, 0)))
-            sent = None
+        return "ok", build_nfa(request.regex)
+    except ConstraintError as e:
+        return "error", str(e)
     except MemoryError:
-        return ("error", "the grammar build ran out of its memory cap; simplify the constraint"), True
-    except Exception as e:  # outlines-core raises ValueError with the regex engine's message
-        return ("error", f"cannot compile constraint: {e}"), thread.is_alive()
-    thread.join(request.automaton_wait_s)
-    char_automaton = automaton[0] if automaton else None
-    automaton_bytes = len(dumps(char_automaton))
-    return ("ok", BuildResult(sent, char_automaton, index_bytes, automaton_bytes)), thread.is_alive()
-
-
-def _index(outlines_core, vocabularies, request: BuildRequest, notify) -> tuple[object | None, int]:
-    """(the index to send or None, its size in bytes): see the module docstring."""
-    vocabulary, sample, scale = vocabularies
-    start = time.monotonic()
-    sampled = outlines_core.Index(request.regex, sample)
-    estimate = _binary_size(sampled) * scale
-    estimate_s = (time.monotonic() - start) * scale
-    direct = request.max_transfer_bytes < estimate <= request.max_direct_bytes
-    if direct and estimate_s <= request.max_rebuild_s:
-        notify(("index_estimated", int(estimate)))
-        return None, int(estimate)
-    if scale == 1:  # a small vocabulary is its own sample: that was the full build
-        index, build_s = sampled, estimate_s
-    else:
-        start = time.monotonic()
-        index = outlines_core.Index(request.regex, vocabulary)
-        build_s = time.monotonic() - start
-    index_bytes = _binary_size(index)
-    if index_bytes <= request.max_transfer_bytes or build_s > request.max_rebuild_s:
-        return index, index_bytes
-    notify(("index_built", index_bytes))  # feasible: the parent builds its own beside the automaton's
-    return None, index_bytes
-
-
-def _binary_size(index: object) -> int:
-    return len(index.__reduce__()[1][0])
+        return "error", "the grammar build ran out of its memory cap; simplify the constraint"
+    except RecursionError:
+        return "error", "the constraint's regex is nested too deeply"
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -61,7 +61,7 @@ class SpecConverter:
     """`make_spec` whose JSON schema conversions run in killable worker processes. Thread-safe."""
 
     def __init__(self, memory_mb: int, cache_bytes: int = CACHE_BYTES) -> None:
-        self._workers = WorkerPool(None, memory_mb, MAX_PARALLEL)
+        self._workers = WorkerPool(memory_mb, MAX_PARALLEL)
         self._slots = threading.BoundedSemaphore(MAX_PARALLEL)
         self._cache: OrderedDict[tuple, ConstraintSpec] = OrderedDict()
         self._cache_bytes = 0

@@ -11,9 +11,8 @@ from spruce.constrained.jump_forward import JumpForward, retokenize_tail
 if TYPE_CHECKING:
     from spruce.constrained.grammar import CompiledGrammar
 
-FINISHED = -1  # index state after EOS was accepted
+FINISHED = -1  # state after EOS was accepted
 RETOKENIZE_WINDOW = 3  # output tokens re-tokenized together with a forced text
-_NO_CHARS: tuple[int | None, bytes] = (None, b"")
 
 
 class _Encoder(Protocol):
@@ -21,20 +20,16 @@ class _Encoder(Protocol):
 
 
 class GrammarCursor:
-    """Where one request stands in its grammar. Cheap: a few list entries per accepted token.
+    """Where one request stands in its grammar. Cheap: a list entry per accepted token.
 
-    Keeps one entry per accepted token (so `rollback` can undo any number of them): the
-    token-index state, and the character-automaton state with the bytes of a UTF-8
-    character still incomplete (the char state is None once the two automata disagree,
-    which only disables jump-forward). Not thread-safe: one request, one thread."""
+    Keeps the grammar state after every accepted token (so `rollback` can undo any number
+    of them). Not thread-safe: one request, one thread."""
 
-    __slots__ = ("grammar", "_states", "_chars", "_tokens")
+    __slots__ = ("grammar", "_states", "_tokens")
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         self.grammar = grammar
-        automaton = grammar.char_automaton
         self._states = [grammar.initial_state]
-        self._chars = [_NO_CHARS if automaton is None else (automaton.initial, b"")]
         self._tokens: list[int] = []
 
     # -- matching ---------------------------------------------------------------------------
@@ -48,12 +43,12 @@ class GrammarCursor:
         if token_id in self.grammar.vocab.eos_token_ids:
             if not self.grammar.is_final(state):
                 return False
-            self._push(FINISHED, self._chars[-1], token_id)
+            self._push(FINISHED, token_id)
             return True
         next_state = self.grammar.next_state(state, token_id)
         if next_state is None:
             return False
-        self._push(next_state, self._advance_chars(token_id), token_id)
+        self._push(next_state, token_id)
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -86,13 +81,12 @@ class GrammarCursor:
         if not 0 <= n <= len(self._tokens):
             raise ValueError(f"cannot roll back {n} tokens; {len(self._tokens)} accepted")
         if n:
-            del self._states[-n:], self._chars[-n:], self._tokens[-n:]
+            del self._states[-n:], self._tokens[-n:]
 
     def copy(self) -> GrammarCursor:
         clone = GrammarCursor.__new__(GrammarCursor)
         clone.grammar = self.grammar
         clone._states = list(self._states)
-        clone._chars = list(self._chars)
         clone._tokens = list(self._tokens)
         return clone
 
@@ -108,11 +102,9 @@ class GrammarCursor:
     # -- jump-forward -----------------------------------------------------------------------
 
     def jump_forward_text(self) -> str:
-        """The forced text from the current state ('' when none or unknown)."""
-        char_state = self._chars[-1][0]
-        if self._states[-1] == FINISHED or char_state is None:
-            return ""
-        return self.grammar.char_automaton.forced_text(char_state)
+        """The forced text from the current state, whole characters only ('' when none); its
+        first character may complete one the last token left open."""
+        return self._forced()[1]
 
     def jump_forward(
         self, output_ids: Sequence[int], tokenizer: _Encoder, min_forced_chars: int = 2
@@ -121,15 +113,11 @@ class GrammarCursor:
         characters, appends it: the last few output tokens plus the forced text are
         re-tokenized canonically, the tokens that change are rolled back, and the cursor
         ends advanced over the new tokens. None (cursor unchanged) when there is nothing to
-        force or the index refuses the re-tokenized tokens; plain decoding then continues.
+        force or the grammar refuses the re-tokenized tokens; plain decoding then continues.
 
         `output_ids` must end with the tokens this cursor accepted."""
-        forced = self.jump_forward_text()
-        if len(forced) < max(min_forced_chars, 1):
-            return None
-        pending = self._chars[-1][1]
-        forced_bytes = forced.encode()
-        if not forced_bytes.startswith(pending):
+        forced_bytes, forced = self._forced()
+        if not forced_bytes or len(forced) < max(min_forced_chars, 1):
             return None
         tokens = self._tokens
         tail_len = min(len(tokens), len(output_ids), RETOKENIZE_WINDOW + 4)
@@ -137,7 +125,7 @@ class GrammarCursor:
             raise ValueError("output_ids do not end with the tokens this cursor accepted")
         plan = retokenize_tail(
             tokens[len(tokens) - tail_len :],
-            forced_bytes[len(pending) :],
+            forced_bytes,
             self.grammar.vocab.token_bytes,
             tokenizer,
             RETOKENIZE_WINDOW,
@@ -161,35 +149,36 @@ class GrammarCursor:
                 return False
         return True
 
-    def _push(self, state: int, chars: tuple[int | None, bytes], token_id: int) -> None:
+    def _push(self, state: int, token_id: int) -> None:
         self._states.append(state)
-        self._chars.append(chars)
         self._tokens.append(token_id)
 
-    def _advance_chars(self, token_id: int) -> tuple[int | None, bytes]:
-        char_state, pending = self._chars[-1]
-        if char_state is None:
-            return _NO_CHARS
-        text, pending = _split_utf8(pending + self.grammar.vocab.token_bytes[token_id])
-        if text is None:
-            return _NO_CHARS
-        char_state = self.grammar.char_automaton.walk(char_state, text)
-        return _NO_CHARS if char_state is None else (char_state, pending)
+    def _forced(self) -> tuple[bytes, str]:
+        """(the forced bytes cut after the last whole character, their text together with
+        the open character they complete); (b"", "") when nothing is forced."""
+        state = self._states[-1]
+        if state == FINISHED:
+            return b"", ""
+        forced = self.grammar.forced_bytes(state)
+        if not forced:
+            return b"", ""
+        tail = b"".join(self.grammar.vocab.token_bytes[t] for t in self._tokens[-4:])
+        pending = tail[_utf8_cut(tail) :]
+        data = pending + forced
+        cut = _utf8_cut(data)
+        try:
+            text = data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            return b"", ""
+        return forced[: max(cut - len(pending), 0)], text
 
 
-def _split_utf8(data: bytes) -> tuple[str | None, bytes]:
-    """(complete characters, bytes of a trailing incomplete character); text None if the
-    bytes are not UTF-8."""
-    cut = len(data)
+def _utf8_cut(data: bytes) -> int:
+    """Where the trailing incomplete UTF-8 character of `data` starts (len(data): none)."""
     for i in range(len(data) - 1, max(len(data) - 4, -1), -1):
         lead = data[i]
         if lead & 0xC0 == 0x80:
             continue
         width = 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-        if i + width > len(data):
-            cut = i
-        break
-    try:
-        return data[:cut].decode("utf-8"), data[cut:]
-    except UnicodeDecodeError:
-        return None, b""
+        return i if i + width > len(data) else len(data)
+    return len(data)

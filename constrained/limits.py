@@ -21,12 +21,10 @@ import re
 
 import interegular
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.patterns import END_MARK
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)
 _DOTALL_FLAG = re.compile(r"\(\?[a-zA-Z-]*s[a-zA-Z-]*[:)]")
-_END_MARK_ESCAPE = re.compile(r"\\(x\{0*10ffff\}|U0010ffff)", re.IGNORECASE)
 MAX_EXPANDED_SIZE = 4096  # ~5 string fields at the length cap: ~5 s, ~700 MB with 49k tokens
 
 
@@ -39,8 +37,6 @@ def parse_regex(regex: str) -> object:
         raise ConstraintError(f"invalid regex {_short(regex)}: {e}") from None
     if _DOTALL_FLAG.search(regex):
         raise ConstraintError(f"unsupported regex feature in {_short(regex)}: the s (dot-all) flag")
-    if END_MARK in regex or _END_MARK_ESCAPE.search(regex):
-        raise ConstraintError(f"regex {_short(regex)} uses U+10FFFF, reserved as the end marker")
     try:
         tree = interegular.parse_pattern(regex)
     except Exception as e:  # interegular raises its own Unsupported / InvalidSyntax types

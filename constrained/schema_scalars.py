@@ -11,6 +11,7 @@ from typing import Any
 from interegular.fsm import FSM, Alphabet, anything_else
 from spruce.constrained.automata import (
     MAX_AUTOMATON_STATES,
+    can_emit,
     fsm_to_regex,
     intersect_regexes,
     literal_text,
@@ -18,7 +19,6 @@ from spruce.constrained.automata import (
     subtract_regexes,
 )
 from spruce.constrained.errors import ConstraintError, TooLarge
-from spruce.constrained.jump_forward import CharAutomaton
 from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex, regex_lengths, regex_size
 from spruce.constrained.patterns import (
     FORMAT_REGEXES,
@@ -152,7 +152,7 @@ def pattern_regex(pattern: Any, path: str, ctx: Context) -> str | None:
     try:
         regex = narrow_classes(pattern_search_regex(pattern))
         parse_regex(regex)
-        if CharAutomaton(regex).can_emit(_JSON_ESCAPED):
+        if can_emit(regex, _JSON_ESCAPED):
             regex = _intersect([regex, f"{SAFE_CHAR}*"])
     except Exception as e:  # noqa: BLE001 - ConstraintError from the parsers, or interegular's own errors
         ctx.skip("pattern", path, f"the regex {pattern!r} is not supported ({e})")

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-import outlines_core
+import numpy as np
 import pytest
 import torch
 from test_constrained_helpers import SHARED_SCHEMAS, assert_stopped_by_automaton, assert_valid_json, generate
@@ -55,19 +55,22 @@ def smollm_compiler(smollm_tokenizer):
     compiler.close()
 
 
-def test_the_vocabulary_sample_estimates_the_index_size(smollm_compiler, smollm_tokenizer):
-    """The index on the vocabulary sample, scaled, is 1-1.5x the full index (it errs high,
-    by the single bytes it adds) on a free string and on the shared schemas' regexes."""
-    from spruce.constrained.build_worker import _binary_size
-    from spruce.constrained.patterns import index_regex
+def test_the_trie_walk_equals_walking_every_token(smollm_compiler, smollm_tokenizer):
+    """The masks of the states a generation visits (a free string, a shared schema) against
+    walking each of the 49k tokens' bytes through the DFA one by one."""
+    from spruce.constrained.byte_dfa import DEAD
 
     vocab = smollm_compiler.vocab
-    assert 15 < vocab.sample.scale < 17
-    regexes = ['"[^"]{0,40}"'] + [make_spec(json_schema=p.read_text()).regex for p in SHARED_SCHEMAS[:4]]
-    for regex in regexes:
-        full = _binary_size(outlines_core.Index(index_regex(regex), vocab.vocabulary))
-        sample = _binary_size(outlines_core.Index(index_regex(regex), vocab.sample.vocabulary))
-        assert full <= sample * vocab.sample.scale <= 1.5 * full, regex[:80]
+    for spec in [make_spec(regex='"[^"]{0,40}"'), make_spec(json_schema=SHARED_SCHEMAS[0].read_text())]:
+        grammar = smollm_compiler.compile(spec)
+        gen = generate(grammar, smollm_tokenizer, seed=3)
+        cursor, every = grammar.cursor(), max(len(gen.ids) // 4, 1)
+        for step, token_id in enumerate(gen.ids):
+            if step % every == 0:
+                state = cursor.state
+                walked = {i for i, data in enumerate(vocab.token_bytes) if data and grammar.dfa.walk(state, data) != DEAD}
+                assert set(np.flatnonzero(vocab.trie.allowed(grammar.dfa, state)).tolist()) == walked and walked
+            assert cursor.accept_token(token_id)
 
 
 def test_shared_schemas_validate_with_the_real_tokenizer(smollm_compiler, smollm_tokenizer):
