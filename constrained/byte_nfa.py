@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import sys
+from contextlib import contextmanager
 from functools import lru_cache
 
 from spruce.constrained.errors import ConstraintError
@@ -54,22 +55,74 @@ class ByteNFA:
         self.eps, self.edges, self.start, self.final = state
 
 
-def build_nfa(regex: str, max_states: int = MAX_STATES) -> ByteNFA:
-    """ConstraintError for syntax the NFA does not support, a regex matching nothing, or
-    one past `max_states`."""
+# Python's regex parser (and the builder below) recurse once or twice per nested group; a
+# schema's optional properties nest one group each, so a few hundred of them pass Python's
+# default limit of 1000 frames. Python-to-Python calls do not grow the C stack (3.11+), so
+# a higher limit is safe while parsing.
+PARSE_RECURSION_LIMIT = 50_000
+
+
+@contextmanager
+def deep_recursion():
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, PARSE_RECURSION_LIMIT))
     try:
-        tree = sre_parse.parse(regex)
-    except re.error as e:
-        raise ConstraintError(f"invalid regex {_short(regex)}: {e}") from None
-    if tree.state.flags & ~(re.UNICODE | re.VERBOSE) & 0xFF:
-        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: inline flags")
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def parse_regex(regex: str):
+    """Python's parse tree of `regex`; ConstraintError for invalid syntax or a feature the
+    NFA does not support (anchors, backreferences, lookaround, flags, conditionals)."""
+    with deep_recursion():
+        try:
+            tree = sre_parse.parse(regex)
+        except re.error as e:
+            raise ConstraintError(f"invalid regex {_short(regex)}: {e}") from None
+        if tree.state.flags & ~(re.UNICODE | re.VERBOSE) & 0xFF:
+            raise ConstraintError(f"unsupported regex feature in {_short(regex)}: inline flags")
+        _check(tree, regex)
+    return tree
+
+
+def build_nfa(regex: str, max_states: int = MAX_STATES) -> ByteNFA:
+    """ConstraintError as parse_regex, for a regex matching nothing, or past `max_states`."""
+    tree = parse_regex(regex)
     builder = _Builder(regex, max_states)
-    start, end = builder.sequence(tree)
+    with deep_recursion():
+        start, end = builder.sequence(tree)
     nfa = ByteNFA(builder.eps, builder.edges, start, end)
     _prune(nfa)
     if not nfa.eps[start] and not nfa.edges[start] and start != end:
         raise ConstraintError(f"the regex {_short(regex)} matches no string")
     return nfa
+
+
+_ATOMS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY)
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT))
+
+
+def _check(items, regex: str) -> None:
+    for op, arg in items:
+        if op in _ATOMS:
+            continue
+        if op is sre.IN:
+            _class_ranges(arg, regex)
+        elif op is sre.SUBPATTERN:
+            if arg[1] & ~re.UNICODE or arg[2]:
+                raise ConstraintError(f"unsupported regex feature in {_short(regex)}: inline flags")
+            _check(arg[3], regex)
+        elif op is sre.BRANCH:
+            for branch in arg[1]:
+                _check(branch, regex)
+        elif op in _REPEATS:
+            _check(arg[2], regex)
+        elif op is getattr(sre, "ATOMIC_GROUP", None):
+            _check(arg, regex)
+        else:
+            what = "lookaround" if op in (sre.ASSERT, sre.ASSERT_NOT) else str(op).lower()
+            raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {what}")
 
 
 class _Builder:
@@ -105,11 +158,8 @@ class _Builder:
             return self.chars(_complement(((10, 10),)))
         if op is sre.IN:
             return self.chars(_class_ranges(arg, self.regex))
-        if op is sre.SUBPATTERN:
-            _group, add_flags, del_flags, items = arg
-            if add_flags & ~re.UNICODE or del_flags:
-                raise ConstraintError(f"unsupported regex feature in {_short(self.regex)}: inline flags")
-            return self.sequence(items)
+        if op is sre.SUBPATTERN:  # (flags checked by parse_regex)
+            return self.sequence(arg[3])
         if op is sre.BRANCH:
             start, end = self.state(), self.state()
             for items in arg[1]:
@@ -117,12 +167,12 @@ class _Builder:
                 self.eps[start].append(first)
                 self.eps[last].append(end)
             return start, end
-        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT)):
+        if op in _REPEATS:
             low, high, items = arg
             return self.repeat(items, low, None if high is sre.MAXREPEAT else high)
         if op is getattr(sre, "ATOMIC_GROUP", None):
             return self.sequence(arg)
-        raise ConstraintError(f"unsupported regex feature in {_short(self.regex)}: {str(op).lower()}")
+        raise AssertionError(f"unchecked regex op {op}")  # parse_regex refuses it first
 
     def repeat(self, items, low: int, high: int | None) -> tuple[int, int]:
         start = end = self.state()

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.limits import MAX_EXPANDED_SIZE, parse_regex, regex_size
+from spruce.constrained.byte_nfa import parse_regex
+from spruce.constrained.limits import MAX_EXPANDED_SIZE, regex_size
 from spruce.constrained.schema_context import LOOSE, STRICT, Context, SchemaOptions
 from spruce.constrained.schema_regex import RegexBuilder, RegexTooLong
 from spruce.constrained.schema_size import (

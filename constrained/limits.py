@@ -19,31 +19,12 @@ from __future__ import annotations
 
 import re
 
-import interegular
+from spruce.constrained.byte_nfa import parse_regex
 from spruce.constrained.errors import ConstraintError
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)
-_DOTALL_FLAG = re.compile(r"\(\?[a-zA-Z-]*s[a-zA-Z-]*[:)]")
-MAX_EXPANDED_SIZE = 4096  # ~5 string fields at the length cap: ~5 s, ~700 MB with 49k tokens
-
-
-def parse_regex(regex: str) -> object:
-    """Parses with both Python `re` (syntax) and interegular (the features the automata
-    support); raises ConstraintError naming the problem. Returns interegular's tree."""
-    try:
-        re.compile(regex)
-    except re.error as e:
-        raise ConstraintError(f"invalid regex {_short(regex)}: {e}") from None
-    if _DOTALL_FLAG.search(regex):
-        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: the s (dot-all) flag")
-    try:
-        tree = interegular.parse_pattern(regex)
-    except Exception as e:  # interegular raises its own Unsupported / InvalidSyntax types
-        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {e}") from None
-    if _has_lookaround(tree):
-        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: lookaround")
-    return tree
+MAX_EXPANDED_SIZE = 32768
 
 
 def check_regex_size(regex: str, tree: object | None = None) -> None:
@@ -155,15 +136,6 @@ def _repeat_factor(token: re.Match) -> int:
     if not token.group("comma") and not low:  # "{}": a literal brace
         return 1
     return max(int(low or 0), 1)
-
-def _has_lookaround(node: object) -> bool:
-    if hasattr(node, "inner"):
-        return True
-    children = getattr(node, "options", None) or getattr(node, "parts", None) or ()
-    if hasattr(node, "base"):
-        children = (node.base,)
-    return any(_has_lookaround(child) for child in children)
-
 
 def _short(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")

@@ -148,10 +148,11 @@ class RegexBuilder:
         if kinds == KINDS and free and not flat.get("not_values"):
             return [json_value_regex(self.ctx.options.any_json_depth)]
         out = []
-        if "null" in kinds:
+        excluded = flat.get("not_values", [])
+        if "null" in kinds and not any(v is None for v in excluded):
             out.append("null")
         if "boolean" in kinds:
-            out.append("(?:true|false)")
+            out.append(union([b for b in ("true", "false") if not any(same_json(v, b == "true") for v in excluded)]))
         if "integer" in kinds or "fraction" in kinds:
             out.append(self._number(flat, kinds))
         if "string" in kinds:

@@ -19,7 +19,8 @@ from spruce.constrained.automata import (
     subtract_regexes,
 )
 from spruce.constrained.errors import ConstraintError, TooLarge
-from spruce.constrained.limits import MAX_STRING_LENGTH, parse_regex, regex_lengths, regex_size
+from spruce.constrained.byte_nfa import parse_regex
+from spruce.constrained.limits import MAX_STRING_LENGTH, regex_lengths, regex_size
 from spruce.constrained.patterns import (
     FORMAT_REGEXES,
     JSON_FRACTION,

@@ -8,7 +8,8 @@ from typing import Any
 
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.json_schema import convert_schema, load_schema
-from spruce.constrained.limits import check_regex_size, parse_regex
+from spruce.constrained.byte_nfa import parse_regex
+from spruce.constrained.limits import check_regex_size
 from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
 from spruce.constrained.schema_context import LENIENT, SchemaOptions
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spruce.constrained.byte_dfa import ByteDFA
+from spruce.constrained.byte_dfa import UNKNOWN, ByteDFA
 
 
 class TokenTrie:
@@ -64,7 +64,10 @@ class TokenTrie:
             first = np.cumsum(counts) - counts
             children = self.child_start[nodes][parent] + (np.arange(total) - first[parent])
             parent_states = states[parent]
-            table = dfa.ensure_rows(np.unique(parent_states))
+            table = dfa.table
+            missing = parent_states[table[parent_states, 0] == UNKNOWN]
+            if missing.size:
+                table = dfa.ensure_rows(np.unique(missing))
             nxt = table[parent_states, self.byte[children]]
             keep = nxt >= 0
             nodes, states = children[keep], nxt[keep].astype(np.int64)

@@ -15,18 +15,22 @@ from spruce.constrained.schema_context import SchemaOptions
 
 ITEM = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 60}, "mail": {"type": "string", "format": "email"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 250},
+        "note": {"type": "string", "maxLength": 250},
+        "mail": {"type": "string", "format": "email"},
+    },
     "required": ["name"],
 }
 ARRAY_OF_ITEMS = {
     "type": "object",
     "properties": {
-        "spec": {"type": "object", "properties": {"containers": {"type": "array", "items": ITEM, "maxItems": 40}}},
+        "spec": {"type": "object", "properties": {"containers": {"type": "array", "items": ITEM, "maxItems": 60}}},
         "tag": {"type": "string", "maxLength": 8},
     },
     "required": ["spec"],
 }
-BIG_ENUM = {"type": "object", "properties": {"code": {"enum": [f"code-{i:05d}" for i in range(1500)]}}, "required": ["code"]}
+BIG_ENUM = {"type": "object", "properties": {"code": {"enum": [f"code-{i:05d}" for i in range(4000)]}}, "required": ["code"]}
 
 
 @pytest.mark.parametrize(
@@ -70,9 +74,9 @@ def test_lenient_mode_relaxes_the_heaviest_bound_and_reports_it():
     assert converted.unenforced_at == {"maxItems": ["#/properties/spec/properties/containers"]}
     assert regex_size(converted.regex) <= MAX_EXPANDED_SIZE
     regex = re.compile(converted.regex)
-    many = {"spec": {"containers": [{"name": "x"}] * 45}}  # past maxItems: accepted, reported
+    many = {"spec": {"containers": [{"name": "x"}] * 65}}  # past maxItems: accepted, reported
     assert regex.fullmatch(canonical_instance(many, converted.orders))
-    assert not regex.fullmatch(canonical_instance({"spec": {"containers": [{"name": "x" * 61}]}}, converted.orders))
+    assert not regex.fullmatch(canonical_instance({"spec": {"containers": [{"name": "x" * 251}]}}, converted.orders))
     assert not regex.fullmatch(canonical_instance({"spec": {"containers": [{"name": "x", "mail": "no"}]}}, converted.orders))
 
 
@@ -88,16 +92,17 @@ def test_lenient_mode_loosens_a_subtree_it_cannot_shrink_otherwise():
 
 
 def test_only_as_many_bounds_are_relaxed_as_the_cap_needs():
+    names = [f"p{i}" for i in range(48)]  # 48 strings of up to 250 characters: about 36k positions
     schema = {
-        "$defs": {"text": {"type": "string", "maxLength": 200}},
+        "$defs": {"text": {"type": "string", "maxLength": 250}},
         "type": "object",
-        "properties": {name: {"$ref": "#/$defs/text"} for name in "abcdefgh"},
-        "required": list("abcdefgh"),
+        "properties": {name: {"$ref": "#/$defs/text"} for name in names},
+        "required": names,
     }
     converted = convert_schema(schema)
     assert converted.unenforced == ("maxLength",)
     relaxed = converted.unenforced_at["maxLength"]
-    assert 0 < len(relaxed) < 8 and regex_size(converted.regex) <= MAX_EXPANDED_SIZE
-    loose, kept = relaxed[0].rsplit("/", 1)[1], next(n for n in "abcdefgh" if f"#/properties/{n}" not in relaxed)
-    text = lambda long: json.dumps({n: "x" * (300 if n == long else 1) for n in "abcdefgh"}, separators=(",", ":"))  # noqa: E731
+    assert 0 < len(relaxed) < len(names) and regex_size(converted.regex) <= MAX_EXPANDED_SIZE
+    loose, kept = relaxed[0].rsplit("/", 1)[1], next(n for n in names if f"#/properties/{n}" not in relaxed)
+    text = lambda long: json.dumps({n: "x" * (300 if n == long else 1) for n in names}, separators=(",", ":"))  # noqa: E731
     assert re.fullmatch(converted.regex, text(loose)) and not re.fullmatch(converted.regex, text(kept))
