@@ -55,15 +55,24 @@ def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaR
     options = options or SchemaOptions()
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
+    try:
+        return _convert(schema, options)
+    finally:
+        regex_size.cache_clear()  # it holds this schema's part regexes (megabytes for a large one)
+
+
+def _convert(schema: Any, options: SchemaOptions) -> SchemaRegex:
     relaxed: dict[str, int] = {}
+    overflow: RegexTooLong | None = None
     for _ in range(MAX_RELAX_ROUNDS + 1):
         ctx = Context(schema, options, relaxed)
         builder = RegexBuilder(ctx)
         try:
-            regex = builder.value(schema, "#")
-        except RegexTooLong:
+            regex, overflow = builder.value(schema, "#"), None
+        except RegexTooLong as e:
             if options.mode == STRICT or not relax_overflow(builder.root_part, relaxed):
                 raise
+            overflow = e
             continue
         if regex is None:
             raise ConstraintError("the JSON schema allows no value (its constraints contradict each other)")
@@ -73,7 +82,7 @@ def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaR
         if options.mode == STRICT or not relax(builder.root_part, size, ctx, relaxed):
             raise ConstraintError(too_large_message(builder.root_part, size))
     else:
-        raise ConstraintError(too_large_message(builder.root_part, size))
+        raise overflow or ConstraintError(too_large_message(builder.root_part, size))
     parse_regex(regex)  # what the automata support: a converter bug fails here, not later
     places = ctx.unenforced.places
     loosened = tuple(path for path, level in relaxed.items() if level >= LOOSE)

@@ -1,30 +1,26 @@
-"""Size caps checked before any automaton is built, and the regex syntax check.
+"""Size caps checked before any automaton is built.
 
-Measured with SmolLM2's 49,152-token vocabulary (outlines-core 0.2.14, one CPU core):
-a string field `{"type": "string", "maxLength": n}` costs about 10 index states, 46k
-transitions, 0.5 MB and 4 ms of build time per unit of n, linearly:
-
-    maxLength    60: 0.23 s,  609 states,  30 MB      maxLength  500: 2.0 s, 198 MB
-    maxLength   200: 0.84 s, 2009 states,  95 MB      maxLength 1000: 4.1 s, 314 MB
-
-An unbounded string (no maxLength) is a loop: a few states. So bounded lengths are capped at
-MAX_STRING_LENGTH (about 1 s and 130 MB for one field at the cap), and every regex at
-MAX_EXPANDED_SIZE expanded positions (repeats multiplied out), which bounds the DFA of the
-deterministic regexes JSON schemas produce (a 256-char string field expands to ~800).
-Regexes whose determinization explodes (`(a|b)*a(a|b){14}`: 28 s) are caught only by the
-compile timeout.
+A regex becomes a byte-level NFA of a few states per expanded position (repeats multiplied
+out: a 256-character JSON string field expands to ~770 positions and ~5,100 states), built
+at about 150k states per second; its DFA is made lazily, only where requests go (see
+byte_dfa.py), so the NFA's size is what a constraint costs up front. MAX_EXPANDED_SIZE
+bounds it: at the cap, a JSON schema's regex builds in under a second (~100k states, about
+20 MB). Bounded lengths and counts have their own caps (a field of MAX_STRING_LENGTH, an
+array of MAX_ARRAY_ITEMS items); past them, or past the total, lenient mode relaxes the
+heaviest parts of a schema (schema_size.py) and strict mode refuses it, naming them.
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from spruce.constrained.byte_nfa import parse_regex
 from spruce.constrained.errors import ConstraintError
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)
-MAX_EXPANDED_SIZE = 32768
+MAX_EXPANDED_SIZE = 32768  # was 4096 while an eager token index was built for every state
 
 
 def check_regex_size(regex: str, tree: object | None = None) -> None:
@@ -51,6 +47,7 @@ _TOKEN = re.compile(
 )
 
 
+@lru_cache(maxsize=65536)  # schema_size measures every part, round after round (cleared per schema)
 def regex_size(regex: str) -> int:
     """Number of character positions once bounded repeats are multiplied out (`a{3}` is 3,
     `(ab){2,5}` is 10, `a*` is 1, alternatives add up): a bound on the DFA of the

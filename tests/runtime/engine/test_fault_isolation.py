@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from spruce.constrained import make_spec
+from spruce.constrained import ConstraintSpec, make_spec
 from spruce.runtime import Engine
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
@@ -211,7 +211,8 @@ def test_a_grammar_build_past_its_deadline_fails_its_request_while_others_run(ti
     engine = make_engine(tiny_llama_dir, grammar_timeout_s=2)
     core = engine.core
     engine.generate("warm up", {"max_new_tokens": 2, "regex": "[a-z]+"})  # a build worker is up
-    exploding = make_spec(regex="(a|b)*a(a|b){24}")  # passes every size check; 2^24 DFA states
+    huge = "(?:[ab]{1000}){1000}"  # a million NFA positions: seconds to build (past make_spec's size cap)
+    exploding = ConstraintSpec("regex", huge, huge)
     start = time.monotonic()
     stuck = core.add_request(ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), exploding))
     others = [core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None)) for p in batch[:4]]
