@@ -10,6 +10,9 @@ import numpy as np
 from spruce.constrained.byte_dfa import UNKNOWN, ByteDFA
 
 
+SMALL_FRONTIER = 64  # past depth 8, this few (node, state) pairs are walked on in plain Python
+
+
 class TokenTrie:
     """Nodes numbered breadth first (root 0), so the children of a node are consecutive and
     every depth is one range. `token_bytes[i]` empty: token i is never allowed. Immutable."""
@@ -47,6 +50,7 @@ class TokenTrie:
             for byte, kid in kids:
                 self.byte[number[kid]] = byte
             node_of[ends[old]] = int(new)
+        self._lists = (self.child_start.tolist(), self.child_count.tolist(), self.byte.tolist())
         # token -> its node; never-allowed tokens point at an extra node that is never alive
         self.token_node = np.array([node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64)
 
@@ -55,7 +59,12 @@ class TokenTrie:
         alive = np.zeros(self.num_nodes + 1, dtype=bool)
         nodes = np.zeros(1, dtype=np.int64)
         states = np.array([state], dtype=np.int64)
+        depth = 0
         while nodes.size:
+            depth += 1
+            if depth > 8 and nodes.size <= SMALL_FRONTIER:  # the deep, thin levels of long tokens
+                self._walk_rest(dfa, nodes.tolist(), states.tolist(), alive)
+                break
             counts = self.child_count[nodes]
             total = int(counts.sum())
             if total == 0:
@@ -73,3 +82,16 @@ class TokenTrie:
             nodes, states = children[keep], nxt[keep].astype(np.int64)
             alive[nodes] = True
         return alive[self.token_node]
+
+    def _walk_rest(self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray) -> None:
+        """Depth first below `nodes` (each in its DFA state), marking the nodes reached."""
+        child_start, child_count, byte = self._lists
+        stack = list(zip(nodes, states))
+        while stack:
+            node, state = stack.pop()
+            first = child_start[node]
+            for child in range(first, first + child_count[node]):
+                nxt = dfa.step(state, byte[child])
+                if nxt >= 0:
+                    alive[child] = True
+                    stack.append((child, nxt))

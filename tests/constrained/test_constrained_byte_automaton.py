@@ -17,6 +17,7 @@ from spruce.constrained import ConstraintError, make_spec
 from spruce.constrained.byte_dfa import DEAD, ByteDFA
 from spruce.constrained.byte_nfa import _utf8_sequences, build_nfa
 from spruce.constrained.patterns import JSON_NUMBER, JSON_STRING, json_value_regex
+from spruce.constrained.token_trie import TokenTrie
 
 REGEXES = [
     JSON_STRING, JSON_NUMBER, r"(a|b)*a(a|b){3}", r"\w+\s[^a-c]{2,3}", r".x?", r"(?:ab|a)(?:bc|c)*",
@@ -108,3 +109,19 @@ def test_the_trie_walk_equals_walking_every_token(tiny_compiler, tiny_tokenizer,
         if not walked:
             break
         state = grammar.next_state(state, rng.choice(sorted(walked)))
+
+
+@pytest.mark.parametrize("regex", [r"[a-c]*", r"(?:ab|c){2,12}d?", JSON_STRING])
+def test_the_trie_walk_equals_walking_every_token_with_long_tokens(regex):
+    """A made-up vocabulary: 3,000 short tokens and 40 of 10-40 bytes, whose deep, thin levels
+    the walk does one node at a time."""
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 6) for _ in range(3000)] + [rng.randint(10, 40) for _ in range(40)]
+    tokens = [b""] + [bytes(rng.choice(b'abcd"' if n < 10 else b"abc") for _ in range(n)) for n in lengths]
+    trie, dfa = TokenTrie(tokens), ByteDFA(build_nfa(regex))
+    for prefix in [b"", b"ab", b'"a']:
+        state = dfa.walk(dfa.initial, prefix)
+        if state == DEAD:
+            continue
+        walked = {i for i, data in enumerate(tokens) if data and dfa.walk(state, data) != DEAD}
+        assert set(np.flatnonzero(trie.allowed(dfa, state)).tolist()) == walked
