@@ -24,7 +24,7 @@ MAX_FORCED_BYTES = 4096
 
 class ByteDFA:
     def __init__(self, nfa: ByteNFA, max_states: int = MAX_STATES) -> None:
-        self._eps, self._edges, self._final = nfa.eps, nfa.edges, nfa.final
+        self._nfa, self._final = nfa, nfa.final
         self.max_states = max_states
         self._ids: dict[frozenset[int], int] = {}
         self._cores: list[tuple[int, ...]] = []  # per DFA state: its NFA states that read bytes
@@ -97,7 +97,8 @@ class ByteDFA:
                     f"the constraint's automaton passed {self.max_states} states; simplify it"
                 )
             self._ids[key] = state
-            self._cores.append(tuple(s for s in closure if self._edges[s]))
+            edge_at = self._nfa.edge_at
+            self._cores.append(tuple(s for s in closure if edge_at[s + 1] > edge_at[s]))
             self._accepting.append(self._final in closure)
             if state >= self.table.shape[0]:
                 grown = np.full((2 * self.table.shape[0], 256), UNKNOWN, dtype=np.int32)
@@ -107,17 +108,23 @@ class ByteDFA:
         return state
 
     def _closure(self, targets: frozenset[int]) -> set[int]:
-        eps = self._eps
+        eps_at, eps_to = self._nfa.eps_at, self._nfa.eps_to
         seen, stack = set(targets), list(targets)
         while stack:
-            for nxt in eps[stack.pop()]:
+            state = stack.pop()
+            for i in range(eps_at[state], eps_at[state + 1]):
+                nxt = eps_to[i]
                 if nxt not in seen:
                     seen.add(nxt)
                     stack.append(nxt)
         return seen
 
     def _compute_row(self, state: int) -> None:
-        edges = [edge for s in self._cores[state] for edge in self._edges[s]]
+        nfa = self._nfa
+        edges = [
+            (nfa.edge_low[i], nfa.edge_high[i], nfa.edge_to[i])
+            for s in self._cores[state] for i in range(nfa.edge_at[s], nfa.edge_at[s + 1])
+        ]  # fmt: skip
         row = np.full(256, DEAD, dtype=np.int32)
         if edges:
             cuts = sorted({low for low, _, _ in edges} | {high + 1 for _, high, _ in edges})

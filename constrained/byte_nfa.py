@@ -11,12 +11,13 @@ Unicode classes (the regex-level checks use Python's `re`); `.` is any character
 newline. Anchors, backreferences, lookaround and flags are refused (the schema converter
 removes the anchors it understands before a regex gets here).
 
-The NFA is plain lists of ints, so it crosses the build worker's pipe cheaply."""
+The NFA is rows of ints, so it crosses the build worker's pipe as a few byte strings."""
 
 from __future__ import annotations
 
 import re
 import sys
+from array import array
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -35,24 +36,43 @@ _UTF8_LIMITS = (0x7F, 0x7FF, 0xFFFF, MAX_CODE_POINT)
 
 
 class ByteNFA:
-    """States 0..n-1; `eps[s]`: epsilon targets; `edges[s]`: (low byte, high byte, target)
-    triples; one start and one final state. Only states that can reach the final state
-    are kept reachable (edges into dead states are dropped)."""
+    """States 0..n-1 in compressed rows: state s's epsilon targets are
+    `eps_to[eps_at[s]:eps_at[s + 1]]`, its byte edges `edge_low / edge_high / edge_to` over
+    `edge_at[s]:edge_at[s + 1]` (inclusive byte ranges); one start and one final state. Every
+    state with an edge can reach the final state. Crosses the worker's pipe as int arrays."""
 
-    __slots__ = ("eps", "edges", "start", "final")
+    __slots__ = ("start", "final", "eps_at", "eps_to", "edge_at", "edge_low", "edge_high", "edge_to")
+    _ROWS = ("eps_at", "eps_to", "edge_at", "edge_low", "edge_high", "edge_to")
 
     def __init__(self, eps: list[list[int]], edges: list[list[tuple[int, int, int]]], start: int, final: int):
-        self.eps, self.edges, self.start, self.final = eps, edges, start, final
+        self.start, self.final = start, final
+        self.eps_at, self.eps_to = _compressed(eps)
+        self.edge_at, flat = _compressed(edges)
+        self.edge_low = [e[0] for e in flat]
+        self.edge_high = [e[1] for e in flat]
+        self.edge_to = [e[2] for e in flat]
 
     @property
     def num_states(self) -> int:
-        return len(self.eps)
+        return len(self.eps_at) - 1
 
     def __getstate__(self):
-        return self.eps, self.edges, self.start, self.final
+        return self.start, self.final, *(array("i", getattr(self, name)).tobytes() for name in self._ROWS)
 
     def __setstate__(self, state) -> None:
-        self.eps, self.edges, self.start, self.final = state
+        self.start, self.final, *rows = state
+        for name, data in zip(self._ROWS, rows):
+            values = array("i")
+            values.frombytes(data)
+            setattr(self, name, values.tolist())
+
+
+def _compressed(rows: list[list]) -> tuple[list[int], list]:
+    at, flat = [0], []
+    for row in rows:
+        flat.extend(row)
+        at.append(len(flat))
+    return at, flat
 
 
 # Python's regex parser (and the builder below) recurse once or twice per nested group; a
@@ -90,13 +110,14 @@ def build_nfa(regex: str, max_states: int = MAX_STATES) -> ByteNFA:
     """ConstraintError as parse_regex, for a regex matching nothing, or past `max_states`."""
     tree = parse_regex(regex)
     builder = _Builder(regex, max_states)
+    start = builder.states(1)
     with deep_recursion():
-        start, end = builder.sequence(tree)
-    nfa = ByteNFA(builder.eps, builder.edges, start, end)
-    _prune(nfa)
-    if not nfa.eps[start] and not nfa.edges[start] and start != end:
-        raise ConstraintError(f"the regex {_short(regex)} matches no string")
-    return nfa
+        end = builder.sequence(tree, start)
+    if builder.dead_ends:  # an empty class: drop what cannot reach the end
+        _prune(builder.eps, builder.edges, end)
+        if not builder.eps[start] and not builder.edges[start] and start != end:
+            raise ConstraintError(f"the regex {_short(regex)} matches no string")
+    return ByteNFA(builder.eps, builder.edges, start, end)
 
 
 _ATOMS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY)
@@ -126,123 +147,135 @@ def _check(items, regex: str) -> None:
 
 
 class _Builder:
+    """Thompson's construction, each fragment built onward from the state it starts at (so a
+    literal costs one state). Only a loop's own fresh state receives a back edge, so a state
+    shared by a branch's alternatives never loops into another alternative."""
+
     def __init__(self, regex: str, max_states: int) -> None:
         self.regex, self.max_states = regex, max_states
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
+        self.dead_ends = False  # some class matched no character
 
-    def state(self) -> int:
-        if len(self.eps) >= self.max_states:
+    def states(self, count: int) -> int:
+        """The first of `count` new states."""
+        first = len(self.eps)
+        if first + count > self.max_states:
             raise ConstraintError(
                 f"constraint too large: the regex {_short(self.regex)} needs more than {self.max_states} "
                 "automaton states; lower the bounded repeats (maxLength, maxItems, {m,n})"
             )
-        self.eps.append([])
-        self.edges.append([])
-        return len(self.eps) - 1
+        self.eps.extend([] for _ in range(count))
+        self.edges.extend([] for _ in range(count))
+        return first
 
-    def sequence(self, items) -> tuple[int, int]:
-        start = end = self.state()
+    def sequence(self, items, state: int) -> int:
+        """Builds `items` onward from `state`; the state they end in."""
         for op, arg in items:
-            first, last = self.item(op, arg)
-            self.eps[end].append(first)
-            end = last
-        return start, end
+            state = self.item(op, arg, state)
+        return state
 
-    def item(self, op, arg) -> tuple[int, int]:
+    def item(self, op, arg, state: int) -> int:
         if op is sre.LITERAL:
-            return self.chars(((arg, arg),))
+            return self.chars(((arg, arg),), state)
         if op is sre.NOT_LITERAL:
-            return self.chars(_complement(((arg, arg),)))
+            return self.chars(_complement(((arg, arg),)), state)
         if op is sre.ANY:
-            return self.chars(_complement(((10, 10),)))
+            return self.chars(_complement(((10, 10),)), state)
         if op is sre.IN:
-            return self.chars(_class_ranges(arg, self.regex))
+            return self.chars(_class_ranges(arg, self.regex), state)
         if op is sre.SUBPATTERN:  # (flags checked by parse_regex)
-            return self.sequence(arg[3])
+            return self.sequence(arg[3], state)
         if op is sre.BRANCH:
-            start, end = self.state(), self.state()
+            end = self.states(1)
             for items in arg[1]:
-                first, last = self.sequence(items)
-                self.eps[start].append(first)
-                self.eps[last].append(end)
-            return start, end
+                self.eps[self.sequence(items, state)].append(end)
+            return end
         if op in _REPEATS:
             low, high, items = arg
-            return self.repeat(items, low, None if high is sre.MAXREPEAT else high)
+            return self.repeat(items, low, None if high is sre.MAXREPEAT else high, state)
         if op is getattr(sre, "ATOMIC_GROUP", None):
-            return self.sequence(arg)
+            return self.sequence(arg, state)
         raise AssertionError(f"unchecked regex op {op}")  # parse_regex refuses it first
 
-    def repeat(self, items, low: int, high: int | None) -> tuple[int, int]:
-        start = end = self.state()
+    def repeat(self, items, low: int, high: int | None, state: int) -> int:
         for _ in range(low):
-            first, last = self.sequence(items)
-            self.eps[end].append(first)
-            end = last
-        if high is None:  # a loop: end -> body -> end, and out
-            first, last = self.sequence(items)
-            self.eps[end].append(first)
-            self.eps[last].append(end)
-            return start, end
-        exit_ = self.state()
+            state = self.sequence(items, state)
+        if high is None:  # a loop on a fresh state: body and back, or on
+            loop = self.states(1)
+            self.eps[state].append(loop)
+            self.eps[self.sequence(items, loop)].append(loop)
+            return loop
+        if high == low:
+            return state
+        exit_ = self.states(1)
         for _ in range(high - low):  # nested optionals: each may stop
-            self.eps[end].append(exit_)
-            first, last = self.sequence(items)
-            self.eps[end].append(first)
-            end = last
-        self.eps[end].append(exit_)
-        return start, exit_
+            self.eps[state].append(exit_)
+            state = self.sequence(items, state)
+        self.eps[state].append(exit_)
+        return exit_
 
-    def chars(self, ranges) -> tuple[int, int]:
-        """A fragment matching one character of `ranges` (code point pairs) in UTF-8."""
-        start, end = self.state(), self.state()
-        suffix_states: dict[tuple, int] = {(): end}
-        for seq in _utf8_sequences(tuple(ranges)):
-            target = end
-            for k in range(len(seq) - 1, 0, -1):  # share the states of common suffixes
-                suffix = seq[k:]
-                state = suffix_states.get(suffix)
-                if state is None:
-                    state = suffix_states[suffix] = self.state()
-                    low, high = seq[k]
-                    self.edges[state].append((low, high, target))
-                target = state
-            low, high = seq[0]
-            self.edges[start].append((low, high, target))
-        return start, end
+    def chars(self, ranges, state: int) -> int:
+        """One character of `ranges` (code point pairs) in UTF-8, onward from `state`."""
+        inner, first_edges, inner_edges = _class_template(tuple(ranges))
+        if not first_edges:
+            self.dead_ends = True
+        end = self.states(inner + 1)  # local 0: the end; 1..inner: states inside the class
+        self.edges[state].extend((low, high, end + to) for low, high, to in first_edges)
+        for src, low, high, to in inner_edges:
+            self.edges[end + src].append((low, high, end + to))
+        return end
 
 
-def _prune(nfa: ByteNFA) -> None:
-    """Drops the edges into states that cannot reach the final state."""
-    reverse: list[list[int]] = [[] for _ in nfa.eps]
-    for src in range(len(nfa.eps)):
-        for dst in nfa.eps[src]:
+@lru_cache(maxsize=4096)
+def _class_template(ranges: tuple[tuple[int, int], ...]) -> tuple[int, list, list]:
+    """A class's byte automaton in local numbering (0: the end state, 1..n: inner states;
+    sequences that end alike share their inner states): (n, edges from the start, inner edges)."""
+    suffixes: dict[tuple, int] = {(): 0}
+    first_edges, inner_edges = [], []
+    for seq in _utf8_sequences(ranges):
+        target = 0
+        for k in range(len(seq) - 1, 0, -1):
+            suffix = seq[k:]
+            local = suffixes.get(suffix)
+            if local is None:
+                local = suffixes[suffix] = len(suffixes)
+                inner_edges.append((local, *seq[k], target))
+            target = local
+        first_edges.append((*seq[0], target))
+    return len(suffixes) - 1, first_edges, inner_edges
+
+
+def _prune(eps: list[list[int]], edges: list[list[tuple[int, int, int]]], final: int) -> None:
+    """Drops the edges into states that cannot reach `final`."""
+    reverse: list[list[int]] = [[] for _ in eps]
+    for src in range(len(eps)):
+        for dst in eps[src]:
             reverse[dst].append(src)
-        for _low, _high, dst in nfa.edges[src]:
+        for _low, _high, dst in edges[src]:
             reverse[dst].append(src)
-    live = bytearray(len(nfa.eps))
-    live[nfa.final] = 1
-    stack = [nfa.final]
+    live = bytearray(len(eps))
+    live[final] = 1
+    stack = [final]
     while stack:
         for src in reverse[stack.pop()]:
             if not live[src]:
                 live[src] = 1
                 stack.append(src)
-    for s in range(len(nfa.eps)):
-        if not live[s]:
-            nfa.eps[s], nfa.edges[s] = [], []
-            continue
-        if any(not live[d] for d in nfa.eps[s]):
-            nfa.eps[s] = [d for d in nfa.eps[s] if live[d]]
-        if any(not live[d] for _, _, d in nfa.edges[s]):
-            nfa.edges[s] = [e for e in nfa.edges[s] if live[e[2]]]
+    for s in range(len(eps)):
+        eps[s] = [d for d in eps[s] if live[d]] if live[s] else []
+        edges[s] = [e for e in edges[s] if live[e[2]]] if live[s] else []
 
 
 # -- character classes -------------------------------------------------------------------------
 
 
 def _class_ranges(items, regex: str) -> tuple[tuple[int, int], ...]:
+    return _ranges_of(tuple(items), regex)
+
+
+@lru_cache(maxsize=4096)  # a schema's regex repeats its classes thousands of times
+def _ranges_of(items: tuple, regex: str) -> tuple[tuple[int, int], ...]:
     negate, ranges = False, []
     for op, arg in items:
         if op is sre.NEGATE:
