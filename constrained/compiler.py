@@ -17,7 +17,7 @@ from spruce.constrained.spec import ConstraintSpec
 from spruce.constrained.vocab import TokenVocabulary
 
 NUM_WORKERS = 2  # a slow build does not hold up every other constraint
-# A grammar's memory at build time: its NFA (Python lists, measured ~200 bytes per state);
+# A grammar's memory at build time: its NFA (rows of Python ints, measured ~190 bytes per state);
 # the lazily made DFA rows (1 KB per state) and token masks (4 bytes per 32 vocabulary ids
 # per visited state) come later and are not counted.
 NFA_BYTES_PER_STATE = 200

@@ -96,7 +96,7 @@ class GrammarCursor:
 
     @property
     def state(self) -> int:
-        """The token-index state (FINISHED after EOS); for debugging and tests."""
+        """The grammar (DFA) state (FINISHED after EOS); for debugging and tests."""
         return self._states[-1]
 
     # -- jump-forward -----------------------------------------------------------------------

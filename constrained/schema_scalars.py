@@ -107,7 +107,7 @@ def _length_bounds(flat: dict, ctx: Context) -> tuple[int, int | None]:
         low = 0
     if high is not None and high > MAX_STRING_LENGTH:
         ctx.skip("maxLength", path, f"{high} is above the cap of {MAX_STRING_LENGTH} (each bounded "
-                 "character grows the token index)")  # fmt: skip
+                 "character grows the automaton)")  # fmt: skip
         high = None
     if low > MAX_STRING_LENGTH:
         ctx.skip("minLength", path, f"{low} is above the cap of {MAX_STRING_LENGTH}")

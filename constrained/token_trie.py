@@ -13,24 +13,29 @@ from spruce.constrained.byte_dfa import UNKNOWN, ByteDFA
 SMALL_FRONTIER = 64  # past depth 8, this few (node, state) pairs are walked on in plain Python
 
 
+def _dict_trie(strings: list[bytes]) -> tuple[list[dict[int, int]], list[bytes]]:
+    """(children of each node by byte, the bytes each node spells); node 0 is the root."""
+    children: list[dict[int, int]] = [{}]
+    ends: list[bytes] = [b""]
+    for data in strings:
+        node = 0
+        for i, byte in enumerate(data):
+            nxt = children[node].get(byte)
+            if nxt is None:
+                nxt = children[node][byte] = len(children)
+                children.append({})
+                ends.append(data[: i + 1])
+            node = nxt
+    return children, ends
+
+
 class TokenTrie:
     """Nodes numbered breadth first (root 0), so the children of a node are consecutive and
     every depth is one range. `token_bytes[i]` empty: token i is never allowed. Immutable."""
 
     def __init__(self, token_bytes: list[bytes]) -> None:
-        strings = sorted({data for data in token_bytes if data})
-        children: list[dict[int, int]] = [{}]
-        ends: list[bytes] = [b""]
-        for data in strings:  # a dict trie first, then renumbered breadth first
-            node = 0
-            for i, byte in enumerate(data):
-                nxt = children[node].get(byte)
-                if nxt is None:
-                    nxt = children[node][byte] = len(children)
-                    children.append({})
-                    ends.append(data[: i + 1])
-                node = nxt
-        order, level = [0], [0]
+        children, ends = _dict_trie(sorted({data for data in token_bytes if data}))
+        order, level = [0], [0]  # renumbered breadth first
         while level:
             level = [child for node in level for _, child in sorted(children[node].items())]
             order.extend(level)
