@@ -121,7 +121,8 @@ def build_nfa(regex: str, max_states: int = MAX_STATES) -> ByteNFA:
 
 
 _ATOMS = (sre.LITERAL, sre.NOT_LITERAL, sre.ANY)
-_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", sre.MAX_REPEAT))
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)  # possessive repeats and atomic groups are refused:
+# they change which strings a backtracking engine matches
 
 
 def _check(items, regex: str) -> None:
@@ -139,8 +140,6 @@ def _check(items, regex: str) -> None:
                 _check(branch, regex)
         elif op in _REPEATS:
             _check(arg[2], regex)
-        elif op is getattr(sre, "ATOMIC_GROUP", None):
-            _check(arg, regex)
         else:
             what = "lookaround" if op in (sre.ASSERT, sre.ASSERT_NOT) else str(op).lower()
             raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {what}")
@@ -194,8 +193,6 @@ class _Builder:
         if op in _REPEATS:
             low, high, items = arg
             return self.repeat(items, low, None if high is sre.MAXREPEAT else high, state)
-        if op is getattr(sre, "ATOMIC_GROUP", None):
-            return self.sequence(arg, state)
         raise AssertionError(f"unchecked regex op {op}")  # parse_regex refuses it first
 
     def repeat(self, items, low: int, high: int | None, state: int) -> int:
@@ -271,11 +268,14 @@ def _prune(eps: list[list[int]], edges: list[list[tuple[int, int, int]]], final:
 
 
 def _class_ranges(items, regex: str) -> tuple[tuple[int, int], ...]:
-    return _ranges_of(tuple(items), regex)
+    try:
+        return _ranges_of(tuple(items))
+    except ValueError as e:
+        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {e} in a class") from None
 
 
 @lru_cache(maxsize=4096)  # a schema's regex repeats its classes thousands of times
-def _ranges_of(items: tuple, regex: str) -> tuple[tuple[int, int], ...]:
+def _ranges_of(items: tuple) -> tuple[tuple[int, int], ...]:
     negate, ranges = False, []
     for op, arg in items:
         if op is sre.NEGATE:
@@ -287,7 +287,7 @@ def _ranges_of(items: tuple, regex: str) -> tuple[tuple[int, int], ...]:
         elif op is sre.CATEGORY:
             ranges.extend(_category(arg))
         else:
-            raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {str(op).lower()} in a class")
+            raise ValueError(str(op).lower())
     merged = _merge(ranges)
     return _complement(merged) if negate else merged
 
@@ -302,7 +302,7 @@ def _category(category) -> tuple[tuple[int, int], ...]:
     elif "SPACE" in name:
         ranges = _unicode_class("space")
     else:  # pragma: no cover - line breaks: not produced by the parser inside classes
-        raise ConstraintError(f"unsupported regex class {name}")
+        raise ValueError(name.lower())
     return _complement(ranges) if negated else ranges
 
 

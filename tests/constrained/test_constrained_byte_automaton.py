@@ -76,7 +76,8 @@ def test_utf8_sequences_cover_each_code_point_exactly_once():
 @pytest.mark.parametrize(
     "regex, message",
     [("a(?=b)", "unsupported"), (r"(a)\1", "unsupported"), ("^a$", "unsupported"), ("(?i)a", "flags"),
-     ("[^\\x00-\\U0010ffff]", "matches no string"), ("(a", "invalid regex")],
+     ("[^\\x00-\\U0010ffff]", "matches no string"), ("(a", "invalid regex"), ("(?>ab)", "atomic"),
+     ("a*+", "possessive")],
 )  # fmt: skip
 def test_unsupported_regexes_are_refused_with_a_reason(regex, message):
     with pytest.raises(ConstraintError, match=message):
