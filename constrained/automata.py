@@ -1,8 +1,8 @@
 """Regex algebra on finite automata (interegular): intersection and difference of regexes,
 then back to a regex by state elimination; and the "any string but these words" regex.
 
-Every regex built here uses only what outlines-core (Rust `regex`), interegular and Python
-`re` all accept: non-capturing groups, character classes with escaped punctuation.
+Every regex built here uses only what interegular and Python `re` (the byte NFA's parser)
+both accept: non-capturing groups, character classes with escaped punctuation.
 """
 
 from __future__ import annotations

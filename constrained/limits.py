@@ -24,8 +24,8 @@ MAX_EXPANDED_SIZE = 32768  # was 4096 while an eager token index was built for e
 
 
 def check_regex_size(regex: str, tree: object | None = None) -> None:
-    """ConstraintError past MAX_EXPANDED_SIZE (`tree`, interegular's, is parsed if not given:
-    the syntax is checked too)."""
+    """ConstraintError past MAX_EXPANDED_SIZE (`tree`, the regex's parse tree, is parsed if
+    not given: the syntax is checked too)."""
     if tree is None:
         parse_regex(regex)
     size = regex_size(regex)

@@ -1,7 +1,8 @@
 """Regex building blocks: dtype regexes, JSON-safe string formats, literal escaping.
 
-Every regex here is accepted by all three engines that see it: outlines-core (Rust `regex`
-syntax), interegular (the character automaton for jump-forward) and Python `re` (tests).
+Every regex here is accepted by all the parsers that see it: Python's `re` (the byte NFA
+the grammars are built from, and the regex-level checks) and interegular (the schema
+converter's automaton algebra, automata.py).
 """
 
 from __future__ import annotations
