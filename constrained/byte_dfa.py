@@ -31,6 +31,7 @@ class ByteDFA:
         self._accepting: list[bool] = []
         self._after: dict[frozenset[int], int] = {}  # NFA targets of a byte -> DFA state
         self.table = np.full((64, 256), UNKNOWN, dtype=np.int32)
+        self._forced: dict[int, bytes] = {}  # forced_bytes per state (asked every decode step)
         self._lock = threading.Lock()
         self.initial = self._intern(frozenset((nfa.start,)))
 
@@ -66,7 +67,13 @@ class ByteDFA:
 
     def forced_bytes(self, state: int) -> bytes:
         """The bytes every continuation from `state` starts with, up to the first choice:
-        an accepting state (the output may end) or more than one live byte."""
+        an accepting state (the output may end) or more than one live byte. Cached."""
+        forced = self._forced.get(state)
+        if forced is None:
+            forced = self._forced[state] = self._forced_chain(state)
+        return forced
+
+    def _forced_chain(self, state: int) -> bytes:
         out, seen = bytearray(), {state}
         while len(out) < MAX_FORCED_BYTES and not self._accepting[state]:
             row = self.ensure_rows((state,))[state]
