@@ -7,7 +7,8 @@ batch, also stores the new K/V (executor/kernels/cpu_attention.py); otherwise th
 context slots are gathered into a padded [B, L] index matrix once per forward pass (shared
 by every layer) and run through one scaled_dot_product_attention call with a padding mask.
 Extend requests are attended one by one; a request with no cached prefix uses its fresh K/V
-directly.
+directly. On a CPU in float32 (no soft-capping) they go through a C kernel (causal, GQA and
+windows; executor/kernels/cpu_prefill_attention.c) instead of scaled_dot_product_attention.
 
 Sliding windows: each distinct window of the model gets its own masks, built once per
 forward pass in `prepare`; the C kernel takes the window as an argument. Logit soft-capping
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from spruce.runtime.executor.attention.base import AttentionBackend, ForwardContext
+from spruce.runtime.executor.kernels.cpu_attention import prefill_attention
 
 
 @dataclass(slots=True)
@@ -72,9 +74,11 @@ class NativeAttentionBackend(AttentionBackend):
         self.cpu_kernel = None
         from spruce.runtime.executor.kernels.cpu_attention import KERNELS, CpuDecodeAttention
 
-        if pool.device.type == "cpu" and pool.shape.dtype in KERNELS and self.softcap is None:
+        on_cpu = pool.device.type == "cpu" and self.softcap is None
+        if on_cpu and pool.shape.dtype in KERNELS:
             kernel = CpuDecodeAttention()
             self.cpu_kernel = kernel if kernel.available else None
+        self.cpu_prefill = on_cpu  # extends in float32 through the C prefill kernel when it is built
 
     def prepare(self, ctx: ForwardContext) -> None:
         starts = ctx.extend_start_loc_cpu
@@ -149,6 +153,10 @@ class NativeAttentionBackend(AttentionBackend):
     def _attend_extend(self, q, k, v, layer: int, window, ext: _Extend) -> torch.Tensor:
         if ext.slots is not None:
             k, v = self.pool.read(layer, ext.slots, q.dtype)
+        if self.cpu_prefill and q.dtype == torch.float32:
+            o = prefill_attention(q, k, v, ext.prefix_len, self.scale, window)
+            if o is not None:
+                return o
         mask = ext.masks[window]
         o = self._attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None

@@ -81,3 +81,29 @@ def _rows_strided(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float, window: int | None = None
+) -> torch.Tensor | None:
+    """Causal attention of `length` new tokens (cpu_prefill_attention.c): q [length, H, D],
+    k / v [prefix + length, KH, D] (the cached prefix's keys first), float32 CPU tensors whose
+    rows may be strided; query i attends keys 0 .. prefix + i, or the last `window` of them.
+    Returns out [length, H, D], or None when the kernels are not built here or the shape is
+    not one they take (head_dim not a multiple of 16)."""
+    lib = load_library()
+    if lib is None or q.shape[-1] % 16 != 0:
+        return None
+    q, k, v = _rows_strided(q), _rows_strided(k), _rows_strided(v)
+    if k.stride(0) != v.stride(0):  # the kernel takes one row stride for both
+        k, v = k.contiguous(), v.contiguous()
+    length, heads, dim = q.shape
+    assert k.shape[0] == v.shape[0] == prefix + length and k.shape[2] == dim
+    out = torch.empty(length, heads, dim)
+    failed = lib.spruce_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
+        length, prefix, heads, k.shape[1], dim, scale, window or 0,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("no memory for the CPU prefill attention's work buffers")
+    return out

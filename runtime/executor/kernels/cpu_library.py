@@ -35,7 +35,8 @@ from pathlib import Path
 logger = logging.getLogger("spruce")
 
 _HERE = Path(__file__).parent
-PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_layer_ops.c", _HERE / "cpu_quant_gemm.c"]
+PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_prefill_attention.c", _HERE / "cpu_layer_ops.c"]
+PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
 HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE / "cpu_quant.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
@@ -57,6 +58,8 @@ SIGNATURES = {
     "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
     + [_I64] * 4
     + [_F32, _I64],
+    # q, q_stride, k, v, kv_stride, out, length, prefix, heads, kv_heads, dim, scale, window (0: none)
+    "spruce_prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64],
     "spruce_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32],  # x, residual, weight, out, rows, dim, eps
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
     "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin
@@ -76,13 +79,14 @@ SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_
 SIGNATURES["spruce_decode_attention_i8"] = SIGNATURES["spruce_decode_attention_f32"]
 # the float kernels: one function per instruction set, `<name>_<isa>`
 PER_ISA_KERNELS = ("spruce_decode_attention_f32", "spruce_decode_attention_f16", "spruce_decode_attention_i8")
-PER_ISA_KERNELS += ("spruce_rms_norm",)
+PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
     "spruce_decode_attention_f16": ctypes.c_int,
     "spruce_decode_attention_i8": ctypes.c_int,
+    "spruce_prefill_attention": ctypes.c_int,
     "spruce_quant_best_isa": _I64,
     "spruce_float_best_isa": _I64,
     "spruce_quant_linear": ctypes.c_int,
