@@ -21,9 +21,11 @@
  *              L2) meets it; KC splits k into equal blocks of at most KC_MAX, whole
  *              quantization blocks. Rows go in blocks of MC_SLIVERS slivers so the packed
  *              rows of one k block stay in L2 for prefill.
- *   threads    torch's OpenMP threads split the NR-row weight groups evenly (each weight
- *              dequantized once); when there are few groups for the threads (small n, many
- *              threads) they split the row slivers too.
+ *   threads    torch's OpenMP threads take the weight panels (NCP groups of NR rows; each
+ *              weight dequantized once) one at a time, as each is free: on a busy host a
+ *              descheduled thread holds up only its current panel, where an even static
+ *              split made the call wait for its whole share; when there are few groups for
+ *              the threads (small n, many threads) a task is a panel x a part of the rows.
  *
  * Compiled once per instruction set (cpu_library.py: portable, AVX2, AVX-512) with GCC
  * vector extensions of the variant's native width; the loader binds the best one. */
@@ -272,12 +274,12 @@ static void multiply_share(const gemm *g, int64_t g0, int64_t g1, int64_t s0, in
     }
 }
 
-/* Threads over weight groups, or a grid of weight groups x row slivers when the groups
- * are too few to keep every thread busy. */
-static int64_t group_splits(int64_t threads, int64_t groups, int64_t slivers) {
+/* Row parts per weight panel: 1, or more when the weight groups are too few to keep every
+ * thread busy. */
+static int64_t row_parts(int64_t threads, int64_t groups, int64_t slivers) {
     int64_t split = threads;
     while (split % 2 == 0 && groups < 4 * split && slivers >= 4 * (threads / split)) split /= 2;
-    return split;
+    return threads / split;
 }
 
 /* k blocks of equal length, at most KC_MAX (or one quantization block), whole blocks. */
@@ -300,21 +302,23 @@ int PER_ISA(spruce_quant_gemm)(int64_t type, const uint8_t *w, int64_t n, int64_
     float *memory = aligned_alloc(64, (x_floats + share * (size_t)threads) * sizeof(float));
     if (memory == NULL) return 1;
     g.packed_x = memory;
-    int64_t split = group_splits(threads, groups, slivers);
+    /* tasks: a panel of NCP weight groups x a part of the rows, taken by whichever thread is
+     * free (on a busy host a descheduled thread then holds up less than its static share) */
+    int64_t parts = row_parts(threads, groups, slivers), panels = (groups + NCP - 1) / NCP;
 #pragma omp parallel num_threads(threads)
     {
-        int64_t t = 0, count = 1;
+        int64_t t = 0;
 #if defined(_OPENMP)
-        t = omp_get_thread_num(), count = omp_get_num_threads();
+        t = omp_get_thread_num();
 #endif
+        float *scratch = memory + x_floats + share * (size_t)t, *panel = scratch + NR * g.kc;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < slivers; s++) pack_rows(x, rows, k, s, memory + s * MR * k);
-        int64_t splits = split <= count ? split : count, parts = count / splits;
-        if (t < splits * parts) {
-            int64_t gi = t % splits, si = t / splits;
-            float *scratch = memory + x_floats + share * (size_t)t, *panel = scratch + NR * g.kc;
-            multiply_share(&g, groups * gi / splits, groups * (gi + 1) / splits, slivers * si / parts,
-                           slivers * (si + 1) / parts, scratch, panel);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < panels * parts; task++) {
+            int64_t first = task / parts * NCP, part = task % parts;
+            multiply_share(&g, first, min64(first + NCP, groups), slivers * part / parts,
+                           slivers * (part + 1) / parts, scratch, panel);
         }
     }
     free(memory);
