@@ -38,13 +38,13 @@ def isa(request):
     cpu_library.use_isa(previous)
 
 
-# (length, prefix, heads, kv_heads, dim, window): lengths around the 16-key block and the
+# (length, prefix, heads, kv_heads, dim, window): lengths around the 32-key block and the
 # 16-position task, a cached prefix, GQA groups 1-4, head_dim 16-128 (80 and 48: not a
 # multiple of the 64-float value pass), windows inside a block, across blocks, longer than all
 CASES = [
     (1, 0, 4, 4, 64, None), (15, 0, 9, 3, 64, None), (16, 0, 9, 3, 64, None), (17, 0, 8, 2, 128, None),
     (100, 0, 9, 3, 64, None), (37, 50, 4, 1, 32, None), (1, 10, 3, 3, 48, None), (70, 0, 4, 2, 80, 17),
-    (300, 20, 6, 3, 64, 64), (40, 0, 2, 2, 16, 5), (33, 7, 8, 4, 64, 1000),
+    (300, 20, 6, 3, 64, 64), (40, 0, 2, 2, 16, 5), (33, 7, 8, 4, 64, 1000), (32, 0, 9, 3, 64, 31),
 ]  # fmt: skip
 
 
