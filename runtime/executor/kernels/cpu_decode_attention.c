@@ -6,10 +6,9 @@
  * element is read from memory once and nothing is gathered into a temporary. The `group` query heads of one kv head are one pass (up to MAX_PASS heads; a
  * larger group takes several), so each K/V load serves them all.
  *
- * Vector width: the kernel has its own vector type `avec` of AL floats, one register of the
- * instruction set: 8 on AVX2 (one ymm), 16 on AVX-512 (one zmm); the portable build keeps 16
- * (it is a fallback, and so runs and tests the 16-lane code the AVX-512 copy compiles). A
- * block is 16 tokens: one head's scores of a block fill SCORE_VECS vectors (2 on AVX2).
+ * Vector width: `avec` of AL floats, one register of the instruction set
+ * (cpu_register_vector.h: 8 on AVX2, 16 on AVX-512 and the portable build). A block is 16
+ * tokens: one head's scores of a block fill SCORE_VECS vectors (2 on AVX2).
  *
  * Registers decide the speed. An earlier version used 16-float vectors everywhere (two ymm
  * on AVX2) and kept every head's q and accumulator and a whole block's dot products live
@@ -71,19 +70,13 @@
  */
 #include <unistd.h>
 
-#include "cpu_vector.h"
+#include "cpu_register_vector.h"
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-#define AL 8
+#if AL == 8
 #define TILE_REGS 15 /* of 16 ymm */
 #else
-#define AL 16
 #define TILE_REGS 28 /* of 32 zmm (the portable build splits its vectors anyway) */
 #endif
-
-typedef float avec __attribute__((vector_size(AL * sizeof(float))));
-typedef int32_t aivec __attribute__((vector_size(AL * sizeof(int32_t))));
-typedef float avec_unaligned __attribute__((vector_size(AL * sizeof(float)), aligned(4)));
 
 #define BLOCK 16 /* tokens per block */
 #define SCORE_VECS (BLOCK / AL) /* a head's scores of one block */
@@ -94,8 +87,6 @@ typedef float avec_unaligned __attribute__((vector_size(AL * sizeof(float)), ali
 #define MAX_CHUNKS (MAX_DIM / AL)
 #define MAX_TILE 32 /* accumulators in a register tile */
 
-static inline avec aload(const float *p) { return *(const avec_unaligned *)p; }
-
 /* x, loaded into a register once: keeps GCC from re-reading a float cache chunk as the memory
  * operand of each head's FMA and holding the heads' q chunks in registers instead (which
  * spilled the accumulator tile). */
@@ -104,41 +95,6 @@ static inline avec aload(const float *p) { return *(const avec_unaligned *)p; }
 #else
 #define IN_REGISTER(x) (x)
 #endif
-static inline avec asplat(float x) { return x - (avec){0}; } /* (x - 0 is x, unlike x + 0: one broadcast) */
-static inline void astore(float *p, avec x) { memcpy(p, &x, sizeof x); }
-
-static inline avec aselect(aivec mask, avec a, avec b) { return (avec)(((aivec)a & mask) | ((aivec)b & ~mask)); }
-static inline avec amax2(avec a, avec b) { return aselect(a > b, a, b); }
-
-static inline aivec lane_index(void) {
-#if AL == 8
-    return (aivec){0, 1, 2, 3, 4, 5, 6, 7};
-#else
-    return (aivec){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-#endif
-}
-
-/* Reductions over the lanes: a butterfly of half-swaps, every lane ends with the result. */
-#if AL == 8
-#define SWAP_HALVES(v) SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3)
-#define SWAP_QUARTERS(v) SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5)
-#define SWAP_PAIRS(v) SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6)
-#define BUTTERFLY(v, op) (v = op(v, SWAP_HALVES(v)), v = op(v, SWAP_QUARTERS(v)), v = op(v, SWAP_PAIRS(v)))
-#else
-#define SWAP_HALVES(v) SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
-#define SWAP_QUARTERS(v) SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
-#define SWAP_EIGHTHS(v) SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
-#define SWAP_PAIRS(v) SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
-#define BUTTERFLY(v, op)                                                                     \
-    (v = op(v, SWAP_HALVES(v)), v = op(v, SWAP_QUARTERS(v)), v = op(v, SWAP_EIGHTHS(v)),     \
-     v = op(v, SWAP_PAIRS(v)))
-#endif
-static inline avec add2(avec a, avec b) { return a + b; }
-static inline float amax_lanes(avec v) { return BUTTERFLY(v, amax2), v[0]; }
-static inline float asum_lanes(avec v) { return BUTTERFLY(v, add2), v[0]; }
-
-/* exp(x) on this kernel's vector width (cpu_vector.h). */
-DEFINE_VECTOR_EXP(aexp, avec, aivec, amax2, asplat)
 
 /* AL half floats widened (F16C / AVX-512 instructions; GCC's generic vector conversion goes
  * element by element). */

@@ -38,7 +38,8 @@ _HERE = Path(__file__).parent
 PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_prefill_attention.c", _HERE / "cpu_layer_ops.c"]
 PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
-HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE / "cpu_quant.h"]
+HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE / "cpu_register_vector.h"]
+HEADERS += [_HERE / "cpu_quant.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
 _X86_FLAGS = {

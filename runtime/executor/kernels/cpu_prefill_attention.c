@@ -17,7 +17,7 @@
  *            window) get weight 0; the running max moves and rescales the row's sums.
  *   values   per row, the head dimension in passes of VC vectors (64 floats) held in
  *            registers while the block's value rows are added in with their weights.
- * Vectors are one register wide (8 floats on AVX2): with cpu_vector.h's 16-float vectors
+ * Vectors are one register wide (`avec`, cpu_register_vector.h): with cpu_vector.h's 16-float vectors
  * GCC spilled and shuffled through memory on AVX2 (6x slower than SDPA). Measured on a
  * 2-core Zen 3 VM, SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64), 512
  * new tokens, 2 threads, alternating: 4.1-4.8 ms per layer against 6.3-7.9 ms for torch's
@@ -27,33 +27,13 @@
  * Compiled once per instruction set (cpu_library.py). */
 #include <stdlib.h>
 
-#include "cpu_vector.h"
-
-/* One register of floats: 8 on AVX2 and the portable build, 16 on AVX-512 (16-float
- * vectors on AVX2 made GCC spill and shuffle through memory). */
-#if defined(__AVX512F__)
-#define RL 16
-#else
-#define RL 8
-#endif
-typedef float rvec __attribute__((vector_size(RL * sizeof(float))));
-typedef int32_t rivec __attribute__((vector_size(RL * sizeof(int32_t))));
-typedef float rvec_unaligned __attribute__((vector_size(RL * sizeof(float)), aligned(4), may_alias));
-
-static inline rvec rload(const float *p) { return *(const rvec_unaligned *)p; }
-static inline void rstore(float *p, rvec v) { *(rvec_unaligned *)p = v; }
-static inline rvec rsplat(float x) { return x - (rvec){0}; } /* x - 0 is x (also -0): one broadcast */
-static inline rvec rmax(rvec a, rvec b) {
-    rivec a_wins = a > b;
-    return (rvec)(((rivec)a & a_wins) | ((rivec)b & ~a_wins));
-}
-DEFINE_VECTOR_EXP(rexp, rvec, rivec, rmax, rsplat)
+#include "cpu_register_vector.h"
 
 #define BK 32        /* keys per block */
-#define SV (BK / RL) /* vectors per row's block scores */
+#define SV (BK / AL) /* vectors per row's block scores */
 #define BQ 16        /* positions per task */
 #define RS 2         /* query rows per pass of the score phase */
-#define VC (64 / RL) /* vectors of the head dimension per pass of the value phase */
+#define VC (64 / AL) /* vectors of the head dimension per pass of the value phase */
 
 typedef struct {
     const float *k, *v;
@@ -72,30 +52,32 @@ typedef struct {
 
 /* The block's keys [k0, k0 + count) of the kv head, transposed into kt (zeros after them). */
 static void transpose_keys(const keys *ks, int64_t k0) {
-    for (int64_t j = 0; j < BK; j++) {
+    for (int64_t j = 0; j < ks->count; j++) {
         const float *row = ks->k + (k0 + j) * ks->kv_stride + ks->kv_head * ks->dim;
-        for (int64_t d = 0; d < ks->dim; d++) ks->kt[d * BK + j] = j < ks->count ? row[d] : 0.0f;
+        for (int64_t d = 0; d < ks->dim; d++) ks->kt[d * BK + j] = row[d];
     }
+    for (int64_t j = ks->count; j < BK; j++)
+        for (int64_t d = 0; d < ks->dim; d++) ks->kt[d * BK + j] = 0.0f;
 }
 
 /* Scores of query rows [r0, r0 + n) (n <= RS, constant at each call) against kt, into
  * out[i][BK]. */
 static inline __attribute__((always_inline)) void score_rows(const int n, const query_rows *qr, int64_t r0,
                                                              const keys *ks, float out[RS][BK]) {
-    rvec s[RS][SV];
+    avec s[RS][SV];
     for (int i = 0; i < n; i++)
-        for (int c = 0; c < SV; c++) s[i][c] = rsplat(0.0f);
+        for (int c = 0; c < SV; c++) s[i][c] = asplat(0.0f);
     const float *q = qr->q + r0 * ks->dim;
     for (int64_t d = 0; d < ks->dim; d++) {
-        rvec kd[SV];
-        for (int c = 0; c < SV; c++) kd[c] = rload(ks->kt + d * BK + c * RL);
+        avec kd[SV];
+        for (int c = 0; c < SV; c++) kd[c] = aload(ks->kt + d * BK + c * AL);
         for (int i = 0; i < n; i++) {
-            rvec qi = rsplat(q[i * ks->dim + d]);
+            avec qi = asplat(q[i * ks->dim + d]);
             for (int c = 0; c < SV; c++) s[i][c] += qi * kd[c];
         }
     }
     for (int i = 0; i < n; i++)
-        for (int c = 0; c < SV; c++) rstore(out[i] + c * RL, s[i][c]);
+        for (int c = 0; c < SV; c++) astore(out[i] + c * AL, s[i][c]);
 }
 
 /* acc[dim] += sum_j p[j] v[j] over the block's keys (VC vectors of dim at a time; the last
@@ -103,20 +85,20 @@ static inline __attribute__((always_inline)) void score_rows(const int n, const 
 static void add_values(const keys *ks, int64_t k0, const float *p, float *acc) {
     const float *v = ks->v + k0 * ks->kv_stride + ks->kv_head * ks->dim;
     int64_t c = 0;
-    for (; c + VC * RL <= ks->dim; c += VC * RL) {
-        rvec a[VC];
-        for (int i = 0; i < VC; i++) a[i] = rload(acc + c + i * RL);
+    for (; c + VC * AL <= ks->dim; c += VC * AL) {
+        avec a[VC];
+        for (int i = 0; i < VC; i++) a[i] = aload(acc + c + i * AL);
 #pragma GCC unroll 1
         for (int64_t j = 0; j < ks->count; j++) {
-            rvec pj = rsplat(p[j]);
-            for (int i = 0; i < VC; i++) a[i] += pj * rload(v + j * ks->kv_stride + c + i * RL);
+            avec pj = asplat(p[j]);
+            for (int i = 0; i < VC; i++) a[i] += pj * aload(v + j * ks->kv_stride + c + i * AL);
         }
-        for (int i = 0; i < VC; i++) rstore(acc + c + i * RL, a[i]);
+        for (int i = 0; i < VC; i++) astore(acc + c + i * AL, a[i]);
     }
-    for (; c < ks->dim; c += RL) {
-        rvec a = rload(acc + c);
-        for (int64_t j = 0; j < ks->count; j++) a += rsplat(p[j]) * rload(v + j * ks->kv_stride + c);
-        rstore(acc + c, a);
+    for (; c < ks->dim; c += AL) {
+        avec a = aload(acc + c);
+        for (int64_t j = 0; j < ks->count; j++) a += asplat(p[j]) * aload(v + j * ks->kv_stride + c);
+        astore(acc + c, a);
     }
 }
 
@@ -128,21 +110,19 @@ static void update_row(const query_rows *qr, int64_t r, const keys *ks, int64_t 
     if (partial) /* masked keys: score -inf, weight 0 */
         for (int64_t j = 0; j < BK; j++)
             if (k0 + j > last || k0 + j < first) s[j] = -INFINITY;
-    rvec m = rload(s);
-    for (int c = 1; c < SV; c++) m = rmax(m, rload(s + c * RL));
-    float block_max = m[0], old = qr->max[r];
-    for (int i = 1; i < RL; i++) block_max = m[i] > block_max ? m[i] : block_max;
+    avec m = aload(s);
+    for (int c = 1; c < SV; c++) m = amax2(m, aload(s + c * AL));
+    float block_max = amax_lanes(m), old = qr->max[r];
     float new_max = block_max > old ? block_max : old;
-    for (int c = 0; c < SV; c++) rstore(s + c * RL, rexp(rload(s + c * RL) - new_max));
+    for (int c = 0; c < SV; c++) astore(s + c * AL, aexp(aload(s + c * AL) - new_max));
     if (partial) /* exp clamps its argument at -87: not 0 by itself */
         for (int64_t j = 0; j < BK; j++)
             if (k0 + j > last || k0 + j < first) s[j] = 0.0f;
-    rvec total = rload(s);
-    for (int c = 1; c < SV; c++) total += rload(s + c * RL);
-    float correction = expf(old - new_max), sum = 0.0f; /* 0 on the row's first block (old = -inf) */
-    for (int i = 0; i < RL; i++) sum += total[i];
+    avec total = aload(s);
+    for (int c = 1; c < SV; c++) total += aload(s + c * AL);
+    float correction = expf(old - new_max); /* 0 on the row's first block (old = -inf) */
     qr->max[r] = new_max;
-    qr->sum[r] = qr->sum[r] * correction + sum;
+    qr->sum[r] = qr->sum[r] * correction + asum_lanes(total);
     float *acc = qr->acc + r * ks->dim;
     if (correction != 1.0f)
         for (int64_t d = 0; d < ks->dim; d++) acc[d] *= correction;

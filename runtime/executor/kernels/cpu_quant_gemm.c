@@ -259,18 +259,16 @@ static void multiply_panel(const gemm *g, const float *panel, int64_t g0, int64_
     }
 }
 
-/* One thread's share: weight groups [g0, g1) x row slivers [s0, s1). */
-static void multiply_share(const gemm *g, int64_t g0, int64_t g1, int64_t s0, int64_t s1, float *scratch,
-                           float *panel) {
-    for (int64_t first = g0; first < g1; first += NCP) {
-        int64_t groups = min64(NCP, g1 - first);
-        for (int64_t k0 = 0; k0 < g->k; k0 += g->kc) {
-            int64_t count = min64(g->kc, g->k - k0);
-            for (int64_t q = 0; q < groups; q++)
-                pack_weights(g, (first + q) * NR, k0, count, scratch, panel + q * count * NR);
-            for (int64_t s = s0; s < s1; s += MC_SLIVERS)
-                multiply_panel(g, panel, first, groups, k0, count, s, min64(s + MC_SLIVERS, s1));
-        }
+/* One task: the panel of weight groups [first, first + groups) (groups <= NCP) x row
+ * slivers [s0, s1). */
+static void multiply_task(const gemm *g, int64_t first, int64_t groups, int64_t s0, int64_t s1, float *scratch,
+                          float *panel) {
+    for (int64_t k0 = 0; k0 < g->k; k0 += g->kc) {
+        int64_t count = min64(g->kc, g->k - k0);
+        for (int64_t q = 0; q < groups; q++)
+            pack_weights(g, (first + q) * NR, k0, count, scratch, panel + q * count * NR);
+        for (int64_t s = s0; s < s1; s += MC_SLIVERS)
+            multiply_panel(g, panel, first, groups, k0, count, s, min64(s + MC_SLIVERS, s1));
     }
 }
 
@@ -317,8 +315,8 @@ int PER_ISA(spruce_quant_gemm)(int64_t type, const uint8_t *w, int64_t n, int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < panels * parts; task++) {
             int64_t first = task / parts * NCP, part = task % parts;
-            multiply_share(&g, first, min64(first + NCP, groups), slivers * part / parts,
-                           slivers * (part + 1) / parts, scratch, panel);
+            multiply_task(&g, first, min64(NCP, groups - first), slivers * part / parts,
+                          slivers * (part + 1) / parts, scratch, panel);
         }
     }
     free(memory);
