@@ -30,6 +30,7 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries of logit_bias
     max_constraint_chars: int = 200_000  # characters of a regex, a JSON schema or all choices
     max_choices: int = 4096  # entries of choices
+    max_logprob_entries: int = 2_000_000  # logprobs a call returns: positions x (1 + top), summed
 
 
 @dataclass(frozen=True)

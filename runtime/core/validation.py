@@ -89,6 +89,29 @@ def check_batch_size(count: int, limits: RequestLimits) -> None:
         )
 
 
+def check_response_size(requests: list[ValidRequest], limits: RequestLimits) -> None:
+    """The logprob entries a call may return (`logprob_entries`, summed over its prompts
+    and n) against --max-logprob-entries: they multiply, so a small body can ask for GBs."""
+    total = sum(logprob_entries(v) for v in requests)
+    most = limits.max_logprob_entries
+    if total > most:
+        raise InvalidRequestError(
+            f"the call asks for {total} logprob entries ((prompt tokens from logprob_start_len + max_new_tokens) "
+            f"x (1 + top_logprobs_num), over every prompt and n); at most {most} (--max-logprob-entries): "
+            "lower n, max_new_tokens or top_logprobs_num, or raise logprob_start_len"
+        )
+
+
+def logprob_entries(valid: ValidRequest) -> int:
+    """At most how many logprob entries one request returns (0 without return_logprob)."""
+    options = valid.options
+    if not options.return_logprob:
+        return 0
+    start = options.logprob_start_len
+    positions = (len(valid.input_ids) - start if start >= 0 else 0) + valid.sampling.max_new_tokens
+    return positions * (1 + options.top_logprobs_num)
+
+
 def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec | None:
     """The constraint converted to its regex, once. A JSON schema converts in a worker
     process that is stopped at the deadline (`constrained.convert`)."""

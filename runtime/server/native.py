@@ -16,6 +16,7 @@ from spruce.runtime.core.validation import (
     ValidRequest,
     batch_inputs,
     check_batch_size,
+    check_response_size,
     check_options,
     sampling_list,
     validate_request,
@@ -75,7 +76,9 @@ class ModelContext:
         thread waits for; the event loop keeps serving every other client meanwhile."""
 
         def work() -> list[ValidRequest]:
-            return [self.prepare(prompt, sampling, options) for prompt, sampling in requests]
+            valid = [self.prepare(prompt, sampling, options) for prompt, sampling in requests]
+            check_response_size(valid, self.limits.request)
+            return valid
 
         text_chars = sum(len(prompt) for prompt, _ in requests if isinstance(prompt, str))
         if text_chars > LONG_TEXT_CHARS or any(sampling.has_constraint for _, sampling in requests):

@@ -81,6 +81,8 @@ CASES = [
     Case("completions", {"prompt": "hi", "n": 100}, 429, "prompts x n count each"),
     Case("generate", {"text": "hi", "top_logprobs_num": 21}, 400, "top_logprobs_num"),
     Case("generate", {"text": "hi", "logprob_start_len": 10**30}, 400, "logprob_start_len"),
+    Case("generate", {"input_ids": [5] * 1000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
+                      "sampling_params": {"max_new_tokens": 20, "n": 100}}, 400, "--max-logprob-entries"),  # 2.1M entries
     Case("generate", {"text": "hi", "timeout_s": -1}, 400, "timeout_s"),
     Case("generate", {"text": "hi", "timeout_s": "soon"}, 400, "timeout_s"),
     Case("generate", {"text": "hi", "stream": "yes"}, 400, "stream"),
@@ -131,6 +133,8 @@ CASES = [
     Case("engine", {"sampling_params": {"seed": 2**70}}, 400, "seed"),
     Case("engine", {"sampling_params": {"stop_token_ids": [10**20]}}, 400, "stop_token_ids"),
     Case("engine", {"top_logprobs_num": 50}, 400, "top_logprobs_num"),
+    Case("engine", {"prompt": None, "input_ids": [[5] * 1000] * 100, "return_logprob": True, "logprob_start_len": 0,
+                    "top_logprobs_num": 20, "sampling_params": {"max_new_tokens": 20}}, 400, "--max-logprob-entries"),
     Case("engine", {"prompt": None, "input_ids": [[1, "a"]]}, 400, "input_ids"),
     Case("engine", {"prompt": ["x"] * 300}, 400, "--max-batch-size"),
 ]
