@@ -135,11 +135,22 @@ class ControlReply:
     type: str = "control_reply"
 
 
+@dataclass(slots=True)
+class Heartbeat:
+    """The scheduler's loop is alive: sent every HEARTBEAT_S, busy or idle. The front end
+    counts a scheduler it has not heard from for --scheduler-timeout-s as stalled."""
+
+    replica: int = 0  # the sender (--dp)
+    type: str = "heartbeat"
+
+
+HEARTBEAT_S = 0.5
+
 MESSAGE_TYPES = {
     cls.__dataclass_fields__["type"].default: cls
     for cls in (
         NewRequests, AbortRequests, ControlRequest,
-        Ready, StartupFailed, StepOutput, RequestFailed, ControlReply,
+        Ready, StartupFailed, StepOutput, RequestFailed, ControlReply, Heartbeat,
     )
 }  # fmt: skip
 _FIELDS = {name: {f.name for f in fields(cls)} for name, cls in MESSAGE_TYPES.items()}

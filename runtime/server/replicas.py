@@ -11,7 +11,8 @@ to replica 0 and the router is never asked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import zmq
 from spruce.runtime.protocol.ipc import encode
@@ -30,11 +31,14 @@ class Replica:
     running: int = 0  # from the replica's latest step output
     waiting: int = 0
     dead: str | None = None  # why, once the process is gone
+    heard_at: float = field(default_factory=time.monotonic)  # its latest message (a heartbeat at least)
+    stalled: str | None = None  # why, while it has not been heard from for --scheduler-timeout-s
 
     def info(self) -> dict:
         return {
             "replica": self.index, "alive": self.dead is None, "in_flight_requests": self.in_flight,
             "running_requests": self.running, "waiting_requests": self.waiting, "dead_reason": self.dead,
+            "stalled_reason": self.stalled,
         }  # fmt: skip
 
 
@@ -72,11 +76,14 @@ class Replicas:
     def finished(self, index: int) -> None:
         self.all[index].in_flight -= 1
 
-    def send(self, index: int, msg) -> None:
-        """Never waits: with the scheduler not connected (gone, or stopping) the message fails."""
+    def send(self, index: int, msg, even_stalled: bool = False) -> None:
+        """Never waits: with the scheduler not connected (gone, or stopping) the message fails;
+        so does one to a stalled scheduler, unless `even_stalled` (aborts)."""
         replica = self.all[index]
         if replica.dead:
             raise SchedulerUnavailable(replica.dead)
+        if replica.stalled and not even_stalled:
+            raise SchedulerUnavailable(replica.stalled)
         try:
             replica.sender.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:

@@ -63,6 +63,8 @@ from spruce.runtime.text.detokenizer import OutputText
 from spruce.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce.server")
+UPDATE_FAILED = "internal error while finishing the request (see the server log)"
+WATCH_PERIOD_S = 0.5  # how often the receiver looks for a stalled scheduler when nothing arrives
 LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
 
 
@@ -274,6 +276,9 @@ class RequestManager:
         if busy or len(set(rids)) != len(rids):
             raise Refused(400, f"request id(s) already in flight or repeated: {(busy or rids)[:5]}; use new ids")
         retry = self.limits.retry_after_s
+        live = self.replicas.live()
+        if live and all(r.stalled for r in live):
+            raise Refused(503, f"{live[0].stalled}; retry later", retry)
         if len(self.states) + len(rids) > self.capacity:
             message = (
                 f"the server is full ({len(self.states)} requests in flight, at most {self.capacity}: "
@@ -308,7 +313,7 @@ class RequestManager:
         for replica, live in by_replica.items():
             if not self.dead:
                 with contextlib.suppress(SchedulerUnavailable):  # gone: the watchdog fails them
-                    self.replicas.send(replica, AbortRequests(live, message))
+                    self.replicas.send(replica, AbortRequests(live, message), even_stalled=True)
 
     def abort_all(self, message: str) -> int:
         rids = list(self.states)
@@ -355,17 +360,23 @@ class RequestManager:
 
     async def receive_forever(self) -> None:
         while True:
-            msg = decode(await self.receiver.recv())
-            if isinstance(msg, StepOutput):
+            if await self.receiver.poll(int(WATCH_PERIOD_S * 1000)):
+                msg = decode(await self.receiver.recv())
+                self._heard(msg.replica)
+                self._on_message(msg)
+            self._check_stalls()
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, StepOutput):
                 self._on_step(msg)
-            elif isinstance(msg, RequestFailed):
-                state = self.states.get(msg.rid)
-                if state is not None:
-                    self._fail(state, msg.message, msg.status)
-            elif isinstance(msg, ControlReply):
-                _, future = self.replies.get(msg.id, (None, None))
-                if future is not None and not future.done():
-                    future.set_result(msg)
+        elif isinstance(msg, RequestFailed):
+            state = self.states.get(msg.rid)
+            if state is not None:
+                self._fail(state, msg.message, msg.status)
+        elif isinstance(msg, ControlReply):
+            _, future = self.replies.get(msg.id, (None, None))
+            if future is not None and not future.done():
+                future.set_result(msg)
 
     def _on_step(self, msg: StepOutput) -> None:
         replica = self.replicas.all[msg.replica]
@@ -374,16 +385,70 @@ class RequestManager:
             state = self.states.get(update.rid)
             if state is None:
                 continue
-            event = state.apply(update)
-            if state.done:
-                self._forget(state)
-                if self.observer is not None and event.error is not None:
-                    self.observer.on_failed(state, event.error, event.status)
-                elif self.observer is not None:
-                    self.observer.on_finished(state, event, update)
-            state.call.queue.put_nowait(event)
-            if state.stream and not state.done and state.error is None:
-                self._check_backlog(state.call)
+            try:
+                event = state.apply(update)
+            except Exception:  # this request's text or result: it alone fails
+                logger.exception("the update of request %s could not be applied", update.rid)
+                if update.finish is None:
+                    self.abort([state.rid], "its output could not be sent")
+                self._fail(state, UPDATE_FAILED, 500)
+                continue
+            self._deliver(state, event, update)
+
+    def _deliver(self, state: RequestState, event: Event, update: ReqUpdate) -> None:
+        if state.done:
+            self._forget(state)
+        state.call.queue.put_nowait(event)
+        if state.done:
+            self._observe(state, event, update)
+        elif state.stream and state.error is None:
+            self._check_backlog(state.call)
+
+    def _observe(self, state: RequestState, event: Event, update: ReqUpdate) -> None:
+        """Metrics of a finished request; a failure here is logged, never the request's."""
+        if self.observer is None:
+            return
+        try:
+            if event.error is not None:
+                self.observer.on_failed(state, event.error, event.status)
+            else:
+                self.observer.on_finished(state, event, update)
+        except Exception:
+            logger.exception("the metrics of request %s failed", state.rid)
+
+    # -- the scheduler watchdog -------------------------------------------------------------
+
+    def _heard(self, index: int) -> None:
+        replica = self.replicas.all[index]
+        replica.heard_at = time.monotonic()
+        if replica.stalled is not None:
+            logger.warning("%s answers again", self._who(index))
+            replica.stalled = None
+
+    def _check_stalls(self) -> None:
+        """A live scheduler silent past --scheduler-timeout-s (a step stuck; its loop sends
+        a heartbeat every HEARTBEAT_S) is stalled: its requests and round trips fail (503),
+        new requests are refused, /health fails; until it is heard from again."""
+        timeout = self.limits.scheduler_timeout_s
+        now = time.monotonic()
+        for replica in self.replicas.live():
+            if replica.stalled is None and now - replica.heard_at > timeout:
+                self._stall(replica.index, f"{self._who(replica.index)} stopped answering (silent for more than "
+                            f"{timeout:g} s, --scheduler-timeout-s)")  # fmt: skip
+
+    def _stall(self, index: int, reason: str) -> None:
+        logger.error("%s; failing its requests", reason)
+        mine = [s for s in self.states.values() if s.replica == index]
+        self.abort([s.rid for s in mine], reason)  # reaches it once it runs again: frees their slots
+        self.replicas.all[index].stalled = reason
+        for state in mine:
+            self._fail(state, reason, 503)
+        for replica, future in self.replies.values():
+            if replica == index and not future.done():
+                future.set_exception(SchedulerUnavailable(reason))
+
+    def _who(self, index: int) -> str:
+        return "the scheduler" if len(self.replicas) == 1 else f"scheduler replica {index}"
 
     def _check_backlog(self, call: Call) -> None:
         """A streamed call whose reader fell too far behind is aborted as failed."""
@@ -397,7 +462,8 @@ class RequestManager:
         self.abort([s.rid for s in live], message)
 
     def _forget(self, state: RequestState) -> None:
-        if self.states.pop(state.rid, None) is None:
+        """Releases the request's replica load and client slot; the tracking entry goes last."""
+        if self.states.get(state.rid) is not state:
             return
         self.replicas.finished(state.replica)
         left = self.per_client.get(state.client, 0) - 1
@@ -405,13 +471,14 @@ class RequestManager:
             self.per_client[state.client] = left
         else:
             self.per_client.pop(state.client, None)
+        del self.states[state.rid]
 
     def _fail(self, state: RequestState, message: str, status: int) -> None:
         state.done = True
         self._forget(state)
-        if self.observer is not None:
-            self.observer.on_failed(state, message, status)
-        state.call.queue.put_nowait(Event(state.index, error=message, status=status))
+        event = Event(state.index, error=message, status=status)
+        state.call.queue.put_nowait(event)
+        self._observe(state, event, None)
 
     def scheduler_died(self, reason: str) -> None:
         """Fails everything in flight; later calls fail at once."""

@@ -33,6 +33,8 @@ from spruce.runtime.protocol.ipc import (
     AbortRequests,
     ControlReply,
     ControlRequest,
+    HEARTBEAT_S,
+    Heartbeat,
     NewRequests,
     Ready,
     ReqUpdate,
@@ -47,6 +49,7 @@ from spruce.runtime.protocol.ipc import (
 logger = logging.getLogger("spruce.scheduler")
 MAX_CONSECUTIVE_STEP_ERRORS = 3
 PARENT_CHECK_S = 0.5
+UPDATE_FAILED = "internal error while finishing the request (see the server log)"
 
 
 def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replica: int = 0) -> None:
@@ -133,6 +136,7 @@ class SchedulerLoop:
         self.tracked: dict[str, Tracked] = {}
         self.stopping = False
         self.step_errors = 0
+        self.beat_at = 0.0
         self.handlers = {
             NewRequests: self._on_new,
             AbortRequests: self._on_abort,
@@ -144,20 +148,29 @@ class SchedulerLoop:
             self._drain(block=not self.core.has_work())
             if self.core.has_work() and not self.stopping:
                 self._step()
+            self._beat()
         logger.info("scheduler stopped")
+
+    def _beat(self) -> None:
+        """A Heartbeat every HEARTBEAT_S from the loop itself (a stuck step sends none)."""
+        now = time.monotonic()
+        if now - self.beat_at >= HEARTBEAT_S:
+            self.beat_at = now
+            self._send(Heartbeat())
 
     # -- incoming -----------------------------------------------------------------------
 
     def _drain(self, block: bool) -> None:
-        flags = 0 if block else zmq.NOBLOCK
+        """The messages waiting; when idle, first waits up to HEARTBEAT_S for one."""
+        if block and not self.receiver.poll(int(HEARTBEAT_S * 1000)):
+            return
         while True:
             try:
-                frame = self.receiver.recv(flags)
+                frame = self.receiver.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             msg = decode(frame)
             self.handlers[type(msg)](msg)
-            flags = zmq.NOBLOCK
 
     def _on_new(self, msg: NewRequests) -> None:
         for spec in msg.requests:
@@ -221,26 +234,52 @@ class SchedulerLoop:
         self.step_errors = 0
         updates = [u for u in map(self._guarded_update, changed) if u is not None]
         if updates:
-            scheduler = self.core.scheduler
-            self._send(StepOutput(updates, len(scheduler.running), len(scheduler.waiting)))
+            self._send_updates(updates)
+        for req in changed:  # last: a finished request's final message is on its way
+            if req.finished:
+                self.tracked.pop(req.rid, None)
+
+    def _send_updates(self, updates: list[ReqUpdate]) -> None:
+        """One StepOutput; if it cannot be encoded, one per request, and a request whose
+        own update cannot be sent fails alone."""
+        scheduler = self.core.scheduler
+        queues = len(scheduler.running), len(scheduler.waiting)
+        try:
+            self._send(StepOutput(updates, *queues))
+            return
+        except Exception:
+            logger.exception("a step output could not be sent; sending its updates one by one")
+        for update in updates:
+            try:
+                self._send(StepOutput([update], *queues))
+            except Exception:
+                logger.exception("the update of request %s could not be sent", update.rid)
+                self._fail_update(update.rid, finished=update.finish is not None)
 
     def _guarded_update(self, req: Req) -> ReqUpdate | None:
-        """The request's update; if making it raises, that request alone fails."""
+        """The request's update. If making it raises (its finish report, its logprobs...),
+        that request alone fails: its client gets a final error naming no internals. A
+        finished request stays tracked until its final message is sent (`_step`)."""
+        if req.rid not in self.tracked:
+            return None
         try:
             return self._update(req)
-        except Exception as e:
+        except Exception:
             logger.exception("the update of request %s failed", req.rid)
-            if self.tracked.pop(req.rid, None) is not None:
-                self._send(RequestFailed(req.rid, f"internal error while sending the output: {e!r}", 500))
-            self.core.abort(req.rid, "its output could not be sent")
+            self._fail_update(req.rid, req.finished)
             return None
 
+    def _fail_update(self, rid: str, finished: bool) -> None:
+        """The request's output could not be sent: a final error instead, then it is
+        aborted (if still running) and no longer tracked."""
+        self._send(RequestFailed(rid, UPDATE_FAILED, 500))
+        if not finished:
+            self.core.abort(rid, "its output could not be sent")
+        self.tracked.pop(rid, None)
+
     def _update(self, req: Req) -> ReqUpdate | None:
-        tracked = self.tracked.get(req.rid)
-        if tracked is None:
-            return None
+        tracked = self.tracked[req.rid]
         if req.finished:
-            del self.tracked[req.rid]
             if req.error is not None:  # failed by the runtime (its constraint, a fault of its own)
                 status = 400 if isinstance(req.error, InvalidRequestError) else 500
                 self._send(RequestFailed(req.rid, str(req.error), status))
