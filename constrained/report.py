@@ -24,12 +24,14 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         instance = json.loads(text)
     except json.JSONDecodeError as e:
         return {"valid": False, "error": f"not JSON: {e}"}
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
+        return {"valid": False, "error": f"the output could not be read: {str(e).split(';')[0] or type(e).__name__}"}
     cls = validator_class(schema)
     try:
         error = jsonschema.exceptions.best_match(
             cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)
         )
-    except Exception as e:  # noqa: BLE001 - a $ref to another document, a regex jsonschema cannot compile
+    except Exception as e:  # noqa: BLE001 - a $ref to another document, a regex the linear engine cannot take
         return {"valid": None, "error": f"could not validate: {e}"}
     if error is None:
         return {"valid": True, "error": None}

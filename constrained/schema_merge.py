@@ -3,11 +3,10 @@ unions that allOf of anyOf makes."""
 
 from __future__ import annotations
 
-import re
 from itertools import product
 from typing import Any
 
-from spruce.constrained.errors import TooLarge
+from spruce.constrained.errors import ConstraintError, TooLarge
 from spruce.constrained.schema_context import Context
 from spruce.constrained.schema_validator import pattern_search
 
@@ -129,7 +128,7 @@ def _schemas_for_name(flat: dict, name: str, ctx: Context) -> list:
 def _search(pattern: str, name: str, flat: dict, ctx: Context) -> bool:
     try:
         return pattern_search(pattern, name)
-    except re.error:
+    except ConstraintError:  # a pattern the linear-time engine cannot take
         ctx.skip("patternProperties", flat["path"], f"the regex {pattern!r} is not supported")
         return False
 

@@ -12,10 +12,12 @@ from itertools import combinations
 from spruce.constrained.automata import (
     intersect_regexes,
     literal_text,
+    regex_fsm,
     regexes_disjoint,
     subtract_regexes,
     words_except_regex,
 )
+from spruce.constrained.errors import ConstraintError
 from spruce.constrained.patterns import json_value_regex
 from spruce.constrained.schema_context import BOUNDS
 from spruce.constrained.schema_normalize import alternatives
@@ -107,7 +109,7 @@ def _name_allowed(builder, flat: dict, name: str) -> bool:
 def _search(builder, flat: dict, pattern: str, name: str) -> bool:
     try:
         return pattern_search(pattern, name)
-    except re.error:
+    except ConstraintError:  # a pattern the linear-time engine cannot take
         builder.ctx.skip("patternProperties", flat["path"], f"the regex {pattern!r} is not supported")
         return False
 
@@ -165,7 +167,8 @@ def _pattern_regions(builder, flat: dict, patterns: dict) -> list[tuple[str, lis
 
 def _key_regex(key_regex: str, excluded: list[str], names_regex: str | None) -> str | None:
     """A pattern key region without the declared names, within propertyNames."""
-    words = [literal_text(n) for n in excluded if re.fullmatch(key_regex, n)]
+    key_fsm = regex_fsm(key_regex)  # an automaton: linear in the name, whatever the pattern
+    words = [literal_text(n) for n in excluded if key_fsm.accepts(n)]
     regex = subtract_regexes(key_regex, words) if words else key_regex
     if regex is not None and names_regex is not None:
         regex = intersect_regexes([regex, names_regex])

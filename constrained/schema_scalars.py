@@ -30,7 +30,7 @@ from spruce.constrained.patterns import (
 )
 from spruce.constrained.ranges import integer_range_regex, number_range_regex
 from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
-from spruce.constrained.schema_validator import plain_groups
+from spruce.constrained.schema_validator import leading_lookaheads, plain_groups, top_level_branches
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))
@@ -165,7 +165,7 @@ def pattern_search_regex(pattern: str) -> str:
     """A search pattern as a full-match regex: `.*` added where it is not anchored; named
     groups (ECMA `(?<name>...)`, Python `(?P<name>...)`) become plain groups, and lookaheads
     at the start of an anchored alternative become automaton intersections / differences."""
-    branches = [_branch_regex(b) for b in _top_level_branches(plain_groups(pattern))]
+    branches = [_branch_regex(b) for b in top_level_branches(plain_groups(pattern))]
     kept = [b for b in branches if b is not None]
     if not kept:
         raise ConstraintError("it matches no string")
@@ -175,7 +175,7 @@ def pattern_search_regex(pattern: str) -> str:
 def _branch_regex(branch: str) -> str | None:
     """`^(?=A)(?!B)C` -> C & (A.*) - (B.*) (`A$` inside a lookahead: A exactly); None
     when no string matches."""
-    lookaheads, rest = _leading_lookaheads(branch)
+    lookaheads, rest = leading_lookaheads(branch)
     regex = _anchored(rest)
     for negative, inner in lookaheads:
         condition = _anchored("^" + inner)
@@ -183,54 +183,6 @@ def _branch_regex(branch: str) -> str | None:
         if regex is None:
             return None
     return regex
-
-
-def _leading_lookaheads(branch: str) -> tuple[list[tuple[bool, str]], str]:
-    """The lookaheads right after a branch's `^` as (negative, inner), and the branch without them."""
-    found, i = [], 1
-    while branch.startswith("^", 0) and branch.startswith(("(?=", "(?!"), i):
-        end = _group_end(branch, i)
-        found.append((branch[i + 2] == "!", branch[i + 3 : end - 1]))
-        i = end
-    return found, (branch if not found else "^" + branch[i:])
-
-
-def _group_end(pattern: str, start: int) -> int:
-    """The index just past the group opening at `start`."""
-    for i, char, depth in _structure(pattern, start):
-        if char == ")" and depth == 0:
-            return i + 1
-    raise ConstraintError("unbalanced parentheses")
-
-
-def _top_level_branches(pattern: str) -> list[str]:
-    branches, start = [], 0
-    for i, char, depth in _structure(pattern):
-        if char == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
-    return [*branches, pattern[start:]]
-
-
-def _structure(pattern: str, start: int = 0):
-    """(index, character, group depth after it) of each character outside escapes and classes."""
-    depth, i, in_class = 0, start, False
-    while i < len(pattern):
-        char = pattern[i]
-        if char == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-            i += 1 + pattern.startswith("^", i + 1)
-            i += pattern.startswith("]", i)  # a leading ']' is a literal
-            continue
-        else:
-            depth += (char == "(") - (char == ")")
-            yield i, char, depth
-        i += 1
 
 
 def _anchored(branch: str) -> str:

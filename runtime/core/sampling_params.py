@@ -7,10 +7,11 @@ a clear `InvalidRequestError` for every value a user can get wrong.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from spruce.constrained import linear_regex
+from spruce.constrained.linear_regex import UnsupportedRegex
 from spruce.runtime.core.values import is_int, is_int64, is_number
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import INT64_MAX, RequestLimits
@@ -176,11 +177,11 @@ class SamplingParams:
         for pattern in patterns:
             _check_size("stop_regex", len(pattern), limits.max_stop_string_chars, "--max-stop-string-chars")
             try:
-                compiled = re.compile(pattern)
-            except (re.error, RecursionError, OverflowError) as e:
-                raise InvalidRequestError(f"stop_regex {pattern!r} is not a valid Python regex: {e}") from None
+                empty_match = linear_regex.search(pattern, "")
+            except UnsupportedRegex as e:
+                raise InvalidRequestError(f"stop_regex {pattern[:80]!r}: {e.reason}") from None
             _check(
-                compiled.search("") is None,
+                empty_match is None,
                 f"stop_regex {pattern!r} matches the empty string (it would stop at once)",
             )
 

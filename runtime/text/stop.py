@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
+from spruce.constrained import linear_regex
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -22,12 +21,13 @@ STOP_REGEX_TAIL_TOKENS = 256  # a stop_regex match must lie within the output's 
 
 
 def find_regex_stop(text: str, patterns: tuple[str, ...], start: int = 0) -> tuple[int, int, str] | None:
-    """Earliest match of any stop regex in text[start:]: (match start, match end, pattern)."""
+    """Earliest match of any stop regex in text[start:]: (match start, match end, pattern).
+    Matched in linear time (RE2, see constrained/linear_regex.py): this runs after every token."""
     best = None
     for pattern in patterns:
-        m = re.compile(pattern).search(text, start)  # re caches compiled patterns
-        if m is not None and (best is None or m.start() < best[0]):
-            best = (m.start(), m.end(), pattern)
+        span = linear_regex.search(pattern, text, start)
+        if span is not None and (best is None or span[0] < best[0]):
+            best = (*span, pattern)
     return best
 
 
