@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from support import write_tiny_model  # noqa: E402
+from spruce.runtime.executor.kernels import cpu_library  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
@@ -37,3 +38,17 @@ def tiny_tokenizer(tiny_llama_dir):
     return Tokenizer.from_folder(str(tiny_llama_dir))
 
 
+@pytest.fixture(params=list(cpu_library.ISA_FLAGS))
+def cpu_isa(request) -> str:
+    """Each variant of the C kernels (portable, avx2, avx512 on x86) bound in turn: the float
+    kernels and the quantized kernels' default (cpu_library.use_isa), so an AVX-512 machine
+    checks what an AVX2 one runs and the reverse. A variant this CPU lacks is a skip that says
+    so; no C compiler is a skip, a failed build a failure."""
+    if cpu_library.c_compiler() is None:
+        pytest.skip("no C compiler here")
+    assert cpu_library.load_library() is not None, "the C kernels failed to build (see the logged error)"
+    if request.param not in cpu_library.available_isas():
+        pytest.skip(f"this CPU lacks the {request.param} variant (runs {cpu_library.available_isas()})")
+    previous = cpu_library.use_isa(request.param)
+    yield request.param
+    cpu_library.use_isa(previous)

@@ -88,7 +88,6 @@ class DecodePlan:
         c = model.config
         self.config = c
         self.lib = load_library()
-        self.isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())
         self.qkv_width = c.q_size + 2 * c.kv_size
         self.inter = model.layers[0].mlp.down_proj.in_features
         self.modules = [m for layer in model.layers for m in layer.modules()]
@@ -146,7 +145,8 @@ class DecodePlan:
         attention = self._attention_call(ctx, backend, rows, p_qkv, p_attn)
         positions = ctx.positions.to(torch.int64).contiguous()
         rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, self._linear(rows)
-        isa, width, heads = self.isa, self.qkv_width, c.num_heads + c.num_kv_heads
+        isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())  # follows cpu_library.use_isa
+        width, heads = self.qkv_width, c.num_heads + c.num_kv_heads
         first = True
         for norm_args, (qkv_w, o_w, gate_up_w, down_w), bias, (cos, sin), layer in self.layers:
             norm1, norm2, eps1, eps2 = norm_args

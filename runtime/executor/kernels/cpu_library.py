@@ -17,7 +17,8 @@ into differently named functions (`spruce_rms_norm_avx2`, ...); at load, each pl
 (`spruce_rms_norm`) is bound to the best variant this CPU runs (cpu_features.c), or to the
 one `SPRUCE_CPU_ISA` names, and `use_isa` rebinds them (the tests run every variant). The
 quantized kernels carry their own per-ISA functions (target attributes) and take the ISA as
-an argument.
+an argument, by default the best one the bound float variant allows (cpu_quant_ops), so
+`use_isa` and SPRUCE_CPU_ISA (portable, avx2, avx512) switch both kinds.
 """
 
 from __future__ import annotations

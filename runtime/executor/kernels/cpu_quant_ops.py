@@ -8,9 +8,9 @@ batches) are quantized to 16-bit blocks and meet the weights in integer dot prod
 rows (prefill, large batches) go through a float32 GEMM that dequantizes the weights as it
 packs them (`gemm_linear`), which is faster there.
 
-The instruction set (`ISAS`) is chosen at run time: the best this CPU runs (capped by
-SPRUCE_CPU_ISA, see cpu_library.py), unless the caller forces one (the tests run every
-available one).
+The instruction set (`ISAS`) is chosen at run time: the best this CPU runs, capped by the
+float kernels' variant (SPRUCE_CPU_ISA at start, `cpu_library.use_isa` later: portable caps
+it at scalar, avx2 at AVX2), unless the caller forces one (the tests run every available one).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spruce.runtime.executor.kernels.cpu_library import FLOAT_ISAS, load_library, startup_isa
+from spruce.runtime.executor.kernels.cpu_library import FLOAT_ISAS, current_isa, load_library
 
 BLOCK = 32
 
@@ -49,7 +49,7 @@ ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # from 10 to 16), so Q8_0 loses a little from 9 to about 15 rows, the K formats gain most.
 INTEGER_MAX_ROWS = 8
 
-_best_isa: int | None = None
+_cpu_best: int | None = None  # this CPU's best, uncapped (asked once)
 
 
 def available() -> bool:
@@ -62,17 +62,20 @@ def best_isa() -> str:
 
 
 def _best_index() -> int:
-    """This CPU's best, capped by SPRUCE_CPU_ISA (portable: scalar, avx2: AVX2)."""
-    global _best_isa
-    if _best_isa is None:
-        cap = FLOAT_ISAS.index(startup_isa())
-        _best_isa = min(int(load_library().spruce_quant_best_isa()), cap)
-    return _best_isa
+    """This CPU's best, capped by the float kernels' bound variant (portable: scalar, avx2: AVX2)."""
+    return min(_cpu_best_index(), FLOAT_ISAS.index(current_isa()))
+
+
+def _cpu_best_index() -> int:
+    global _cpu_best
+    if _cpu_best is None:
+        _cpu_best = int(load_library().spruce_quant_best_isa())
+    return _cpu_best
 
 
 def available_isas() -> list[str]:
-    """Every variant this CPU can run (the portable one included)."""
-    return list(ISAS[: ISAS.index(best_isa()) + 1]) if available() else []
+    """Every variant this CPU can run (the portable one included), whichever is bound."""
+    return list(ISAS[: _cpu_best_index() + 1]) if available() else []
 
 
 def row_bytes(qtype: str, k: int) -> int:

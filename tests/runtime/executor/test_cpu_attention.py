@@ -1,4 +1,5 @@
-"""The C decode-attention kernel equals a torch reference (gather + softmax)."""
+"""The C decode-attention kernel equals a torch reference (gather + softmax), on every
+float-kernel variant this CPU runs (the `cpu_isa` fixture)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import pytest
 import torch
 
 from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
-from spruce.runtime.executor.kernels import cpu_library
 from spruce.runtime.executor.kernels.cpu_library import c_compiler
 from spruce.runtime.executor.kv_pool import dequantize_int8, quantize_int8
 
@@ -45,12 +45,17 @@ def built_kernel() -> CpuDecodeAttention:
     return kernel
 
 
+@pytest.fixture
+def kernel(cpu_isa) -> CpuDecodeAttention:
+    """The kernel on each variant of the float kernels this CPU runs (portable, avx2, avx512)."""
+    return built_kernel()
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
+def test_matches_reference(kernel, heads, kv_heads, dim, threads, cache_dtype):
     torch.set_num_threads(threads)
-    kernel = built_kernel()
     g = torch.Generator().manual_seed(heads * dim)
     slots_total, batch = 600, 5
     k_cache = torch.randn(slots_total, kv_heads, dim, generator=g)
@@ -68,11 +73,10 @@ def test_matches_reference(heads, kv_heads, dim, threads, cache_dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_stores_new_tokens_then_attends(cache_dtype):
+def test_stores_new_tokens_then_attends(kernel, cache_dtype):
     """With new_kv, each request's new K/V lands in its slot (as the pool's dtype; int8
     exactly as the pool's own quantization) and is attended as the last token; q, k and v
     may be strided column blocks of one matrix."""
-    kernel = built_kernel()
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, batch = 9, 3, 64, 4
     k_cache, v_cache, scales, _, _ = to_cache(
@@ -107,10 +111,9 @@ def test_rejects_unsupported_shape():
         kernel(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]), torch.tensor([1]), 1.0)
 
 
-def test_bfloat16_activations_are_computed_in_float32():
+def test_bfloat16_activations_are_computed_in_float32(kernel):
     """A bfloat16 model on the CPU with a float16 cache: q/k/v are widened, the output
     comes back in bfloat16."""
-    kernel = built_kernel()
     g = torch.Generator().manual_seed(1)
     k_cache = torch.randn(100, 3, 64, generator=g).half()
     v_cache = torch.randn(100, 3, 64, generator=g).half()
@@ -127,9 +130,8 @@ def test_bfloat16_activations_are_computed_in_float32():
 
 
 @pytest.mark.parametrize("window", [1, 16, 40, 500])
-def test_sliding_window_reads_the_last_tokens_only(window):
+def test_sliding_window_reads_the_last_tokens_only(kernel, window):
     """Window 1 (the token itself), inside a block, across blocks, beyond every sequence."""
-    kernel = built_kernel()
     g = torch.Generator().manual_seed(window)
     k_cache, v_cache = torch.randn(400, 2, 64, generator=g), torch.randn(400, 2, 64, generator=g)
     table = (torch.randperm(399, generator=g)[:300] + 1).int().reshape(3, 100)
@@ -137,15 +139,6 @@ def test_sliding_window_reads_the_last_tokens_only(window):
     q = torch.randn(3, 8, 64, generator=g)
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window=window)
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window), atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(params=cpu_library.available_isas() or ["none"])
-def isa(request):
-    """Each variant of the float kernels this CPU runs (portable, avx2, avx512), bound in turn."""
-    kernel = built_kernel()
-    previous = cpu_library.use_isa(request.param)
-    yield kernel
-    cpu_library.use_isa(previous)
 
 
 # (heads, kv_heads, dim): the specialized shapes (group 1, 3, 4, 6, 7 at head_dim 64 and 128),
@@ -156,7 +149,7 @@ SHAPES += [(24, 4, 128), (28, 4, 128), (6, 3, 16), (4, 2, 96), (16, 1, 64), (20,
 
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_every_variant_every_shape(isa, heads, kv_heads, dim, cache_dtype):
+def test_every_variant_every_shape(kernel, heads, kv_heads, dim, cache_dtype):
     """Sequence lengths around the 16-token block (1, 15, 16, 17, 47) and longer, with a
     sliding window inside a block, across blocks and beyond the sequence."""
     g = torch.Generator().manual_seed(heads * 1000 + dim)
@@ -171,13 +164,13 @@ def test_every_variant_every_shape(isa, heads, kv_heads, dim, cache_dtype):
     rows = torch.randperm(batch, generator=g)
     q = torch.randn(batch, heads, dim, generator=g)
     for window in (None, 5, 20, 500):
-        got = isa(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window, scales=scales)
+        got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window, scales=scales)
         want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_rising_scores_rescale_exactly(isa, cache_dtype):
+def test_rising_scores_rescale_exactly(kernel, cache_dtype):
     """Scores that climb block after block (and one outlier late) move the softmax's
     reference max many times: the rescaled accumulators still give the reference. 1200
     tokens take several L2-sized spans in every cache dtype (the softmax goes on across
@@ -191,6 +184,6 @@ def test_rising_scores_rescale_exactly(isa, cache_dtype):
     k_cache, v_cache, scales, k_read, v_read = to_cache(k_cache, torch.randn(length, kv_heads, dim, generator=g), cache_dtype)
     table = torch.stack([torch.arange(length), torch.arange(length).flip(0)]).int()
     rows, seq_lens = torch.tensor([0, 1]), torch.tensor([length, 1190])
-    got = isa(q, k_cache, v_cache, table, rows, seq_lens, 1.0, scales=scales)
+    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 1.0, scales=scales)
     want = reference(q, k_read, v_read, table, rows, seq_lens, 1.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

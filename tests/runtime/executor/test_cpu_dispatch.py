@@ -14,20 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
+from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library, cpu_quant_ops
 from spruce.runtime.executor.kernels.cpu_attention import CpuDecodeAttention
 
 pytestmark = pytest.mark.skipif(cpu_library.c_compiler() is None, reason="no C compiler here")
-
-
-@pytest.fixture(params=cpu_library.available_isas() or ["none"])
-def isa(request):
-    assert cpu_library.load_library() is not None, (
-        "the C kernels failed to build (see the logged error)"
-    )
-    previous = cpu_library.use_isa(request.param)
-    yield request.param
-    cpu_library.use_isa(previous)
 
 
 def test_build_flags_name_no_machine():
@@ -55,12 +45,12 @@ def test_best_variant_bound_at_load_and_forced_by_the_environment():
         assert out.stdout.strip() == expected, out.stderr
 
 
-def test_use_isa_rebinds_every_float_kernel(isa):
+def test_use_isa_rebinds_every_float_kernel(cpu_isa):
     lib = cpu_library.load_library()
     for name in cpu_library.PER_ISA_KERNELS:
-        bound, variant = getattr(lib, name), getattr(lib, f"{name}_{isa}")
+        bound, variant = getattr(lib, name), getattr(lib, f"{name}_{cpu_isa}")
         assert ctypes_address(bound) == ctypes_address(variant)
-    assert cpu_library.current_isa() == isa
+    assert cpu_library.current_isa() == cpu_isa
 
 
 def ctypes_address(fn) -> int:
@@ -120,11 +110,27 @@ def run_attention(seed: int, cache_dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def test_every_variant_equals_torch_and_the_portable_one(isa):
-    """Each kernel on variant `isa` equals torch's formula and, within float rounding
+def test_every_variant_equals_torch_and_the_portable_one(cpu_isa):
+    """Each kernel on variant `cpu_isa` equals torch's formula and, within float rounding
     (vector widths change summation orders), the portable variant's result."""
     ours = run_layer_ops(1) + [run_attention(2, torch.float32), run_attention(3, torch.float16)]
     cpu_library.use_isa("portable")
     portable = run_layer_ops(1) + [run_attention(2, torch.float32), run_attention(3, torch.float16)]
     for got, want in zip(ours, portable):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_kernels_follow_the_bound_variant(cpu_isa):
+    """The integer kernels' default is the best this CPU runs up to the bound float variant
+    (portable: scalar, avx2: AVX2, avx512: AVX512-VNNI where the CPU has it), so forcing a
+    variant (use_isa, SPRUCE_CPU_ISA) forces the quantized path too."""
+    cap = cpu_library.FLOAT_ISAS.index(cpu_isa)
+    expected = cpu_quant_ops.ISAS[min(cap, len(cpu_quant_ops.available_isas()) - 1)]
+    assert cpu_quant_ops.best_isa() == expected
+    g = torch.Generator().manual_seed(8)
+    blocks = torch.randint(0, 256, (16, 96 // 32 * 20), dtype=torch.uint8, generator=g)
+    halves = blocks.view(torch.float16)  # q4_1 blocks of 20 bytes: fp16 scale and minimum first
+    halves[:, 0::10], halves[:, 1::10] = 0.01, -0.05
+    x = torch.randn(3, 96, generator=g)
+    forced = cpu_quant_ops.integer_linear(x, "q4_1", blocks, isa=expected)
+    assert torch.equal(cpu_quant_ops.linear(x, "q4_1", blocks), forced)

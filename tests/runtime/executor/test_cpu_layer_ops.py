@@ -7,17 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
+from spruce.runtime.executor.kernels import cpu_layer_ops
 
 
-@pytest.fixture(autouse=True, params=cpu_library.available_isas() or ["none"])
-def built(request):
-    if cpu_library.c_compiler() is None:
-        pytest.skip("no C compiler here")
+@pytest.fixture(autouse=True)
+def built(cpu_isa):
+    """Every test on each variant (`cpu_isa`); the kernels usable on it."""
     assert cpu_layer_ops.usable(torch.zeros(1)), "the C kernels failed to build (see the logged compiler error)"
-    previous = cpu_library.use_isa(request.param)
-    yield
-    cpu_library.use_isa(previous)
 
 
 def hf_rms_norm(x, weight, eps):

@@ -30,14 +30,6 @@ def reference(q, k, v, prefix: int, scale: float, window: int | None = None) -> 
     return out[0].transpose(0, 1).float()
 
 
-@pytest.fixture(params=cpu_library.available_isas() or ["none"])
-def isa(request):
-    assert cpu_library.load_library() is not None, "the C kernels failed to build"
-    previous = cpu_library.use_isa(request.param)
-    yield request.param
-    cpu_library.use_isa(previous)
-
-
 # (length, prefix, heads, kv_heads, dim, window): lengths around the 32-key block and the
 # 16-position task, a cached prefix, GQA groups 1-4, head_dim 16-128 (80 and 48: not a
 # multiple of the 64-float value pass), windows inside a block, across blocks, longer than all
@@ -49,7 +41,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("length,prefix,heads,kv_heads,dim,window", CASES)
-def test_matches_reference(isa, length, prefix, heads, kv_heads, dim, window):
+def test_matches_reference(cpu_isa, length, prefix, heads, kv_heads, dim, window):
     g = torch.Generator().manual_seed(length * 31 + prefix + dim)
     qkv = torch.randn(length, (heads + 2 * kv_heads) * dim, generator=g)
     q = qkv[:, : heads * dim].view(length, heads, dim)  # rows strided, as the projection gives them
@@ -59,7 +51,7 @@ def test_matches_reference(isa, length, prefix, heads, kv_heads, dim, window):
     torch.testing.assert_close(got, reference(q, k, v, prefix, dim**-0.5, window), atol=1e-5, rtol=1e-5)
 
 
-def test_rising_scores_rescale_exactly(isa):
+def test_rising_scores_rescale_exactly(cpu_isa):
     """Scores that climb key block after key block move each row's running max many times.
     (Scores reach ~100 here, unscaled: their float32 rounding, ~1e-5, is the tolerance.)"""
     g = torch.Generator().manual_seed(3)
@@ -71,7 +63,7 @@ def test_rising_scores_rescale_exactly(isa):
     torch.testing.assert_close(prefill_attention(q, k, v, 0, 1.0), reference(q, k, v, 0, 1.0), atol=1e-4, rtol=1e-4)
 
 
-def test_same_result_on_any_thread_count():
+def test_same_result_on_any_thread_count(cpu_isa):
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(90, 9, 64, generator=g), torch.randn(90, 3, 64, generator=g), torch.randn(90, 3, 64, generator=g)
     threads = torch.get_num_threads()
