@@ -111,7 +111,10 @@ def json_call(body: str, start: int, final: bool) -> tuple[PartialCall | None, i
         return None, None, True
     if name_member is None or name_member.end is None:
         return None, end, end is not None
-    name = json.loads(body[name_member.start : name_member.end])
+    try:
+        name = json.loads(body[name_member.start : name_member.end])
+    except (ValueError, RecursionError):  # a number past Python's digit limit, deep nesting
+        return None, end, True
     arguments = next((by_key[k] for k in ARGUMENT_KEYS if k in by_key), None)
     if not isinstance(name, str):
         return None, end, True
@@ -303,23 +306,23 @@ class PythonicFormat(ToolCallFormat):
         return Scan(text, broken=True) if calls is None else Scan("", calls)
 
     def _parse(self, text: str) -> list[PartialCall] | None:
+        """The calls; None when the text is not a list of calls whose arguments are JSON-like
+        literals (an unhashable dict key, a set, a complex number, a huge integer, nesting
+        past the parser's depth: whatever the model writes is "not a call", never an error)."""
         try:
             tree = ast.parse(text, mode="eval").body
-        except SyntaxError:
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return None
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return None
-        calls = [self._call(node) for node in tree.elts]
         return None if any(c is None for c in calls) else calls
 
     def _call(self, node: ast.AST) -> PartialCall | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
-        try:
-            arguments = {k.arg: self._value(k.value) for k in node.keywords}
-        except ValueError:
-            return None
-        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False), True)
+        arguments = {k.arg: self._value(k.value) for k in node.keywords}
+        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False), True)
 
     def _value(self, node: ast.AST) -> Any:
         if isinstance(node, ast.Name) and node.id in self.literal_names:

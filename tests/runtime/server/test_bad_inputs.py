@@ -65,6 +65,8 @@ CASES = [
     Case("generate", gen(stop_token_ids=list(range(1000))), 400, "stop_token_ids"),
     Case("generate", gen(stop_token_ids=[10**12]), 400, "stop_token_ids"),
     Case("generate", gen(regex="(unclosed"), 400, "regex"),
+    Case("generate", gen(stop_regex=r"(a)\1"), 400, "stop_regex"),
+    Case("generate", gen(json_schema={"$schema": [1], "type": "integer"}), 400, "$schema"),
     Case("generate", gen(regex="a" * 210_000), 400, "regex has 210000 characters"),
     Case("generate", gen(json_schema="{not json"), 400, "json_schema"),
     Case("generate", gen(json_schema=OPTIONAL_PROPERTIES), 400, "json_schema has"),
@@ -386,3 +388,12 @@ def test_request_deadline_aborts_and_frees(http):
     assert reason["type"] == "abort" and "deadline" in reason["message"]
     assert r.json()["meta_info"]["completion_tokens"] < 900
     assert http.get("/server_info").json()["in_flight_requests"] == 0
+
+
+def test_a_backtracking_stop_regex_answers_and_the_server_serves_on(http):
+    """The issue's ReDoS reproduction: stop_regex is matched in linear time on the scheduler loop."""
+    sampling = {"max_new_tokens": 64, "temperature": 0, "regex": "a{64}", "stop_regex": "(a+)+b"}
+    r = http.post("/generate", json={"text": "x", "sampling_params": sampling})
+    assert r.status_code == 200 and r.json()["text"] == "a" * 64
+    plain = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert plain.status_code == 200 and plain.json()["meta_info"]["completion_tokens"] >= 1
