@@ -52,12 +52,37 @@ def decode_logits(loaded, ids: list[int], chunk: int = 4, kv_dtype: torch.dtype 
     return torch.cat(out)
 
 
-def agreement(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(reference || quantized)) over positions."""
-    top1 = (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    log_p, log_q = torch.log_softmax(reference.double(), -1), torch.log_softmax(quantized.double(), -1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    return top1, kl
+# Top-1 agreement over every position is a coin toss where the reference's two best logits
+# nearly tie: another summation order (each ISA variant has its own) flips the argmax. The
+# int8 cache against a float32 one flipped positions whose reference gap was up to 0.11
+# nats, a different set on the portable, AVX2 and AVX-512 variants (top-1 0.971, 0.989,
+# 0.978 over all positions; mean KL 6.1e-4 on each). So top-1 is compared only where the
+# reference leads by CLEAR_MARGIN nats (its top token 1.65x as likely as the next, 4.5x the
+# largest flipped gap; 70% of the bundled text's positions) and must agree at every one; the
+# rest is bounded by KL, its mean and its 99th percentile.
+CLEAR_MARGIN = 0.5
+
+
+def assert_agrees(ours: torch.Tensor, reference: torch.Tensor, label: str, mean_kl: float, p99_kl: float) -> None:
+    """Every position where the reference's top-1 is clear has our top-1 (and there are
+    such positions: at least a third); KL(reference || ours) within `mean_kl` on average
+    and `p99_kl` at its 99th percentile."""
+    top2 = reference.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > CLEAR_MARGIN
+    same = ours.argmax(-1) == reference.argmax(-1)
+    kl = kl_divergence(ours, reference)
+    mean, p99 = kl.mean().item(), kl.quantile(0.99).item()
+    print(f"{label}, {len(kl)} positions: top-1 {same.float().mean():.4f} overall, "
+          f"{int(same[clear].sum())}/{int(clear.sum())} where clear; KL mean {mean:.2e}, p99 {p99:.2e}")  # fmt: skip
+    assert clear.sum() >= len(clear) / 3, "too few clear positions to compare top-1"
+    assert same[clear].all(), f"top-1 differs at clear positions {clear.nonzero().flatten()[~same[clear]].tolist()}"
+    assert mean <= mean_kl and p99 <= p99_kl, (mean, p99)
+
+
+def kl_divergence(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """KL(reference || ours) at each position."""
+    log_p, log_q = torch.log_softmax(reference.double(), -1), torch.log_softmax(ours.double(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZATIONS[2:])
@@ -70,8 +95,8 @@ def test_hf_checkpoint_quantized_at_load(tiny_llama_dir, qtype):
     assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
     assert model_bytes(loaded.model) < model_bytes(plain.model) / 3
     ids = list(range(3, 40))
-    top1, kl = agreement(decode_logits(loaded, ids), decode_logits(plain, ids))
-    print(f"tiny llama {qtype}: top-1 {top1:.3f}, KL {kl:.5f}")
+    kl = kl_divergence(decode_logits(loaded, ids), decode_logits(plain, ids)).mean().item()
+    print(f"tiny llama {qtype}: mean KL {kl:.5f}")
     assert kl < {"q8_0": 1e-3, "q4_0": 0.05, "q4_1": 0.05}[qtype]
 
 
@@ -131,9 +156,8 @@ def test_auto_keeps_k_formats_and_agrees_with_their_float_twin(tmp_path):
     assert kinds == {"q4_k", "q5_k", "q6_k"}
     assert model_bytes(quantized.model) < 1.2 * os.path.getsize(path)
     ids = list(range(3, 60))
-    top1, kl = agreement(decode_logits(quantized, ids), decode_logits(plain, ids))
-    print(f"tiny K-format model vs float32: top-1 {top1:.3f}, KL {kl:.6f}")
-    assert top1 >= 0.98 and kl <= 1e-3
+    # only the 16-bit rounding of the activations differs (measured: KL mean 2e-10, p99 4e-9)
+    assert_agrees(decode_logits(quantized, ids), decode_logits(plain, ids), "tiny K formats vs float32", 1e-6, 1e-5)
 
 
 def test_explicit_quantization_off_the_cpu_is_an_error(tiny_llama_dir):
@@ -151,9 +175,14 @@ def bundled_pair():
     return load_model(bundled_gguf_path(), quantization="auto"), load_model(bundled_gguf_path(), quantization="none")
 
 
+
+
 @pytest.mark.slow
 @needs_bundled
 def test_bundled_q4_1_model_agrees_with_its_float_twin(bundled_pair):
+    """The integer kernels against the same weights dequantized to float32: only the 16-bit
+    rounding of the activations differs (measured on every variant: KL mean 5.5e-8, p99
+    3.7e-7)."""
     quantized, plain = bundled_pair
     assert {m.qtype for m in quantized.model.modules() if isinstance(m, QuantizedLinear)} == {"q4_1", "q8_0"}
     size, file_size = model_bytes(quantized.model), os.path.getsize(bundled_gguf_path())
@@ -161,22 +190,43 @@ def test_bundled_q4_1_model_agrees_with_its_float_twin(bundled_pair):
           f"{model_bytes(plain.model) / 1e6:.1f} MB)")  # fmt: skip
     assert size < 1.1 * file_size
     ids = quantized.tokenizer.encode(TEXT)[:300]
-    top1, kl = agreement(decode_logits(quantized, ids), decode_logits(plain, ids))
-    print(f"bundled Q4_1, integer kernels vs dequantized float32, {len(ids)} positions: top-1 {top1:.4f}, mean KL {kl:.5f}")
-    assert top1 >= 0.98 and kl <= 0.02
+    label = "bundled Q4_1, integer kernels vs dequantized float32"
+    assert_agrees(decode_logits(quantized, ids), decode_logits(plain, ids), label, 1e-6, 1e-5)
 
 
 @pytest.mark.slow
 @needs_bundled
 def test_bundled_model_with_int8_kv_cache_agrees_with_float32_cache(bundled_pair):
     """--kv-cache-dtype int8 against a float32 cache, same Q4_1 weights, token by token
-    (the C decode kernel reads every cached token through its scales)."""
+    (the C decode kernel reads every cached token through its scales). Measured over 274
+    positions on portable, AVX2 and AVX-512: KL mean 6.1e-4, p99 4.0e-3 to 5.3e-3."""
     quantized, _ = bundled_pair
     ids = quantized.tokenizer.encode(TEXT)[:300]
     int8 = decode_logits(quantized, ids, chunk=1, kv_dtype=torch.int8)
-    top1, kl = agreement(int8, decode_logits(quantized, ids, chunk=1, kv_dtype=torch.float32))
-    print(f"bundled Q4_1, int8 KV cache vs float32 KV cache, {len(ids)} positions: top-1 {top1:.4f}, mean KL {kl:.5f}")
-    assert top1 >= 0.98 and kl <= 0.02
+    reference = decode_logits(quantized, ids, chunk=1, kv_dtype=torch.float32)
+    assert_agrees(int8, reference, "bundled Q4_1, int8 KV cache vs float32", 2e-3, 0.02)
+
+
+@pytest.fixture(scope="module")
+def float_reference(bundled_pair):
+    """The float32 twin's logits over the first 64 tokens, token by token, float32 cache
+    (computed once, on the variant bound at start)."""
+    _, plain = bundled_pair
+    ids = plain.tokenizer.encode(TEXT)[:64]
+    return ids, decode_logits(plain, ids, chunk=1, kv_dtype=torch.float32)
+
+
+@pytest.mark.slow
+@needs_bundled
+def test_bundled_q4_1_model_on_every_variant(bundled_pair, float_reference, cpu_isa):
+    """The whole quantized decode path on each ISA variant (integer kernels, the int8
+    cache's attention, the layer operations, through the decode plan) against one float32
+    reference, on a few tokens: a variant that only another machine would pick is checked
+    here too. The int8 cache dominates the difference (bounds as above)."""
+    quantized, _ = bundled_pair
+    ids, reference = float_reference
+    ours = decode_logits(quantized, ids, chunk=1, kv_dtype=torch.int8)
+    assert_agrees(ours, reference, f"bundled Q4_1 + int8 cache on {cpu_isa} vs float32", 2e-3, 0.02)
 
 
 @pytest.mark.slow
