@@ -23,7 +23,7 @@ from spruce.runtime.protocol.dsl import GenerateMsg
 REGEX_INT = r"[+-]?[0-9]+[\n ]*"
 REGEX_FLOAT = r"[+-]?[0-9]*\.?[0-9]+[\n ]*"
 REGEX_BOOL = r"(True|False)"
-REGEX_STR = r'"[\w\s]*"'
+REGEX_STR = r'"[\w\s]*"'  # SGLang's: admits raw newlines / tabs; gen(dtype=str) writes a JSON string
 MAX_SAMPLES = 128  # gen(n=...): samples of one gen (as the OpenAI route's n)
 
 # SGLang's gen() names that differ from SamplingParams' field names.
