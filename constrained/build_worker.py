@@ -2,7 +2,9 @@
 its byte-level NFA (byte_nfa.py) in a worker process with a memory cap (RLIMIT_AS); a
 build past its deadline is ended by killing the worker, and the next build starts a fresh
 one. The NFA is linear in the regex's expanded size (capped), so a build takes milliseconds
-to about a second; the worker guards against what the caps miss. The DFA and the token
+to about a second; the worker guards against what the caps miss. A worker is replaced
+after MAX_JOBS_PER_WORKER jobs or once its address space passes half its cap, so what
+earlier builds left behind never makes a later one fail on the cap. The DFA and the token
 masks are made lazily in the parent, as requests need them (grammar.py).
 
 Why a `subprocess` (`python -m spruce.constrained.build_worker`) and not multiprocessing:
@@ -40,6 +42,11 @@ from multiprocessing.connection import Connection
 from spruce.constrained.errors import ConstraintError
 
 STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing its modules on a loaded machine
+# A worker is replaced after this many jobs, or once its address space passes this share of
+# its memory cap: Python keeps what a large build freed (fragmented arenas), so a reused
+# worker's footprint only grows, until a later large build fails on the cap.
+MAX_JOBS_PER_WORKER = 64
+RECYCLE_SHARE_OF_CAP = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,15 @@ class BuildWorker:
         self._recv = Connection(from_child_r, writable=False)
         self.memory_mb = memory_mb
         self.ready = False  # the worker says when its imports are done
+        self.jobs = 0  # requests sent
+
+    @property
+    def worn(self) -> bool:
+        """Due for replacement (see MAX_JOBS_PER_WORKER, RECYCLE_SHARE_OF_CAP)."""
+        if self.jobs >= MAX_JOBS_PER_WORKER:
+            return True
+        size = address_space_mb(self.proc.pid)
+        return self.memory_mb > 0 and size is not None and size > RECYCLE_SHARE_OF_CAP * self.memory_mb
 
     @property
     def alive(self) -> bool:
@@ -101,6 +117,7 @@ class BuildWorker:
         """Raises WorkerGone if the worker was dead before the job started."""
         self._wait_ready()
         start = time.monotonic()
+        self.jobs += 1
         try:
             self._send.send_bytes(dumps(request))
         except OSError:
@@ -157,8 +174,8 @@ class WorkerGone(Exception):
 
 
 class WorkerPool:
-    """Idle workers kept for reuse (at most `size`); a killed or dead one is dropped and the
-    next build starts a fresh process. Thread-safe."""
+    """Idle workers kept for reuse (at most `size`); a killed, dead or worn one (see
+    BuildWorker.worn) is dropped and the next build starts a fresh process. Thread-safe."""
 
     def __init__(self, memory_mb: int, size: int) -> None:
         self.memory_mb = memory_mb
@@ -190,7 +207,7 @@ class WorkerPool:
 
     def _give_back(self, worker: BuildWorker) -> None:
         with self._lock:
-            if worker.alive and not self._closed and len(self._idle) < self.size:
+            if worker.alive and not self._closed and len(self._idle) < self.size and not worker.worn:
                 self._idle.append(worker)
                 return
         worker.kill()
@@ -207,6 +224,16 @@ class WorkerPool:
             idle, self._idle = self._idle, []
         for worker in idle:
             worker.kill()
+
+
+def address_space_mb(pid: int) -> float | None:
+    """A process's address space (what RLIMIT_AS caps), None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            pages = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _short(regex: str, limit: int = 80) -> str:

@@ -5,31 +5,40 @@ a request visits a few hundred, plus those its token masks' walks pass through).
 
 Every state can still reach acceptance (the NFA was pruned), so a transition that
 exists is one a valid output can take. Thread-safe for the runtime's use: rows are only
-ever added (with identical values if two threads race), under a lock."""
+ever added (with identical values if two threads race), under a lock.
+
+What the DFA holds (its table, the NFA state sets naming its states, the forced-byte
+cache) is charged to a MemoryBudget as it grows: a walk that would pass the budget raises
+GrammarTooLarge and leaves the DFA as it was (the state it was computing stays unknown).
+`.*a.{24}` needs a new state for nearly every byte read, so its token masks' walks would
+otherwise grow it by hundreds of MB."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
 
 from spruce.constrained.byte_nfa import ByteNFA
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.memory import MaskTooExpensive, MemoryBudget
 
 DEAD = -1  # no transition
 UNKNOWN = -2  # row not computed yet
-MAX_STATES = 200_000  # ~200 MB of rows; a request needing more fails with a clear error
+MAX_BYTES = 256 * 2**20  # the budget of a DFA made without one (the compiler gives its own)
 MAX_FORCED_BYTES = 4096
+ENTRY_BYTES = 100  # a dict entry or list slot with its small objects (measured, roughly)
 
 
 class ByteDFA:
-    def __init__(self, nfa: ByteNFA, max_states: int = MAX_STATES) -> None:
+    def __init__(self, nfa: ByteNFA, budget: MemoryBudget | None = None) -> None:
         self._nfa, self._final = nfa, nfa.final
-        self.max_states = max_states
+        self.budget = budget or MemoryBudget(MAX_BYTES)
         self._ids: dict[frozenset[int], int] = {}
         self._cores: list[tuple[int, ...]] = []  # per DFA state: its NFA states that read bytes
         self._accepting: list[bool] = []
         self._after: dict[frozenset[int], int] = {}  # NFA targets of a byte -> DFA state
+        self.budget.charge(64 * 256 * 4)
         self.table = np.full((64, 256), UNKNOWN, dtype=np.int32)
         self._forced: dict[int, bytes] = {}  # forced_bytes per state (asked every decode step)
         self._lock = threading.Lock()
@@ -55,12 +64,15 @@ class ByteDFA:
             state = self.step(state, byte)
         return state
 
-    def ensure_rows(self, states) -> np.ndarray:
-        """Computes the missing rows of `states`; returns the table (which may have grown)."""
+    def ensure_rows(self, states, state_limit: int | None = None) -> np.ndarray:
+        """Computes the missing rows of `states`; returns the table (which may have grown).
+        MaskTooExpensive once the DFA has more than `state_limit` states."""
         missing = [int(s) for s in states if self.table[s, 0] == UNKNOWN]
         if missing:
             with self._lock:
                 for state in missing:
+                    if state_limit is not None and self.num_states > state_limit:
+                        raise MaskTooExpensive
                     if self.table[state, 0] == UNKNOWN:
                         self._compute_row(state)
         return self.table
@@ -70,7 +82,9 @@ class ByteDFA:
         an accepting state (the output may end) or more than one live byte. Cached."""
         forced = self._forced.get(state)
         if forced is None:
-            forced = self._forced[state] = self._forced_chain(state)
+            forced = self._forced_chain(state)
+            self.budget.charge(sys.getsizeof(forced) + ENTRY_BYTES)
+            self._forced[state] = forced
         return forced
 
     def _forced_chain(self, state: int) -> bytes:
@@ -98,20 +112,28 @@ class ByteDFA:
         key = frozenset(closure)
         state = self._ids.get(key)
         if state is None:
-            state = len(self._cores)
-            if state >= self.max_states:
-                raise ConstraintError(
-                    f"the constraint's automaton passed {self.max_states} states; simplify it"
-                )
-            self._ids[key] = state
-            edge_at = self._nfa.edge_at
-            self._cores.append(tuple(s for s in closure if edge_at[s + 1] > edge_at[s]))
-            self._accepting.append(self._final in closure)
-            if state >= self.table.shape[0]:
-                grown = np.full((2 * self.table.shape[0], 256), UNKNOWN, dtype=np.int32)
-                grown[: self.table.shape[0]] = self.table
-                self.table = grown
+            state = self._new_state(key)
+        self.budget.charge(sys.getsizeof(targets) + ENTRY_BYTES)
         self._after[targets] = state
+        return state
+
+    def _new_state(self, key: frozenset[int]) -> int:
+        """Adds the DFA state of `key` (an epsilon-closed set of NFA states), charged first."""
+        state = len(self._cores)
+        edge_at = self._nfa.edge_at
+        core = tuple(s for s in key if edge_at[s + 1] > edge_at[s])
+        rows = self.table.shape[0]
+        grown = 2 * rows if state >= rows else rows
+        self.budget.charge(
+            sys.getsizeof(key) + sys.getsizeof(core) + 2 * ENTRY_BYTES + (grown - rows) * 256 * 4
+        )
+        if grown > rows:
+            table = np.full((grown, 256), UNKNOWN, dtype=np.int32)
+            table[:rows] = self.table
+            self.table = table
+        self._ids[key] = state
+        self._cores.append(core)
+        self._accepting.append(self._final in key)
         return state
 
     def _closure(self, targets: frozenset[int]) -> set[int]:

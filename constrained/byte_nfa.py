@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from spruce.constrained.errors import ConstraintError
+from spruce.constrained.memory import EDGE_BYTES, PAIR_BYTES, bounded_cache
 
 try:  # Python 3.11+
     from re import _constants as sre, _parser as sre_parse  # type: ignore[attr-defined]
@@ -33,6 +34,9 @@ MAX_STATES = 1_500_000  # ~150 MB of lists; a 32k-position JSON schema regex nee
 MAX_CODE_POINT = sys.maxunicode
 _SURROGATES = (0xD800, 0xDFFF)
 _UTF8_LIMITS = (0x7F, 0x7FF, 0xFFFF, MAX_CODE_POINT)
+# Each class cache (shared by every request of the process) holds at most this; a class
+# too large for a quarter of it is recomputed per build (once: the builder keeps its own).
+CLASS_CACHE_BYTES = 8 * 2**20
 
 
 class ByteNFA:
@@ -55,6 +59,12 @@ class ByteNFA:
     @property
     def num_states(self) -> int:
         return len(self.eps_at) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the rows (list slots, and an int object for each value past 256)."""
+        big = len(self.eps_at) + len(self.eps_to) + len(self.edge_at) + len(self.edge_to)
+        return 36 * big + 8 * (len(self.edge_low) + len(self.edge_high))
 
     def __getstate__(self):
         return self.start, self.final, *(array("i", getattr(self, name)).tobytes() for name in self._ROWS)
@@ -155,6 +165,7 @@ class _Builder:
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
         self.dead_ends = False  # some class matched no character
+        self.templates: dict[int, tuple] = {}  # id of a class in the parse tree -> its template
 
     def states(self, count: int) -> int:
         """The first of `count` new states."""
@@ -182,7 +193,7 @@ class _Builder:
         if op is sre.ANY:
             return self.chars(_complement(((10, 10),)), state)
         if op is sre.IN:
-            return self.chars(_class_ranges(arg, self.regex), state)
+            return self.place(self.class_template(arg), state)
         if op is sre.SUBPATTERN:  # (flags checked by parse_regex)
             return self.sequence(arg[3], state)
         if op is sre.BRANCH:
@@ -212,9 +223,21 @@ class _Builder:
         self.eps[state].append(exit_)
         return exit_
 
+    def class_template(self, items) -> tuple:
+        """The template of a class of the parse tree, made once per build however often a
+        repeat copies it (the shared caches may not keep a giant one)."""
+        template = self.templates.get(id(items))
+        if template is None:
+            template = self.templates[id(items)] = _class_template(_class_ranges(items, self.regex))
+        return template
+
     def chars(self, ranges, state: int) -> int:
         """One character of `ranges` (code point pairs) in UTF-8, onward from `state`."""
-        inner, first_edges, inner_edges = _class_template(tuple(ranges))
+        return self.place(_class_template(tuple(ranges)), state)
+
+    def place(self, template: tuple, state: int) -> int:
+        """A copy of a class template (see _class_template) onward from `state`."""
+        inner, first_edges, inner_edges = template
         if not first_edges:
             self.dead_ends = True
         end = self.states(inner + 1)  # local 0: the end; 1..inner: states inside the class
@@ -224,7 +247,11 @@ class _Builder:
         return end
 
 
-@lru_cache(maxsize=4096)
+def _template_bytes(args: tuple, template: tuple) -> int:
+    return PAIR_BYTES * len(args[0]) + EDGE_BYTES * (len(template[1]) + len(template[2]))
+
+
+@bounded_cache(CLASS_CACHE_BYTES, _template_bytes)
 def _class_template(ranges: tuple[tuple[int, int], ...]) -> tuple[int, list, list]:
     """A class's byte automaton in local numbering (0: the end state, 1..n: inner states;
     sequences that end alike share their inner states): (n, edges from the start, inner edges)."""
@@ -274,7 +301,11 @@ def _class_ranges(items, regex: str) -> tuple[tuple[int, int], ...]:
         raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {e} in a class") from None
 
 
-@lru_cache(maxsize=4096)  # a schema's regex repeats its classes thousands of times
+def _ranges_bytes(args: tuple, ranges: tuple) -> int:
+    return PAIR_BYTES * (len(args[0]) + len(ranges))
+
+
+@bounded_cache(CLASS_CACHE_BYTES, _ranges_bytes)  # a schema's regex repeats its classes thousands of times
 def _ranges_of(items: tuple) -> tuple[tuple[int, int], ...]:
     negate, ranges = False, []
     for op, arg in items:
@@ -342,7 +373,11 @@ def _complement(ranges) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=4096)
+def _sequences_bytes(args: tuple, sequences: tuple) -> int:
+    return PAIR_BYTES * (len(args[0]) + sum(len(seq) for seq in sequences))
+
+
+@bounded_cache(CLASS_CACHE_BYTES, _sequences_bytes)
 def _utf8_sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
     """The code point ranges as sequences of byte ranges, one byte range per UTF-8 byte."""
     out: list[tuple[tuple[int, int], ...]] = []

@@ -17,21 +17,17 @@ from spruce.constrained.spec import ConstraintSpec
 from spruce.constrained.vocab import TokenVocabulary
 
 NUM_WORKERS = 2  # a slow build does not hold up every other constraint
-# A grammar's memory at build time: its NFA (rows of Python ints, measured ~190 bytes per state);
-# the lazily made DFA rows (1 KB per state) and token masks (4 bytes per 32 vocabulary ids
-# per visited state) come later and are not counted.
-NFA_BYTES_PER_STATE = 200
-
-
-class _Built(NamedTuple):
-    grammar: CompiledGrammar
-    nbytes: int  # estimated memory (see estimated_bytes)
+# One grammar may hold this share of the cache's bytes (its NFA, and the DFA rows and masks
+# its requests add), and at least MIN_GRAMMAR_BYTES: a request whose walk would grow it
+# further is aborted (GrammarTooLarge), the others go on.
+GRAMMAR_SHARE_OF_CACHE = 0.25
+MIN_GRAMMAR_BYTES = 32 * 2**20
 
 
 class _InFlight(NamedTuple):
     started: threading.Event  # the build left the queue (its deadline counts from here)
     ready: Future  # the grammar, once built and cached (or the build's error)
-    build: Future  # _Built
+    build: Future  # CompiledGrammar
 
 
 class GrammarCompiler:
@@ -45,8 +41,12 @@ class GrammarCompiler:
     requests and costs nothing after. The worker sends back the regex's byte-level NFA;
     the grammar determinizes it lazily here, and the build ends by computing the initial
     state's token mask (the first step of every request). The
-    cache keeps the most recently used grammars within `cache_bytes` (estimated, see
-    `estimated_bytes`) and `cache_size` entries. Workers start on the first build (about 0.4 s) and are reused."""
+    cache keeps the most recently used grammars within `cache_bytes` and `cache_size`
+    entries, counting what each grammar holds now (`CompiledGrammar.nbytes`: it grows as
+    requests walk it; the bound is enforced whenever a grammar is asked for or stored). A
+    grammar that passed its own budget (`grammar_bytes`) is dropped from the cache; the
+    requests holding it keep it until they end. Workers start on the first build (about
+    0.4 s) and are replaced after a number of builds (build_worker.py)."""
 
     def __init__(
         self,
@@ -56,13 +56,14 @@ class GrammarCompiler:
         timeout_s: float = 30,
         cache_bytes: int = 1 << 30,
         memory_mb: int = 4096,
+        grammar_bytes: int | None = None,
     ) -> None:
         self.vocab = TokenVocabulary(tokenizer, vocab_size)
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
+        self.grammar_bytes = grammar_bytes or max(int(GRAMMAR_SHARE_OF_CACHE * cache_bytes), MIN_GRAMMAR_BYTES)
         self.timeout_s = timeout_s
-        self._cache: OrderedDict[ConstraintSpec, _Built] = OrderedDict()
-        self._cached_bytes = 0
+        self._cache: OrderedDict[ConstraintSpec, CompiledGrammar] = OrderedDict()
         self._builds: dict[ConstraintSpec, _InFlight] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
@@ -74,8 +75,9 @@ class GrammarCompiler:
 
     @property
     def cached_bytes(self) -> int:
-        """Estimated memory of the cached grammars."""
-        return self._cached_bytes
+        """Memory the cached grammars hold now (see CompiledGrammar.nbytes)."""
+        with self._lock:
+            return self._total_bytes()
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         return self.submit(spec).result()
@@ -84,10 +86,11 @@ class GrammarCompiler:
         """Future[CompiledGrammar]; already resolved on a cache hit."""
         result: Future = Future()
         with self._lock:
-            built = self._cache.get(spec)
-            if built is not None:
+            self._evict()
+            grammar = self._cache.get(spec)
+            if grammar is not None:
                 self._cache.move_to_end(spec)
-                result.set_result(built.grammar)
+                result.set_result(grammar)
                 return result
             entry, fresh = self._builds.get(spec), False
             if entry is None:
@@ -107,29 +110,28 @@ class GrammarCompiler:
 
     def cached(self, spec: ConstraintSpec) -> CompiledGrammar | None:
         with self._lock:
-            built = self._cache.get(spec)
-            return None if built is None else built.grammar
+            return self._cache.get(spec)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._workers.close()
 
-    def _build(self, spec: ConstraintSpec, started: threading.Event) -> _Built:
+    def _build(self, spec: ConstraintSpec, started: threading.Event) -> CompiledGrammar:
         started.set()
         nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
-        grammar = CompiledGrammar(spec, nfa, self.vocab)
-        grammar.mask(grammar.initial_state)
-        return _Built(grammar, estimated_bytes(nfa.num_states, spec))
+        grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes)
+        grammar.warm(grammar.initial_state)
+        return grammar
 
     def _finish(self, spec: ConstraintSpec, build: Future, ready: Future) -> None:
         """Caches the finished grammar and resolves `ready`."""
         error = build.exception()
         if error is None:
-            built = build.result()
+            grammar = build.result()
             with self._lock:
-                self._store(spec, built)
+                self._store(spec, grammar)
                 self._builds.pop(spec, None)
-            _resolve(ready, value=built.grammar)
+            _resolve(ready, value=grammar)
         else:
             with self._lock:
                 self._builds.pop(spec, None)
@@ -137,21 +139,24 @@ class GrammarCompiler:
                 error = ConstraintError(f"cannot compile constraint: {error!r}")
             _resolve(ready, error=error)
 
-    def _store(self, spec: ConstraintSpec, built: _Built) -> None:
-        """Caches a grammar, evicting least recently used ones beyond the bounds (one larger
-        than the whole byte budget is used, but not kept)."""
-        if spec in self._cache:
-            return
-        self._cache[spec] = built
-        self._cached_bytes += built.nbytes
-        while self._cache and (len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes):
+    def _store(self, spec: ConstraintSpec, grammar: CompiledGrammar) -> None:
+        """Caches a grammar within the bounds (one larger than the whole byte budget is
+        used, but not kept)."""
+        if spec not in self._cache:
+            self._cache[spec] = grammar
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drops exhausted grammars, then least recently used ones beyond the bounds."""
+        for spec in [s for s, g in self._cache.items() if g.exhausted]:
+            del self._cache[spec]
+        total = self._total_bytes()
+        while self._cache and (len(self._cache) > self.cache_size or total > self.cache_bytes):
             _, evicted = self._cache.popitem(last=False)
-            self._cached_bytes -= evicted.nbytes
+            total -= evicted.nbytes
 
-
-def estimated_bytes(nfa_states: int, spec: ConstraintSpec) -> int:
-    """A compiled grammar's memory when built (see NFA_BYTES_PER_STATE) plus the spec's text."""
-    return NFA_BYTES_PER_STATE * nfa_states + len(spec.value) + len(spec.regex)
+    def _total_bytes(self) -> int:
+        return sum(grammar.nbytes for grammar in self._cache.values())
 
 
 def _watch(result: Future, started: threading.Event, spec: ConstraintSpec, timeout_s: float) -> None:

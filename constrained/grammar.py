@@ -4,34 +4,63 @@ same spec."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from spruce.constrained.bitmask import pack_token_ids
-from spruce.constrained.byte_dfa import DEAD, ByteDFA
+from spruce.constrained.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.byte_nfa import ByteNFA
 from spruce.constrained.cursor import GrammarCursor
+from spruce.constrained.memory import MemoryBudget
 from spruce.constrained.vocab import TokenVocabulary
 
 if TYPE_CHECKING:
     from spruce.constrained.spec import ConstraintSpec
 
 
+# A token mask asked for while requests run (on the scheduler thread) may make at most this
+# many new DFA states (~0.2 s at the 86 us a state took for SmolLM2's vocabulary); a JSON
+# schema's masks make tens to a few hundred. The initial state's mask is made at build time,
+# off the scheduler thread, without this bound.
+MAX_MASK_NEW_STATES = 2048
+MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measured, roughly)
+
+
 class CompiledGrammar:
     """States are the lazy DFA's (byte_dfa.py). A state's token mask is computed on first use
     by walking the vocabulary's byte trie from it (token_trie.py: a few ms for a state
     allowing most of a 49k vocabulary, far less elsewhere) and cached; the caches only grow,
-    with identical values, so concurrent readers are safe."""
+    with identical values, so concurrent readers are safe.
 
-    def __init__(self, spec: ConstraintSpec, nfa: ByteNFA, vocab: TokenVocabulary) -> None:
+    Everything the grammar holds (the NFA, the DFA's rows and state sets, forced bytes,
+    masks) is charged to one MemoryBudget of `max_bytes`: a request whose walk would pass
+    it gets GrammarTooLarge (a ConstraintError) and the grammar stays usable for the states
+    it has. `nbytes` is what it holds now (the compiler's cache counts it)."""
+
+    def __init__(
+        self, spec: ConstraintSpec, nfa: ByteNFA, vocab: TokenVocabulary, max_bytes: int = MAX_BYTES
+    ) -> None:
         self.spec = spec
         self.regex = spec.regex
         self.vocab = vocab
-        self.dfa = ByteDFA(nfa)
+        self.budget = MemoryBudget(max_bytes)
+        self.budget.charge(nfa.nbytes + sys.getsizeof(spec.value) + sys.getsizeof(spec.regex))
+        self.dfa = ByteDFA(nfa, self.budget)
         self.initial_state = self.dfa.initial
+        self.mask_new_states = MAX_MASK_NEW_STATES
         self._states: dict[int, _StateInfo] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.budget.used
+
+    @property
+    def exhausted(self) -> bool:
+        """A walk was refused for passing the byte budget (the cache should drop this one)."""
+        return self.budget.exhausted
 
     def cursor(self) -> GrammarCursor:
         return GrammarCursor(self)
@@ -62,15 +91,25 @@ class CompiledGrammar:
         """The bytes every output from `state` continues with (see ByteDFA.forced_bytes)."""
         return self.dfa.forced_bytes(state)
 
-    def _state_info(self, state: int) -> _StateInfo:
+    def has_mask(self, state: int) -> bool:
+        """Whether `state`'s mask is made already (asking for it costs a lookup)."""
+        return state in self._states
+
+    def warm(self, state: int) -> None:
+        """Makes `state`'s mask without the per-mask work bound (for the build thread)."""
+        self._state_info(state, bounded=False)
+
+    def _state_info(self, state: int, bounded: bool = True) -> _StateInfo:
         info = self._states.get(state)
         if info is None:
-            allowed = np.flatnonzero(self.vocab.trie.allowed(self.dfa, state))
+            limit = self.mask_new_states if bounded else None
+            allowed = np.flatnonzero(self.vocab.trie.allowed(self.dfa, state, limit))
             has_continuation = allowed.size > 0
             if self.dfa.is_accepting(state):
                 allowed = np.concatenate([allowed, sorted(self.vocab.eos_token_ids)])
-            info = _StateInfo(pack_token_ids(allowed, self.vocab.vocab_size), has_continuation)
-            self._states[state] = info
+            mask = pack_token_ids(allowed, self.vocab.vocab_size)
+            self.budget.charge(mask.numel() * mask.element_size() + MASK_OVERHEAD_BYTES)
+            info = self._states[state] = _StateInfo(mask, has_continuation)
         return info
 
 

@@ -13,14 +13,15 @@ heaviest parts of a schema (schema_size.py) and strict mode refuses it, naming t
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 
 from spruce.constrained.byte_nfa import parse_regex
 from spruce.constrained.errors import ConstraintError
+from spruce.constrained.memory import bounded_cache, text_bytes
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)
 MAX_EXPANDED_SIZE = 32768  # was 4096 while an eager token index was built for every state
+REGEX_SIZE_CACHE_BYTES = 16 * 2**20  # regex_size's memo (keyed by regex text: request data)
 
 
 def check_regex_size(regex: str, tree: object | None = None) -> None:
@@ -47,7 +48,8 @@ _TOKEN = re.compile(
 )
 
 
-@lru_cache(maxsize=65536)  # schema_size measures every part, round after round (cleared per schema)
+# schema_size measures every part, round after round (cleared per schema)
+@bounded_cache(REGEX_SIZE_CACHE_BYTES, lambda args, _: text_bytes(args[0]) + 100)
 def regex_size(regex: str) -> int:
     """Number of character positions once bounded repeats are multiplied out (`a{3}` is 3,
     `(ab){2,5}` is 10, `a*` is 1, alternatives add up): a bound on the DFA of the

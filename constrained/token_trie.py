@@ -1,13 +1,19 @@
 """The vocabulary as a byte trie, and the tokens a DFA state allows: one walk of the trie
 from that state, level by level (all nodes of one depth at once, in NumPy), cut wherever
 the DFA has no transition. A state inside a free string (most of the vocabulary allowed)
-walks most of the trie: a few milliseconds for 49k tokens."""
+walks most of the trie: a few milliseconds for 49k tokens.
+
+The walk's cost is the DFA rows it has to make: a state of `.*a.{24}` meets a new DFA
+state at nearly every trie node (5,000 of them, 0.45 s, for one mask of SmolLM2's
+vocabulary). `max_new_states` bounds that work: past it the walk stops with
+MaskTooExpensive, before it makes more."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from spruce.constrained.byte_dfa import UNKNOWN, ByteDFA
+from spruce.constrained.memory import MaskTooExpensive
 
 
 SMALL_FRONTIER = 64  # past depth 8, this few (node, state) pairs are walked on in plain Python
@@ -59,8 +65,10 @@ class TokenTrie:
         # token -> its node; never-allowed tokens point at an extra node that is never alive
         self.token_node = np.array([node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64)
 
-    def allowed(self, dfa: ByteDFA, state: int) -> np.ndarray:
-        """bool [num tokens]: the tokens whose bytes the DFA reads from `state`."""
+    def allowed(self, dfa: ByteDFA, state: int, max_new_states: int | None = None) -> np.ndarray:
+        """bool [num tokens]: the tokens whose bytes the DFA reads from `state`;
+        MaskTooExpensive once the walk has made more than `max_new_states` DFA states."""
+        limit = None if max_new_states is None else dfa.num_states + max_new_states
         alive = np.zeros(self.num_nodes + 1, dtype=bool)
         nodes = np.zeros(1, dtype=np.int64)
         states = np.array([state], dtype=np.int64)
@@ -68,7 +76,7 @@ class TokenTrie:
         while nodes.size:
             depth += 1
             if depth > 8 and nodes.size <= SMALL_FRONTIER:  # the deep, thin levels of long tokens
-                self._walk_rest(dfa, nodes.tolist(), states.tolist(), alive)
+                self._walk_rest(dfa, nodes.tolist(), states.tolist(), alive, limit)
                 break
             counts = self.child_count[nodes]
             total = int(counts.sum())
@@ -81,22 +89,25 @@ class TokenTrie:
             table = dfa.table
             missing = parent_states[table[parent_states, 0] == UNKNOWN]
             if missing.size:
-                table = dfa.ensure_rows(np.unique(missing))
+                table = dfa.ensure_rows(np.unique(missing), limit)
             nxt = table[parent_states, self.byte[children]]
             keep = nxt >= 0
             nodes, states = children[keep], nxt[keep].astype(np.int64)
             alive[nodes] = True
         return alive[self.token_node]
 
-    def _walk_rest(self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray) -> None:
+    def _walk_rest(self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray, limit) -> None:
         """Depth first below `nodes` (each in its DFA state), marking the nodes reached."""
         child_start, child_count, byte = self._lists
         stack = list(zip(nodes, states))
         while stack:
             node, state = stack.pop()
             first = child_start[node]
+            if limit is not None and dfa.num_states > limit:
+                raise MaskTooExpensive
             for child in range(first, first + child_count[node]):
                 nxt = dfa.step(state, byte[child])
                 if nxt >= 0:
                     alive[child] = True
                     stack.append((child, nxt))
+
