@@ -7,8 +7,8 @@
 One DEALER socket per endpoint, owned by an I/O thread (a ZeroMQ socket must not be used
 by two threads at once). Callers, from any thread, hand their frames to the I/O thread
 over an inproc PUSH socket (under a lock) and wait on a queue of their own: the I/O thread
-demultiplexes the replies by request id. The protocol is spruce.runtime.protocol.dsl,
-one orjson frame per message.
+demultiplexes the replies by request id. The protocol is spruce.runtime.protocol.dsl:
+each message goes as an envelope (rid, API key, body); replies are one orjson frame.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from spruce.lang.backend import Backend, new_rid
 from spruce.lang.errors import ProgramError, RuntimeRequestError, RuntimeUnavailableError
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.dsl import (
-    AbortMsg, ChunkMsg, ErrorMsg, FinalMsg, FlushCacheMsg, GenerateMsg, InfoMsg, ModelInfoMsg, decode, encode,
+    AbortMsg, ChunkMsg, ErrorMsg, FinalMsg, FlushCacheMsg, GenerateMsg, InfoMsg, ModelInfoMsg, decode, envelope,
 )  # fmt: skip
 
 logger = logging.getLogger("spruce.lang")
@@ -220,14 +220,14 @@ class ZmqConnection:
         with self._send_lock:
             if self._closed:
                 raise RuntimeUnavailableError(self.address, f"the connection to {self.address} is closed")
-            self._outbox.send_multipart([msg.rid.encode(), encode(msg, self._api_key)])
+            self._outbox.send_multipart(envelope(msg, self._api_key))
 
     def close(self) -> None:
         with self._send_lock:
             if self._closed:
                 return
             self._closed = True
-            self._outbox.send_multipart([b"", b""])  # tells the I/O thread to stop
+            self._outbox.send(b"")  # one frame: tells the I/O thread to stop
         self._thread.join(timeout=5)
         with self._pending_lock:
             for replies in self._pending.values():
@@ -251,14 +251,15 @@ class ZmqConnection:
         self._dealer.close(linger=0)
 
     def _forward(self) -> bool:
-        rid, frame = self._inbox.recv_multipart()
-        if not frame:
+        frames = self._inbox.recv_multipart()
+        if len(frames) == 1:
             return False
         try:
-            self._dealer.send(frame, zmq.NOBLOCK)
+            self._dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:  # the runtime is not taking messages (gone, or its queue is full)
+            rid = frames[0].decode()
             message = f"cannot send to {self.address}: the runtime does not take messages"
-            self._deliver(rid.decode(), ErrorMsg(rid.decode(), message, status=503))
+            self._deliver(rid, ErrorMsg(rid, message, status=503))
         return True
 
     def _receive(self) -> None:
@@ -272,7 +273,16 @@ class ZmqConnection:
             except InvalidRequestError as e:
                 logger.warning("dropped a malformed message from %s: %s", self.address, e)
                 continue
-            self._deliver(msg.rid, msg)
+            if isinstance(msg, ErrorMsg) and msg.rid == "":  # about the connection (the key): every call
+                self._deliver_all(msg)
+            else:
+                self._deliver(msg.rid, msg)
+
+    def _deliver_all(self, msg: ErrorMsg) -> None:
+        with self._pending_lock:
+            waiting = list(self._pending.items())
+        for rid, replies in waiting:
+            replies.put(ErrorMsg(rid, msg.message, msg.status))
 
     def _deliver(self, rid: str, msg: Any) -> None:
         with self._pending_lock:

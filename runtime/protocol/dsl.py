@@ -1,8 +1,12 @@
 """The ZeroMQ protocol between DSL clients and a running `spruce serve`.
 
 Transport: the client opens a DEALER socket to the server's ROUTER socket
-(`tcp://127.0.0.1:<zmq-port>`, default 30001). Every message is ONE frame: a JSON object
-(orjson) with a "type" and the client-chosen request id "rid". No pickle anywhere.
+(`tcp://127.0.0.1:<zmq-port>`, default 30001). A client message is an envelope of three
+frames (`envelope`): the rid (UTF-8, at most MAX_RID_BYTES), the API key (empty without
+one) and the body, a JSON object (orjson) with a "type" and the same client-chosen request
+id "rid". The server reads the rid and checks the key and the body's size before it reads
+the body. A server without --api-key also takes the body alone, as one frame. Server
+messages are one frame: the JSON body. No pickle anywhere.
 
 Client -> server, one message per call:
   {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...},
@@ -22,10 +26,12 @@ Server -> client, tagged with the request's rid:
   {"type": "error", "rid", "message", "status"}                  (status: an HTTP-like code)
 
 Authentication: when the server runs with --api-key, every client message carries the key
-as a top-level "api_key" string (`encode(msg, api_key=...)`; sl.RuntimeEndpoint(address,
-api_key=...) does it). There is no handshake: each message stands alone, so a client that
-reconnects (a new ZeroMQ identity) needs no new hello. A missing or wrong key is answered by
-an error with status 401 (the key is compared in constant time). Without --api-key the
+in its envelope's second frame (sl.RuntimeEndpoint(address, api_key=...) does it). There
+is no handshake: each message stands alone, so a client that reconnects (a new ZeroMQ
+identity) needs no new hello. The key is compared in constant time before anything else of
+the message is read; a missing or wrong key is answered by an error with status 401 (with
+the envelope's rid; rid "" for a one-frame message, which a client takes as an error for
+all its requests), sent only if the client's queue takes it at once. Without --api-key the
 server only binds its ZeroMQ port to a loopback address, unless it is started with
 --allow-unauthenticated-zmq. The key travels in clear text: beyond one machine, run the
 port through a tunnel or a private network.
@@ -42,11 +48,15 @@ Details:
   - rids are namespaced per client (the server runs them as "z<identity>:<rid>"), so one
     client's rid never collides with another's.
   - error status: 400 bad request (the message says what to change), 401 missing or wrong
-    api_key, 413 message too large, 429 too many requests in flight for this client, 503
-    the server is full (retry later), shutting down or the scheduler is gone, 500 an
-    internal error. The server keeps serving after any of them. A frame that is not a JSON
-    object with a string "rid" cannot be answered: it is dropped (and counted in /metrics,
-    spruce_zmq_bad_frames_total{outcome="dropped"}; answered ones as outcome="answered").
+    api_key, 413 message too large, 429 too many requests in flight for this client (or
+    more than --max-zmq-bytes-per-client bytes of messages), 503 the server is full
+    (retry later), shutting down or the scheduler is gone, 500 an internal error. The
+    server keeps serving after any of them. A message without a readable rid cannot be
+    answered: it is dropped (and counted in /metrics,
+    spruce_zmq_bad_frames_total{outcome="dropped"}; answered ones as outcome="answered",
+    key failures as outcome="unauthorized").
+  - Bounds: the server queues at most ROUTER_RCVHWM messages per client (then the client's
+    sends wait); a frame over twice --max-request-bytes disconnects the client.
   - timeout_s: a deadline in seconds from arrival (default: the server's
     --request-timeout-s); past it the request is aborted (its final message says so).
   - A streamed request whose reader falls more than --max-stream-backlog messages behind
@@ -65,6 +75,7 @@ import orjson
 from spruce.runtime.errors import InvalidRequestError
 
 MAX_MESSAGE_BYTES = 32 * 2**20
+MAX_RID_BYTES = 256  # the envelope's rid frame
 
 
 @dataclass(slots=True)
@@ -143,38 +154,45 @@ MESSAGE_TYPES = {
 CLIENT_TYPES = ("generate", "abort", "model_info", "flush_cache")
 
 
-def encode(msg, api_key: str | None = None) -> bytes:
-    data = asdict(msg)
-    if api_key is not None:
-        data["api_key"] = api_key
-    return orjson.dumps(data)
+def encode(msg) -> bytes:
+    return orjson.dumps(asdict(msg))
+
+
+def envelope(msg, api_key: str | None = None) -> list[bytes]:
+    """A client message's frames: [rid, api key (empty: none), body]."""
+    rid = msg.rid.encode()
+    if len(rid) > MAX_RID_BYTES:
+        raise InvalidRequestError(f"a rid has at most {MAX_RID_BYTES} bytes")
+    return [rid, (api_key or "").encode(), encode(msg)]
+
+
+def envelope_rid(frame: bytes) -> str | None:
+    """The rid of an envelope's first frame, or None when it is not a short UTF-8 string."""
+    if len(frame) > MAX_RID_BYTES:
+        return None
+    try:
+        return bytes(frame).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def decode(frame: bytes):
     """bytes -> message object; malformed input raises InvalidRequestError (never another
     error, whatever the bytes)."""
-    return decode_request(frame)[0]
-
-
-def decode_request(frame: bytes) -> tuple[Any, str | None]:
-    """(the message, its "api_key" or None); malformed input raises InvalidRequestError."""
     data = _json_object(frame)
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise InvalidRequestError(f"unknown message type; known: {', '.join(MESSAGE_TYPES)}")
     if not isinstance(data.get("rid"), str):
         raise InvalidRequestError("every message needs a string 'rid'")
-    api_key = data.pop("api_key", None)
-    if api_key is not None and not isinstance(api_key, str):
-        raise InvalidRequestError("api_key must be a string")
+    if "api_key" in data:
+        raise InvalidRequestError("the API key travels in the message's envelope, not in its body (see protocol/dsl.py)")
     cls = MESSAGE_TYPES[kind]
     unknown = set(data) - {f.name for f in fields(cls)}
     if unknown:
-        raise InvalidRequestError(f"unknown field(s) {sorted(unknown)} in a {kind} message")
-    try:
-        return cls(**data), api_key
-    except TypeError as e:
-        raise InvalidRequestError(f"bad {kind} message: {e}") from None
+        shown = sorted(name[:64] for name in unknown)[:5]
+        raise InvalidRequestError(f"unknown field(s) {shown} in a {kind} message")
+    return cls(**data)  # every field but rid has a default, and rid is there
 
 
 def rid_of(frame: bytes) -> str | None:

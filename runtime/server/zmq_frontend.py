@@ -5,11 +5,13 @@ Each DEALER client is told apart by its ZeroMQ identity: its rids run in the sch
 client sends an abort, or when a reply cannot be routed to it any more (ROUTER_MANDATORY:
 the client is gone).
 
-Nothing a client sends can stop this socket: every frame is decoded defensively (a
-malformed one gets an error reply when its rid can be read, else it is dropped; both are
-counted in /metrics), every handler runs in a task that turns an unexpected exception into
-a 500 error for that request only, and the launcher restarts `serve_forever` if it ever
-fails (server/supervisor.py). With an API key every message must carry it (401 otherwise).
+Nothing a client sends can stop this socket. A message is an envelope (rid, API key, body:
+protocol/dsl.py): the key is checked, then the body's size and the client's byte budget,
+before the body is read at all, so a client without the key costs a bounded queue and a
+comparison. Bodies are decoded defensively (a malformed one gets an error reply when its
+rid is known, else it is dropped; all are counted in /metrics), every handler runs in a
+task that turns an unexpected exception into a 500 error for that request only, and the
+launcher restarts `serve_forever` if it ever fails (server/supervisor.py).
 """
 
 from __future__ import annotations
@@ -47,26 +49,34 @@ from spruce.runtime.server.request_manager import Call, Refused, RequestManager
 
 logger = logging.getLogger("spruce.server")
 SEND_TIMEOUT_S = 10.0  # a reply the client's full queue does not take in this time: the client is gone
+ROUTER_RCVHWM = 16  # messages queued per client before its sends wait (libzmq's default: 1,000)
+UNAUTHORIZED = "missing or wrong API key: send the server's --api-key in the message envelope (protocol/dsl.py)"
+INTERNAL_ERROR = "internal server error; the server's log has the details"
 
 
 class ZmqFrontend:
     def __init__(
-        self, context: zmq.asyncio.Context, address: str, max_request_bytes: int, api_key: str | None = None
-    ) -> None:
+        self, context: zmq.asyncio.Context, address: str, max_request_bytes: int, api_key: str | None = None,
+        max_bytes_per_client: int | None = None,
+    ) -> None:  # fmt: skip
         """Binds at once (a port in use fails the start early); serves after `attach`, so
         messages sent while the model loads wait in the socket."""
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 * max_request_bytes)  # beyond: the peer is dropped
+        self.socket.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self.address = address
         self.max_request_bytes = max_request_bytes
+        self.max_bytes_per_client = max_bytes_per_client or 4 * max_request_bytes
         self.api_key = api_key.encode() if api_key else None
         self.manager: RequestManager | None = None
         self.model: ModelContext | None = None
         self.metrics: Metrics | None = None
         self.calls: dict[tuple[bytes, str], Call] = {}
+        self.claimed: set[tuple[bytes, str]] = set()  # (identity, rid) of every generate being handled
+        self.bytes_in_flight: dict[bytes, int] = {}  # per identity: the sizes of messages being handled
         self.tasks: set[asyncio.Task] = set()
         self.accepting = True
         self.handlers = {
@@ -85,61 +95,111 @@ class ZmqFrontend:
 
     async def serve_forever(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:  # a DEALER sends exactly one frame per message
-                self._bad_frame(None, f"a ZeroMQ message of {len(frames) - 1} frames (expected one)")
-                continue
+            identity, *parts = await self.socket.recv_multipart()
             try:
-                self._dispatch(*frames)
+                self._dispatch(identity, parts)
             except Exception:  # a bug, not the client's doing: logged, and the socket serves on
                 logger.exception("the ZeroMQ front end failed on a message; it serves on")
 
-    def _dispatch(self, identity: bytes, frame: bytes) -> None:
-        if len(frame) > self.max_request_bytes:
-            self._bad_frame(identity, too_large(self.max_request_bytes), protocol.rid_of(frame), 413)
-            return
+    def _dispatch(self, identity: bytes, parts: list[bytes]) -> None:
+        if len(parts) == 3:
+            self._on_envelope(identity, *parts)
+        elif len(parts) == 1:
+            self._on_bare(identity, parts[0])
+        else:
+            self._bad_frame(None, f"a ZeroMQ message of {len(parts)} frames (expected 3: rid, api_key, body)")
+
+    def _on_envelope(self, identity: bytes, rid_frame: bytes, key: bytes, body: bytes) -> None:
+        """Checks in order of cost; the body is read only once the rest has passed."""
+        rid = protocol.envelope_rid(rid_frame)
+        if rid is None:
+            self._bad_frame(None, "an envelope whose rid frame is not a short UTF-8 string")
+        elif self.api_key is not None and not hmac.compare_digest(key, self.api_key):
+            self._unauthorized(identity, rid)
+        elif len(body) > self.max_request_bytes:
+            self._bad_frame(identity, too_large(self.max_request_bytes), rid, 413)
+        elif self._over_budget(identity, len(body)):
+            message = f"more than {self.max_bytes_per_client} bytes of messages in flight (--max-zmq-bytes-per-client)"
+            self._bad_frame(identity, message, rid, 429)
+        else:
+            self._handle(identity, body, rid)
+
+    def _on_bare(self, identity: bytes, body: bytes) -> None:
+        """A body without an envelope: only a server without an API key takes it."""
+        if self.api_key is not None:
+            self._unauthorized(identity, "")
+        elif len(body) > self.max_request_bytes:
+            self._bad_frame(None, too_large(self.max_request_bytes))  # its rid is not read: dropped
+        elif self._over_budget(identity, len(body)):
+            self._bad_frame(None, "a client over its --max-zmq-bytes-per-client")
+        else:
+            self._handle(identity, body, None)
+
+    def _handle(self, identity: bytes, body: bytes, rid: str | None) -> None:
         try:
-            msg, key = protocol.decode_request(frame)
+            msg = protocol.decode(body)
+            if rid is not None and msg.rid != rid:
+                raise InvalidRequestError("the body's rid differs from the envelope's")
             handler = self.handlers.get(type(msg))
             if handler is None:
                 raise InvalidRequestError(f"{msg.type!r} is a server message; send one of {_client_types()}")
         except InvalidRequestError as e:
-            self._bad_frame(identity, str(e), protocol.rid_of(frame))
+            self._bad_frame(identity, str(e), protocol.rid_of(body) if rid is None else rid)
             return
-        if not self._authorized(key):
-            message = "missing or wrong API key: send the server's --api-key as the message's \"api_key\""
-            self._spawn(self._send(identity, ErrorMsg(msg.rid, message, 401)))
-            return
-        self._spawn(handler(identity, msg))
+        self._spawn(handler(identity, msg), identity, len(body))
 
-    def _authorized(self, key: str | None) -> bool:
-        if self.api_key is None:
-            return True
-        return key is not None and hmac.compare_digest(key.encode(), self.api_key)
+    def _over_budget(self, identity: bytes, size: int) -> bool:
+        held = self.bytes_in_flight.get(identity, 0)
+        return held > 0 and held + size > self.max_bytes_per_client
+
+    def _unauthorized(self, identity: bytes, rid: str) -> None:
+        """Answered only if the client's queue takes it now: nothing waits on such a client."""
+        if self.metrics is not None:
+            self.metrics.zmq_bad_frames.labels("unauthorized").inc()
+        future = self.socket.send_multipart([identity, protocol.encode(ErrorMsg(rid, UNAUTHORIZED, 401))], zmq.NOBLOCK)
+        future.add_done_callback(_ignore_outcome)
 
     def _bad_frame(self, identity: bytes | None, message: str, rid: str | None = None, status: int = 400) -> None:
-        """A frame that is not a valid message: an error reply if it has a rid, else dropped."""
-        answered = identity is not None and rid is not None
+        """A message that is not valid: an error reply if it has a rid, else dropped."""
+        answered = identity is not None and bool(rid)
         if self.metrics is not None:
             self.metrics.zmq_bad_frames.labels("answered" if answered else "dropped").inc()
         if answered:
             self._spawn(self._send(identity, ErrorMsg(rid, message, status)))
         else:
-            logger.warning("dropped a ZeroMQ frame: %s", message)
+            logger.warning("dropped a ZeroMQ message: %s", message)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, identity: bytes = b"", size: int = 0) -> None:
+        """Runs a handler; `size` bytes count against `identity`'s budget until it ends."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self._task_done)
+        if size:
+            self.bytes_in_flight[identity] = self.bytes_in_flight.get(identity, 0) + size
+        task.add_done_callback(lambda t: self._task_done(t, identity, size))
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, identity: bytes, size: int) -> None:
         self.tasks.discard(task)
+        if size:
+            left = self.bytes_in_flight.pop(identity) - size
+            if left:
+                self.bytes_in_flight[identity] = left
         if not task.cancelled() and task.exception() is not None:
             logger.error("a ZeroMQ handler failed", exc_info=task.exception())
 
     # -- handlers ---------------------------------------------------------------------------
 
     async def _on_generate(self, identity: bytes, msg: GenerateMsg) -> None:
+        key = (identity, msg.rid)
+        if key in self.claimed:  # claimed before any await: a single and a batch may share no rid
+            await self._send(identity, ErrorMsg(msg.rid, f"request {msg.rid!r} is already in flight; use a new rid", 400))
+            return
+        self.claimed.add(key)
+        try:
+            await self._run_generate(identity, msg)
+        finally:
+            self.claimed.discard(key)
+
+    async def _run_generate(self, identity: bytes, msg: GenerateMsg) -> None:
         try:
             call, single, options = await self._submit(identity, msg)
         except Refused as e:
@@ -147,9 +207,9 @@ class ZmqFrontend:
                 self.metrics.refused.labels(str(e.status)).inc()
             await self._send(identity, ErrorMsg(msg.rid, e.message, e.status))
             return
-        except Exception as e:  # a bug, not the client's doing: its own 500, the socket serves on
+        except Exception:  # a bug, not the client's doing: its own 500, the socket serves on
             logger.exception("internal error on a ZeroMQ generate")
-            await self._send(identity, ErrorMsg(msg.rid, f"internal server error: {type(e).__name__}", 500))
+            await self._send(identity, ErrorMsg(msg.rid, INTERNAL_ERROR, 500))
             return
         key = (identity, msg.rid)
         self.calls[key] = call
@@ -166,8 +226,6 @@ class ZmqFrontend:
         """Validates and submits; raises Refused saying why not."""
         if not self.accepting:
             raise Refused(503, "the server is shutting down")
-        if (identity, msg.rid) in self.calls:
-            raise Refused(400, f"request {msg.rid!r} is already in flight; use a new rid")
         try:
             items, single = await prepare_generate(msg, self.model)
             if msg.stream and not single:
@@ -245,6 +303,12 @@ class ZmqFrontend:
         for task in self.tasks:
             task.cancel()
         self.socket.close(linger=0)
+
+
+def _ignore_outcome(future: asyncio.Future) -> None:
+    """A reply sent without waiting: whether it went (zmq.Again, EHOSTUNREACH) does not matter."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _client_types() -> str:

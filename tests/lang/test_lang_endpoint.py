@@ -47,7 +47,7 @@ class FakeRouter:
         while not self._stop.is_set():
             if not self._sock.poll(50):
                 continue
-            identity, frame = self._sock.recv_multipart()
+            identity, *_, frame = self._sock.recv_multipart()  # the envelope: rid, api key, body
             msg = decode(frame)
             if isinstance(msg, GenerateMsg) and not msg.stream and self.hold > 1:
                 held.append((identity, msg))

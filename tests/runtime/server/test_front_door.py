@@ -180,7 +180,7 @@ MALFORMED = [
 @pytest.mark.parametrize("frame", MALFORMED)
 def test_malformed_frames_raise_only_invalid_request_error(frame):
     with pytest.raises(InvalidRequestError):
-        dsl.decode_request(frame)
+        dsl.decode(frame)
 
 
 def test_random_bytes_never_crash_the_decoder():
@@ -189,18 +189,20 @@ def test_random_bytes_never_crash_the_decoder():
     for _ in range(2000):
         frame = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         try:
-            dsl.decode_request(frame)
+            dsl.decode(frame)
         except InvalidRequestError:
             pass
 
 
-def test_api_key_travels_in_each_message():
-    frame = dsl.encode(dsl.ModelInfoMsg("r"), api_key="secret")
-    assert orjson.loads(frame)["api_key"] == "secret"
-    msg, key = dsl.decode_request(frame)
-    assert msg == dsl.ModelInfoMsg("r") and key == "secret"
-    assert dsl.decode_request(dsl.encode(dsl.ModelInfoMsg("r")))[1] is None
+def test_api_key_travels_in_each_envelope():
+    rid, key, body = dsl.envelope(dsl.ModelInfoMsg("r"), api_key="secret")
+    assert (rid, key) == (b"r", b"secret") and "api_key" not in orjson.loads(body)
+    assert dsl.decode(body) == dsl.ModelInfoMsg("r") and dsl.envelope(dsl.ModelInfoMsg("r"))[1] == b""
+    assert dsl.envelope_rid(b"r") == "r" and dsl.envelope_rid(b"\xff") is None
+    assert dsl.envelope_rid(b"x" * (dsl.MAX_RID_BYTES + 1)) is None
     assert dsl.rid_of(b'{"type": [], "rid": "x"}') == "x" and dsl.rid_of(b"{bad") is None
+    with pytest.raises(InvalidRequestError, match="envelope"):  # an old client's key in the body
+        dsl.decode(b'{"type": "model_info", "rid": "r", "api_key": "secret"}')
 
 
 # -- flags, bind rule, content type ---------------------------------------------------------------

@@ -153,8 +153,8 @@ def dealer(server):
 
 
 def zmq_send(sock, msg: dict, api_key: str | None = API_KEY) -> None:
-    """Sends one message with the server's API key (every ZeroMQ message carries it)."""
-    sock.send(orjson.dumps(msg if api_key is None else {**msg, "api_key": api_key}))
+    """Sends one message in its envelope (rid, the server's API key, body: protocol/dsl.py)."""
+    sock.send_multipart([msg["rid"].encode(), (api_key or "").encode(), orjson.dumps(msg)])
 
 
 def zmq_call(sock, msg: dict, api_key: str | None = API_KEY) -> list[dict]:
@@ -493,7 +493,7 @@ def test_zmq_model_info_flush_and_errors(dealer, model_name):
         [error] = zmq_call(dealer, msg)
         assert error["type"] == "error" and error["rid"] == msg["rid"] and error["status"] == 400
         assert text in error["message"], error
-    dealer.send(b"not json")  # no rid to answer: dropped (and counted)
+    dealer.send_multipart([b"", API_KEY.encode(), b"not json"])  # no rid to answer: dropped (and counted)
     [info] = zmq_call(dealer, {"type": "model_info", "rid": "after"})
     assert info["type"] == "info" and info["rid"] == "after"
     [error] = zmq_call(dealer, {"type": "model_info", "rid": "k"}, api_key="wrong")
