@@ -26,6 +26,7 @@ from spruce.lang.endpoint import RuntimeEndpoint
 from spruce.lang.errors import ProgramError, RuntimeUnavailableError, UnsupportedFeatureError
 from spruce.lang.http_endpoint import HttpEndpoint
 from spruce.lang.sglang_options import translate_sglang_options
+from spruce.runtime.cli import API_KEY_ENV, api_key_of
 from spruce.runtime.config import ServerOptions, known_options
 from spruce.runtime.protocol.dsl import FinalMsg, GenerateMsg
 from spruce.runtime.text.tokenizer import Tokenizer
@@ -55,7 +56,7 @@ class Runtime:
     ) -> None:
         options = translate_sglang_options(options)
         _check_options(options)
-        self.api_key = options.get("api_key")
+        self.api_key = api_key_of(options.pop("api_key", None), options.pop("api_key_file", None))
         host = options.pop("host", "127.0.0.1")
         self.port = options.pop("port", None) or free_port(host)
         self.zmq_port = options.pop("zmq_port", None) or free_port(host)
@@ -74,7 +75,7 @@ class Runtime:
         self._http: HttpEndpoint | None = None
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._child_env()
             )
         atexit.register(self.shutdown)
         try:
@@ -195,6 +196,15 @@ class Runtime:
                         f"the runtime started by `{' '.join(self.command)}` was not ready within "
                         f"{timeout:g} s; its log ({self.log_path}) ends with:\n{self.log_tail()}",
                     ) from None
+
+    def _child_env(self) -> dict[str, str]:
+        """The key goes to the server in its environment: a command line is readable by
+        every local user (/proc), and this one is shown in error messages."""
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        return env
 
     def _check_alive(self) -> None:
         code = self.process.poll()

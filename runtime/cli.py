@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -18,6 +19,7 @@ from spruce.runtime.limits import RequestLimits, ServingLimits
 
 
 FLAG_ALIASES = {"tp_size": ["--tp"]}
+API_KEY_ENV = "SPRUCE_API_KEY"  # the API key, when neither --api-key nor --api-key-file is given
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +61,29 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def server_options(args: argparse.Namespace) -> ServerOptions:
     sections = {key: cls(**_values(args, cls)) for key, cls in SERVER_SECTIONS.items()}
     plain = {k: v for k, v in _values(args, ServerOptions).items() if k not in SERVER_SECTIONS}
+    plain["api_key"] = api_key_of(plain.get("api_key"), plain.get("api_key_file"))
     return ServerOptions(**plain, **sections)
+
+
+def api_key_of(given: str | None, path: str | None) -> str | None:
+    """--api-key, else the contents of --api-key-file, else $SPRUCE_API_KEY. The file and the
+    variable keep the key out of the command line, which every local user can read in /proc."""
+    if given and path:
+        raise SpruceError("give the API key once: --api-key or --api-key-file, not both")
+    if path:
+        return _read_key_file(path)
+    return given or os.environ.get(API_KEY_ENV) or None
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpruceError(f"cannot read the --api-key-file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not key:
+        raise SpruceError(f"the --api-key-file {path} is empty")
+    return key
 
 
 def _values(args: argparse.Namespace, cls: type) -> dict:

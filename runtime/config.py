@@ -66,7 +66,7 @@ class ParallelOptions:
     node_rank: int = 0  # this machine's index; node 0 runs the scheduler (rank 0)
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous; None: a free local port
     dist_backend: str = "auto"  # auto: gloo on CPU, nccl on CUDA | gloo | nccl
-    dist_timeout_s: float = 60.0  # a rank that cannot reach the others fails after this (clear error)
+    dist_timeout_s: float = 180.0  # every collective's deadline: a rank that cannot join, dies or hangs fails the others after this
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,9 @@ class ServerOptions:
     host: str = "127.0.0.1"  # HTTP and ZeroMQ bind address; 0.0.0.0 exposes the server
     port: int = 30000  # HTTP (native + OpenAI-compatible API)
     zmq_port: int = 30001  # ZeroMQ ROUTER socket for DSL clients
-    api_key: str | None = None  # required on every HTTP route but /health (Bearer) and in every ZeroMQ message
+    api_key: str | None = None  # required on every HTTP route but /health (Bearer) and in every ZeroMQ message; also from $SPRUCE_API_KEY
+    api_key_file: str | None = None  # a file holding the API key (keeps it off the command line)
+    allowed_hosts: str | None = None  # comma-separated Host header names (or *) besides the bound address and localhost
     allow_unauthenticated_zmq: bool = False  # let the ZeroMQ port listen beyond loopback without --api-key
     allowed_origins: str | None = None  # CORS: comma-separated origins (or *) browsers may call from; None: off
     max_request_bytes: int = 16 * 2**20  # larger HTTP bodies / ZeroMQ frames get 413
@@ -160,6 +162,10 @@ class ServerOptions:
         out["request_limits"] = vars(self.request_limits)
         out["serving_limits"] = vars(self.serving_limits)
         return out
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.strip().lower() for h in (self.allowed_hosts or "").split(",") if h.strip()]
 
     @property
     def origins(self) -> list[str]:

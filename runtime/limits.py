@@ -6,7 +6,8 @@ HTTP and ZeroMQ (from the server's flags).
 
 `ServingLimits`: queues and fairness in the server's front end (`server.request_manager`):
 how many requests may wait, how many one client may have in flight, how far a streaming
-reader may fall behind, and the default request deadline.
+reader may fall behind, and the default request deadline; and its doors: open HTTP
+connections, the time to send a request's headers, ZeroMQ bytes in flight per client.
 
 Each field is a `spruce serve` flag of the same name (`--max-stop-strings 8`).
 """
@@ -30,6 +31,8 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries of logit_bias
     max_constraint_chars: int = 200_000  # characters of a regex, a JSON schema or all choices
     max_choices: int = 4096  # entries of choices
+    max_tokenize_chars: int = 1_000_000  # characters of all prompts of one /tokenize call
+    max_detokenize_ids: int = 1_000_000  # token ids of one /detokenize call
     max_logprob_entries: int = 2_000_000  # logprobs a call returns: positions x (1 + top), summed
 
 
@@ -41,3 +44,6 @@ class ServingLimits:
     request_timeout_s: float | None = None  # a request's default timeout_s; None: no deadline
     scheduler_timeout_s: float = 120.0  # a scheduler silent this long (a step stuck) is stalled: its requests fail, 503
     retry_after_s: int = 1  # the Retry-After header of a 503 / 429
+    max_connections: int = 1024  # open HTTP connections; past it requests get 503
+    header_timeout_s: float = 10.0  # an HTTP connection that has not sent a request's headers in this time is closed
+    max_zmq_bytes_per_client: int = 64 * 2**20  # bytes of ZeroMQ messages one identity has in flight; then 429

@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.http.common import (
@@ -26,6 +27,7 @@ from spruce.runtime.server.openai.routes import router as openai_router
 from spruce.runtime.server.request_manager import Refused
 
 logger = logging.getLogger("spruce.server")
+INTERNAL_ERROR = "internal server error; the server's log has the details"
 
 
 def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:
@@ -59,7 +61,22 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, e: RequestValidationError) -> Response:
         return error_response(400, validation_message(e.errors()), param=first_param(e.errors()))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        response = error_response(e.status_code, _http_message(request, e))
+        response.headers.update(e.headers or {})
+        return response
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
         logger.exception("internal error on %s", request.url.path)
-        return error_response(500, f"internal server error: {type(e).__name__}")
+        return error_response(500, INTERNAL_ERROR)
+
+
+def _http_message(request: Request, e: StarletteHTTPException) -> str:
+    if e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        return f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}"
+    if e.status_code == 404:
+        return f"no route {request.url.path}"
+    return str(e.detail)

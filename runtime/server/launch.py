@@ -43,6 +43,7 @@ from spruce.runtime.config import ServerOptions
 from spruce.constrained.convert import Conversion
 from spruce.runtime.core.validation import ModelLimits
 from spruce.runtime.errors import ModelLoadError, SpruceError
+from spruce.runtime.limits import ServingLimits
 from spruce.runtime.protocol.ipc import Ready, StartupFailed, decode
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
@@ -123,6 +124,7 @@ class Launcher:
         self.guard = None  # the HTTP app's outer layer; serves 503 until the model is loaded
         self.zmq: ZmqFrontend | None = None
         self.manager: RequestManager | None = None
+        self.model: ModelContext | None = None
         self.supervisor = Supervisor(self._give_up)
 
     # -- start --------------------------------------------------------------------------------
@@ -152,6 +154,8 @@ class Launcher:
             if "receiver" in tasks:
                 tasks["receiver"].cancel()
             self.zmq.close()
+            if self.model is not None:
+                self.model.pools.close()
             http_socket.close()
             for sender in senders:
                 sender.close(linger=0)
@@ -172,10 +176,7 @@ class Launcher:
                 allow_headers=["Authorization", "Content-Type"],
             )  # fmt: skip
         grace = self.options.shutdown_timeout_s + ABORT_FLUSH_S + 1  # then open connections are cut
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace, access_log=False
-        )
-        self.http = _Uvicorn(config)
+        self.http = _Uvicorn(http_config(app, self.options.serving_limits, grace))
         return asyncio.ensure_future(self.http.serve(sockets=[http_socket]))
 
     def _scheduler_sockets(self):
@@ -231,7 +232,7 @@ class Launcher:
         c = ready.config["constraint"]
         conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"])
         limits = ModelLimits(ready.vocab_size, ready.context_length, self.options.request_limits, conversion)
-        model = ModelContext(tokenizer, name, ready.model_path, limits)
+        model = self.model = ModelContext(tokenizer, name, ready.model_path, limits)
         metrics = Metrics()
         max_running = ready.config["scheduler"]["max_running_requests"]
         self.manager = RequestManager(
@@ -363,6 +364,17 @@ class Launcher:
                 proc.join(1.0)
 
 
+def http_config(app, limits: ServingLimits, grace_s: float) -> uvicorn.Config:
+    """uvicorn's settings: h11 with a deadline for request headers (--header-timeout-s) and
+    at most --max-connections open connections (uvicorn counts the new one too: + 1)."""
+    from spruce.runtime.server.http.connections import header_deadline_protocol
+
+    return uvicorn.Config(
+        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s, access_log=False,
+        http=header_deadline_protocol(limits.header_timeout_s), limit_concurrency=limits.max_connections + 1,
+    )  # fmt: skip
+
+
 def _router(options: ServerOptions):
     """The --router-policy router over --dp replicas (a ValueError is a StartupError)."""
     from spruce.runtime.scheduler.router import RouterOptions, make_router
@@ -424,7 +436,8 @@ def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFronte
         )
     address = f"tcp://{_zmq_host(options.host)}:{options.zmq_port}"
     try:
-        return ZmqFrontend(context, address, options.max_request_bytes, options.api_key)
+        budget = options.serving_limits.max_zmq_bytes_per_client
+        return ZmqFrontend(context, address, options.max_request_bytes, options.api_key, budget)
     except zmq.ZMQError as e:
         raise StartupError(f"cannot listen on {address} ({e}); pick another port with --zmq-port") from None
 

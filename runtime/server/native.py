@@ -4,8 +4,7 @@ scheduler."""
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -25,6 +24,7 @@ from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
+from spruce.runtime.server.work_pool import FrontPools
 from spruce.runtime.text.tokenizer import Tokenizer
 
 
@@ -40,6 +40,7 @@ class ModelContext:
     name: str
     path: str
     limits: ModelLimits
+    pools: FrontPools = field(default_factory=FrontPools, compare=False, repr=False)  # off-loop work
 
     @property
     def context_length(self) -> int:
@@ -71,7 +72,7 @@ class ModelContext:
         self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
     ) -> list[ValidRequest]:
         """`prepare` for each (prompt, sampling). A constrained call, or one with long prompt
-        texts, is prepared on a worker thread: tokenizing megabytes of text takes a while, and
+        texts, is prepared on a thread of the front end's bounded pools (work_pool.py): tokenizing megabytes of text takes a while, and
         a JSON schema converts in a worker process (stopped at the grammar timeout) that the
         thread waits for; the event loop keeps serving every other client meanwhile."""
 
@@ -80,9 +81,10 @@ class ModelContext:
             check_response_size(valid, self.limits.request)
             return valid
 
-        text_chars = sum(len(prompt) for prompt, _ in requests if isinstance(prompt, str))
-        if text_chars > LONG_TEXT_CHARS or any(sampling.has_constraint for _, sampling in requests):
-            return await asyncio.to_thread(work)
+        if any(sampling.has_constraint for _, sampling in requests):
+            return await self.pools.convert.run(work)
+        if sum(len(prompt) for prompt, _ in requests if isinstance(prompt, str)) > LONG_TEXT_CHARS:
+            return await self.pools.tokenize.run(work)
         return work()
 
 

@@ -439,7 +439,8 @@ def test_sglang_route_names(runtime, tiny_tokenizer):
     url = runtime.url
     assert requests.get(url + "/get_model_info").json() == runtime.endpoint.model_info()
     assert "engine_config" in requests.get(url + "/get_server_info").json()
-    assert requests.get(url + "/flush_cache").status_code == 200
+    assert requests.get(url + "/flush_cache").status_code == 405  # it changes state: POST only
+    assert requests.post(url + "/flush_cache").status_code == 200
     assert requests.get(url + "/health_generate").json() == {"status": "ok"}
     assert requests.post(url + "/abort_request", json={"abort_all": True}).json() == {"aborted": 0}
     assert requests.post(url + "/abort_request", json={"rid": "nothing"}).json() == {"aborted": 0}

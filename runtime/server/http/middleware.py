@@ -8,9 +8,15 @@ from spruce.runtime.server.http.common import error_body
 from spruce.runtime.server.native import too_large
 
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+ANY_INTERFACE = ("0.0.0.0", "::")
+
+
 class GuardMiddleware:
-    """The outer ASGI layer: 503 while the model loads (`app` is None) and while the server
-    drains; the API key on every route but /health (401); the body size limit (413); a POST
+    """The outer ASGI layer: the Host header must name this server (400 otherwise: a web page
+    that rebinds its own DNS name to 127.0.0.1 still sends its name as Host); 503 while the
+    model loads (`app` is None) and while the server drains; the API key on every route but
+    /health (401); the body size limit (413); a POST
     body must be JSON, declared as `Content-Type: application/json` (415): that keeps a web
     page in another origin from posting to the server with a "simple" cross-site request
     (form or text/plain), which a browser sends without asking. The body is read here
@@ -21,11 +27,15 @@ class GuardMiddleware:
         self.expected = f"Bearer {options.api_key}".encode() if options.api_key else None
         self.max_bytes = options.max_request_bytes
         self.launcher = launcher
+        self.hosts = allowed_hosts(options)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         headers = dict(scope["headers"])
+        if not self._host_allowed(headers.get(b"host")):
+            message = "the Host header names another server; serve that name with --allowed-hosts"
+            return await _send_error(send, 400, message, code="invalid_host")
         if self.launcher.draining:
             return await _send_error(send, 503, "the server is shutting down")
         if self.expected is not None and scope["path"] != "/health":
@@ -46,6 +56,31 @@ class GuardMiddleware:
                 return await _send_error(send, 415, message, code="unsupported_media_type")
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+
+    def _host_allowed(self, host: bytes | None) -> bool:
+        """No Host (HTTP/1.0) passes: browsers always send one."""
+        return self.hosts is None or host is None or host_name(host) in self.hosts
+
+
+def allowed_hosts(options) -> frozenset[str] | None:
+    """The Host names the server answers to (None: any): localhost, the bound address and
+    --allowed-hosts; `*` in --allowed-hosts, or a server bound to every interface without
+    --allowed-hosts, takes any name (as most servers do: such a server is meant to be
+    reached by names it cannot know)."""
+    hosts = options.hosts
+    if "*" in hosts or (not hosts and options.host in ANY_INTERFACE):
+        return None
+    bound = options.host.lower()
+    return frozenset({*LOCAL_HOSTS, bound, f"[{bound}]", *hosts})
+
+
+def host_name(host: bytes) -> str:
+    """The name of a Host header, without its port: b"[::1]:30000" -> "[::1]"."""
+    name = host.decode("latin-1").strip().lower()
+    if name.startswith("["):
+        return name.partition("]")[0] + "]"
+    return name.partition(":")[0].rstrip(".")
 
 
 def _declared_json(content_type: bytes | None, body: bytes) -> bool:

@@ -123,11 +123,12 @@ def _generate_msg(data: dict) -> tuple[GenerateMsg, Any]:
     data = dict(data)
     rids = data.pop("rid", None)
     data.pop("type", None)
-    try:
-        msg = GenerateMsg(rid="", **data)
-    except TypeError as e:
-        known = [f for f in GenerateMsg.__dataclass_fields__ if f not in ("type", "rid")]
-        raise ApiError(400, f"bad /generate request ({e}); known fields: rid, {', '.join(known)}") from None
+    known = [f for f in GenerateMsg.__dataclass_fields__ if f not in ("type", "rid")]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        shown = [name[:64] for name in unknown[:5]]
+        raise ApiError(400, f"unknown field(s) {shown} in /generate; known: rid, {', '.join(known)}")
+    msg = GenerateMsg(rid="", **data)
     if msg.sampling_params is None:
         msg.sampling_params = {}
     return msg, rids

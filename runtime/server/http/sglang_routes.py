@@ -1,7 +1,8 @@
 """The route names SGLang's clients call, on top of the native routes (whose handlers they
-reuse): /get_model_info, /get_server_info, GET /flush_cache, /health_generate,
-/abort_request with {"abort_all": true}, and /v1/tokenize, /v1/detokenize (also without
-/v1, as SGLang serves them).
+reuse): /get_model_info, /get_server_info, /health_generate, /abort_request with
+{"abort_all": true}, and /v1/tokenize, /v1/detokenize (also without /v1, as SGLang serves
+them). SGLang's GET /flush_cache is not served: a route that changes state is POST only
+(a GET gets 405), so that no link or image tag in a web page can call it.
 
 Included before the native router, so that POST /abort_request reaches `abort_request`
 here first: it handles abort_all and hands anything else to the native handler.
@@ -32,7 +33,6 @@ def sglang_routes() -> APIRouter:
     router = APIRouter()
     router.add_api_route("/get_model_info", native["GET /model_info"], methods=["GET"])
     router.add_api_route("/get_server_info", native["GET /server_info"], methods=["GET"])
-    router.add_api_route("/flush_cache", native["POST /flush_cache"], methods=["GET"])
 
     @router.get("/health_generate")
     async def health_generate(request: Request) -> Response:
@@ -74,7 +74,11 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(add_special, bool):
         raise ApiError(400, "add_special_tokens must be true or false", param="add_special_tokens")
     model = server_of(request).model
-    tokens = [model.tokenizer.encode(p, add_special_tokens=add_special) for p in prompts]
+    limit = model.limits.request.max_tokenize_chars
+    chars = sum(len(p) for p in prompts)
+    if chars > limit:
+        raise ApiError(400, f"prompt has {chars} characters; the limit is {limit} (--max-tokenize-chars)", param="prompt")
+    tokens = await model.pools.tokenize.run(_encode_all, model.tokenizer, prompts, add_special)
     counts = [len(t) for t in tokens]
     single = not isinstance(prompt, list)
     return json_response({
@@ -88,20 +92,31 @@ async def detokenize(request: Request) -> Response:
     """{"tokens": [int] | [[int]]} -> {"text": str | [str]}."""
     data = await json_body(request)
     tokens = data.get("tokens")
-    single = isinstance(tokens, list) and all(_is_token(t) for t in tokens)
-    batch = [tokens] if single else tokens
-    if not isinstance(batch, list) or not all(
-        isinstance(b, list) and all(_is_token(t) for t in b) for b in batch
-    ):
-        raise ApiError(
-            400, "tokens must be a list of token ids or a list of such lists", param="tokens"
-        )
+    if not isinstance(tokens, list):
+        raise ApiError(400, "tokens must be a list of token ids or a list of such lists", param="tokens")
     model = server_of(request).model
+    limit = model.limits.request.max_detokenize_ids
+    count = sum(len(t) if isinstance(t, list) else 1 for t in tokens)
+    if count > limit:
+        raise ApiError(400, f"tokens has {count} token ids; the limit is {limit} (--max-detokenize-ids)", param="tokens")
+    single, texts = await model.pools.tokenize.run(_decode_all, model, tokens)
+    return json_response({"text": texts[0] if single else texts})
+
+
+def _encode_all(tokenizer, prompts: list[str], add_special: bool) -> list[list[int]]:
+    return [tokenizer.encode(p, add_special_tokens=add_special) for p in prompts]
+
+
+def _decode_all(model, tokens: list) -> tuple[bool, list[str]]:
+    """(whether `tokens` was one list of ids, the texts); ApiError names what is wrong."""
+    single = all(_is_token(t) for t in tokens)
+    batch = [tokens] if single else tokens
+    if not all(isinstance(b, list) and all(_is_token(t) for t in b) for b in batch):
+        raise ApiError(400, "tokens must be a list of token ids or a list of such lists", param="tokens")
     vocab = model.limits.vocab_size
     if any(t >= vocab for b in batch for t in b):
         raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="tokens")
-    texts = [model.tokenizer.decode(b) for b in batch]
-    return json_response({"text": texts[0] if single else texts})
+    return single, [model.tokenizer.decode(b) for b in batch]
 
 
 def _is_token(value: Any) -> bool:

@@ -4,7 +4,6 @@ by `views`."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -49,7 +48,7 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     top = completion_top_logprobs(req.logprobs)
-    prompts = await asyncio.to_thread(completion_prompts, req.prompt, server, req.n)  # tokenizing: off the loop
+    prompts = await server.model.pools.tokenize.run(completion_prompts, req.prompt, server, req.n)  # off the loop
     items = []
     for ids in prompts:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -70,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     top = chat_top_logprobs(req)
     # rendering, tokenizing and converting tool / answer schemas take a while for big
     # requests: off the event loop (schemas also stop at their deadline, in a worker process)
-    tools, prompt, base, answer_spec = await asyncio.to_thread(_chat_request, req, server)
+    tools, prompt, base, answer_spec = await server.model.pools.convert.run(_chat_request, req, server)
     items = await choices(server, prompt.ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, prompt, tools, answer_spec)

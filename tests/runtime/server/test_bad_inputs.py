@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 import zmq
+from spruce.runtime.protocol.dsl import rid_of
 from test_server import API_KEY, AUTH, start_server, stop_server
 
 MAX_REQUEST_BYTES = 1024 * 1024
@@ -116,6 +117,9 @@ CASES = [
     Case("http", b'{"text": "hi"}', 401, "API key", JSON),
     Case("http", b"{", 400, "not valid JSON", {**JSON, **AUTH}),
     Case("http", b"[" + b" " * MAX_REQUEST_BYTES + b"]", 413, "--max-request-bytes", {**JSON, **AUTH}),
+    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, **AUTH, "host": "attacker.example:30000"}),  # DNS rebinding
+    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, **AUTH, "host": "127.0.0.1.attacker.example"}),
+    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, "host": "localhost.attacker.example:80"}),  # before the key
     # -- ZeroMQ frames
     Case("zmq", b'{"type": [], "rid": "z-type"}', 400, "message type"),  # the issue's reproduction
     Case("zmq", b'{"type": "generate", "rid": "z-field", "frob": 1}', 400, "frob"),
@@ -125,7 +129,12 @@ CASES = [
     Case("zmq", zgen("z-stream", stream="yes"), 400, "stream"),
     Case("zmq", zgen("z-timeout", timeout_s=-5), 400, "timeout_s"),
     Case("zmq", zgen("z-batch", text=["a", "b"], stream=True), 400, "streaming a batch"),
-    Case("zmq", {**zgen("z-key"), "api_key": "wrong"}, 401, "API key"),
+    Case("zmq", [b"z-key", b"wrong", orjson.dumps(zgen("z-key"))], 401, "API key"),  # frames: rid, key, body
+    Case("zmq", [b"z-big", b"wrong", b"x" * (MAX_REQUEST_BYTES + 1)], 401, "API key"),  # the key before the size
+    Case("zmq", [b"z-big", API_KEY.encode(), b"x" * (MAX_REQUEST_BYTES + 1)], 413, "--max-request-bytes"),
+    Case("zmq", [b"\xff\xfe garbage"], 401, "API key"),  # no envelope: no key, not read
+    Case("zmq", [b"z-other", API_KEY.encode(), orjson.dumps(zgen("z-rid"))], 400, "envelope"),
+    Case("zmq", {**zgen("z-old-key"), "api_key": API_KEY}, 400, "envelope"),
     Case("zmq", b'{"type": "generate", "rid": 5}', None, ""),
     Case("zmq", b"\xff\xfe not json", None, ""),
     Case("zmq", b"[1, 2, 3]", None, ""),
@@ -279,20 +288,30 @@ def send(case: Case, http, model_name: str) -> httpx.Response:
     return http.post("/v1/chat/completions", json=body)
 
 
+def zmq_frames(body: Any) -> list[bytes]:
+    """A row's ZeroMQ frames: a list is sent as it is; a body goes in an envelope with the
+    key and the rid it names (an empty rid when it names none)."""
+    if isinstance(body, list):
+        return body
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return [(rid_of(raw) or "").encode(), API_KEY.encode(), raw]
+
+
 def check_zmq(case: Case, dealer, http) -> None:
-    frame = case.body if isinstance(case.body, bytes) else json.dumps({"api_key": API_KEY, **case.body}).encode()
+    frames = zmq_frames(case.body)
     dropped_before = dropped_frames(http)
-    dealer.send(frame)
+    dealer.send_multipart(frames)
     if case.status is None:  # no rid to answer: dropped, counted, and the socket still serves
         assert not dealer.poll(300), "a frame without a rid was answered"
         assert dropped_frames(http) == dropped_before + 1
-        dealer.send(orjson.dumps({"type": "model_info", "rid": "alive", "api_key": API_KEY}))
+        dealer.send_multipart(zmq_frames({"type": "model_info", "rid": "alive"}))
         assert dealer.poll(10_000) and orjson.loads(dealer.recv())["rid"] == "alive"
         return
     assert dealer.poll(10_000), "no error frame"
     reply = orjson.loads(dealer.recv())
     assert reply["type"] == "error" and reply["status"] == case.status, reply
-    assert reply["rid"] == json.loads(frame)["rid"] and case.field in reply["message"], reply
+    rid = frames[0].decode() if len(frames) == 3 else ""  # "" answers a message without an envelope
+    assert reply["rid"] == rid and case.field in reply["message"], reply
 
 
 def dropped_frames(http) -> float:
@@ -337,7 +356,7 @@ def test_the_issue_reproductions_hurt_only_the_offender(server, http):
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.connect(server.zmq_url)
-    sock.send(b'{"type": [], "rid": "x"}')
+    sock.send_multipart([b"x", API_KEY.encode(), b'{"type": [], "rid": "x"}'])
     assert sock.poll(10_000) and orjson.loads(sock.recv())["rid"] == "x"
     sock.close(linger=0)
     context.term()
