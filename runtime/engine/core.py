@@ -234,7 +234,7 @@ class EngineCore:
             return prompt_logprobs(req, rows, req.computed_len)
         except Exception as e:  # this request's row only
             logger.exception("prompt logprobs of request %s failed", req.rid)
-            errors[i] = f"computing prompt logprobs failed: {e!r}"
+            errors[i] = "computing prompt logprobs failed (see the server log)"
             return None
 
     def _wait_for_grammars(self) -> None:

@@ -137,8 +137,9 @@ class Sampler:
                 continue
             try:
                 apply_mask(logits[i : i + 1], [req])
-            except Exception as e:
-                errors[i] = f"the grammar mask failed: {e!r}"
+            except Exception:
+                logger.exception("the grammar mask of request %s failed", req.rid)
+                errors[i] = "the grammar mask failed (see the server log)"
 
     def _check_rows(self, logits: torch.Tensor, argmax: torch.Tensor, errors: dict[int, str]) -> None:
         """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled: exactly
@@ -198,8 +199,9 @@ class Sampler:
             try:
                 gen = self.generator if shared_generator else self._generator_of(reqs[j])
                 out[j] = torch.multinomial(probs[j], 1, generator=gen)[0]
-            except Exception as e:
-                errors[batch_row] = f"sampling failed: {e!r}"
+            except Exception:
+                logger.exception("sampling request %s failed", reqs[j].rid)
+                errors[batch_row] = "sampling failed (see the server log)"
 
     def _generator_of(self, req: Req) -> torch.Generator:
         gen = self._request_generators.get(req.rid)
@@ -220,8 +222,9 @@ class Sampler:
                 continue
             try:
                 out[i] = TokenLogprobs(float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num))
-            except Exception as e:
-                errors[i] = f"computing logprobs failed: {e!r}"
+            except Exception:
+                logger.exception("the logprobs of request %s failed", reqs[i].rid)
+                errors[i] = "computing logprobs failed (see the server log)"
         return out
 
 

@@ -18,8 +18,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from spruce.constrained import errors as constrained_errors
 from spruce.runtime.config import ConstraintOptions, SchedulerOptions
 from spruce.runtime.core.request import FinishReason, Req
+from spruce.runtime.errors import ConstraintError, constraint_error
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
@@ -186,19 +188,27 @@ class Scheduler:
                 self._append(req, token, result.token_logprobs[i])
             elif req.remaining == 0:  # max_new_tokens == 0: the prompt is now cached
                 self._finish(req, FinishReason("length"))
-        except Exception as e:  # its own stop strings, cursor, detokenization
+        except constrained_errors.ConstraintError as e:  # its grammar outgrew a budget
+            req.error = constraint_error(e)
+            return str(e)
+        except Exception:  # its own stop strings, cursor, detokenization
             logger.exception("processing the output of request %s failed", req.rid)
-            return f"processing this request's output failed: {e!r}"
+            return "processing this request's output failed (see the server log)"
         return None
 
     # -- failures -------------------------------------------------------------------------
 
     def fail_request(self, req: Req, message: str) -> None:
-        """Aborts one request for a failure of its own (a RequestFault, 500 for a client)."""
+        """Aborts one request for a failure of its own: a RequestFault (500 for a client),
+        or the ConstraintError already in `req.error` (its grammar outgrew a budget while it
+        ran: 400, and the error's message)."""
         if req.finished:
             return
-        req.error = RequestFault(message)
-        self.stats.request_faults += 1
+        if isinstance(req.error, ConstraintError):
+            message = str(req.error)
+        else:
+            req.error = RequestFault(message)
+            self.stats.request_faults += 1
         self._finish(req, FinishReason("abort", message=message))
 
     def step_failed(self, out: ScheduleOutput, error: BaseException) -> list[Req]:

@@ -206,7 +206,7 @@ class SchedulerLoop:
             return
         except Exception as e:
             logger.exception("control command %r failed", msg.command)
-            self._send(ControlReply(msg.id, ok=False, error=f"internal error: {e!r}"))
+            self._send(ControlReply(msg.id, ok=False, error=f"internal error in {msg.command} (see the server log)"))
             return
         self._send(ControlReply(msg.id, ok=True, data=data))
 
