@@ -232,7 +232,7 @@ class EngineCore:
         try:
             rows = forward.logits[forward.offsets[i] : forward.offsets[i + 1]]
             return prompt_logprobs(req, rows, req.computed_len)
-        except Exception as e:  # this request's row only
+        except Exception:  # this request's row only
             logger.exception("prompt logprobs of request %s failed", req.rid)
             errors[i] = "computing prompt logprobs failed (see the server log)"
             return None

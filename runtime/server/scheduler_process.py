@@ -204,7 +204,7 @@ class SchedulerLoop:
         except InvalidRequestError as e:
             self._send(ControlReply(msg.id, ok=False, error=str(e)))
             return
-        except Exception as e:
+        except Exception:
             logger.exception("control command %r failed", msg.command)
             self._send(ControlReply(msg.id, ok=False, error=f"internal error in {msg.command} (see the server log)"))
             return
