@@ -18,7 +18,8 @@ folder. A watchdog here notices a dead scheduler at once (its process sentinel);
 scheduler exits by itself when this process disappears. The front end's own tasks run
 under a Supervisor (restarted when they fail; /health reports it; the server exits when
 one keeps failing). Without --api-key the ZeroMQ port only binds to a loopback address
-(unless --allow-unauthenticated-zmq). SIGINT / SIGTERM: stop accepting, give
+(unless --allow-unauthenticated-zmq). HTTP's doors (http/middleware.py, http/connections.py):
+the Host header must name this server, --max-connections, --header-timeout-s. SIGINT / SIGTERM: stop accepting, give
 in-flight requests `--shutdown-timeout-s`, abort the rest, stop the scheduler, exit.
 """
 
