@@ -19,7 +19,7 @@ from spruce.constrained.convert import Conversion
 from spruce.radix import NoPrefixCache, RadixCache
 from spruce.runtime.engine import tp_worker
 from spruce.runtime.executor.attention import resolve_backend
-from spruce.runtime.executor.distributed import close_group
+from spruce.runtime.executor.distributed import RankLost, close_group, start_keepalive
 from spruce.runtime.executor.distributed import send_stop as send_stop_message
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.errors import InvalidRequestError, SpruceError
@@ -55,6 +55,8 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.tp, self.followers = None, []
+        self.rank_lost: str | None = None  # why the tensor-parallel group cannot compute, once it cannot
+        self.tp_stopped = False
         try:
             if config.parallel.tp_size > 1:
                 self._start_tensor_parallel(loaded)
@@ -62,6 +64,8 @@ class EngineCore:
         except BaseException:
             self._stop_tensor_parallel(send_stop=hasattr(self, "runner"))  # followers follow
             raise
+        if self.tp is not None:
+            start_keepalive(self.tp, lambda: self.tp_stopped, self._lose_rank)
 
     def _start_tensor_parallel(self, loaded: LoadedModel | None) -> None:
         """This process becomes rank 0 and starts this machine's other ranks."""
@@ -77,9 +81,11 @@ class EngineCore:
         self.tp = tp_worker.join(self.config, where)
 
     def _stop_tensor_parallel(self, send_stop: bool = True) -> None:
-        if self.tp is not None and send_stop:
-            send_stop_message(self.tp)
         if self.tp is not None:
+            with self.tp.lock:
+                self.tp_stopped = True  # no keepalive after the stop
+                if send_stop and self.rank_lost is None:
+                    send_stop_message(self.tp)
             close_group()
         tp_worker.stop_followers(self.followers)
         self.tp, self.followers = None, []
@@ -178,6 +184,25 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    # -- tensor-parallel ranks ------------------------------------------------------------
+
+    def check_ranks(self) -> None:
+        """Raises RankLost once a tensor-parallel rank is gone: one of this machine's
+        followers exited, or a keepalive or a step's collectives failed (any rank)."""
+        if self.tp is None:
+            return
+        if self.rank_lost is None:
+            exited = [p for p in self.followers if p.poll() is not None]
+            if exited:
+                self._lose_rank(f"tensor-parallel rank {self.followers.index(exited[0]) + 1} exited")
+        if self.rank_lost is not None:
+            raise RankLost(f"{self.rank_lost}; the server cannot compute until it is restarted")
+
+    def _lose_rank(self, reason: str) -> None:
+        if self.rank_lost is None:
+            logger.error("%s; the tensor-parallel group cannot compute any more", reason)
+            self.rank_lost = reason
+
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
@@ -187,6 +212,7 @@ class EngineCore:
         aborts that request; a failing forward pass is rolled back and its requests retried
         (see scheduler/faults.py). What escapes is a bug in the bookkeeping itself."""
         start = time.perf_counter()
+        self.check_ranks()
         out = self.scheduler.schedule()
         changed = self.scheduler.pop_finished_outside_step()
         if not out:
@@ -195,6 +221,11 @@ class EngineCore:
         try:
             result = self._run(out)
         except Exception as e:  # the pass as a whole: no request named yet
+            if self.tp is not None:  # a broken group does not heal: no retry
+                logger.exception("a tensor-parallel forward pass failed")
+                self._lose_rank("a tensor-parallel step failed (a rank is gone or stopped answering)")
+                self.scheduler.step_failed(out, e)  # rolls the step back; the caller fails what is left
+                self.check_ranks()
             logger.exception("a forward pass over %d request(s) failed; rolling the step back", len(out.reqs))
             return changed + self.scheduler.step_failed(out, e)
         changed += self.scheduler.update(out, result)
@@ -206,7 +237,11 @@ class EngineCore:
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> StepResult:
         items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
-        forward = self.runner.forward(items)
+        if self.tp is not None:
+            with self.tp.lock:  # the step's collectives, then no keepalive in between
+                forward = self.runner.forward(items)
+        else:
+            forward = self.runner.forward(items)
         errors: list[str | None] = [None] * len(out.reqs)
         # prompt logprobs first: the sampler below changes the logits in place
         prompt_lps = [

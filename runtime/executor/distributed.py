@@ -9,6 +9,12 @@ cached prefix). The message is a small int64 tensor, sent as two broadcasts (a f
 header, then the body); no pickle. Followers run the same forward and never sample: the
 sampled tokens reach them as the next step's new ids, so every rank agrees.
 
+Every collective has a deadline (--dist-timeout-s, minutes): a rank that dies or hangs
+fails the others' next collective instead of hanging them. While the server idles, rank 0
+sends a keepalive header every quarter of it (`start_keepalive`), so followers waiting for
+the next step do not time out; `TPGroup.lock` keeps it out of a step's collectives. With
+an address given, rank 0's rendezvous store listens on that address only.
+
 Nothing here runs at tp 1: the model uses plain modules and the runner sends nothing.
 """
 
@@ -18,7 +24,10 @@ import datetime
 import logging
 import os
 import socket
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,15 +36,20 @@ from spruce.runtime.errors import SpruceError
 
 logger = logging.getLogger("spruce")
 
-STOP, STEP = 0, 1
+STOP, STEP, KEEPALIVE = 0, 1, 2
 HEADER = 4  # kind, items, table writes, body length
 ITEM = 4  # row, prefix_len, new tokens, all_logits
 WRITE = 3  # row, start, slots
-IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers wait this long for the next step
+KEEPALIVE_MAX_S = 30.0  # rank 0's keepalive period: a quarter of the timeout, at most this
 
 
 class DistributedError(SpruceError):
     """A tensor-parallel rank could not join the others (address, timeout, sizes)."""
+
+
+class RankLost(SpruceError):
+    """A tensor-parallel rank died or stopped answering: the group cannot compute any more.
+    The message names no file or address (it reaches clients)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,8 @@ class TPGroup:
     world: int
     group: object  # the torch.distributed process group of the step traffic
     device: torch.device  # where the collectives' tensors live (cpu for gloo)
+    timeout_s: float = 300.0  # every collective's deadline
+    lock: threading.Lock = field(default_factory=threading.Lock, compare=False)  # rank 0: one sender at a time
 
     @property
     def is_leader(self) -> bool:
@@ -103,17 +119,18 @@ def init_group(
 ) -> TPGroup:
     """Joins the ranks; a rank that cannot reach the others within `timeout_s` gets a
     DistributedError naming the address, never a hang. The step traffic then runs on a
-    group without that timeout (followers wait for steps as long as the server idles)."""
-    method = "env://" if init_addr is None else f"tcp://{init_addr}"
+    group with the same deadline (rank 0's keepalives cover idle time)."""
     env = os.environ
     where = init_addr or f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend, init_method=method, rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        if init_addr is None:  # torchrun: env://
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        else:
+            store = rendezvous_store(init_addr, rank, world, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         dist.barrier()
-        group = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT, backend=backend)
+        group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
     except (RuntimeError, ValueError, OSError) as e:
         close_group()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -124,7 +141,27 @@ def init_group(
     cuda = backend == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     logger.info("tensor parallel: rank %d of %d joined at %s (%s)", rank, world, where, backend)
-    return TPGroup(rank, world, group, device)
+    return TPGroup(rank, world, group, device, timeout_s)
+
+
+def rendezvous_store(init_addr: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The ranks' key-value store at HOST:PORT. Rank 0 serves it on a socket bound to that
+    address only (torch's own listens on every interface); the others connect."""
+    host, _, port = init_addr.rpartition(":")
+    host = host.strip("[]")
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world, False, timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(max(world, 128))
+    except OSError:
+        listener.close()
+        raise
+    fd = listener.detach()  # the store owns it now
+    return dist.TCPStore(host, int(port), world, True, timeout, master_listen_fd=fd)
 
 
 def close_group() -> None:
@@ -214,11 +251,41 @@ def send_stop(tp: TPGroup) -> None:
     dist.broadcast(header.to(tp.device), src=0, group=tp.group)
 
 
+def send_keepalive(tp: TPGroup) -> None:
+    header = torch.tensor([KEEPALIVE, 0, 0, 0], dtype=torch.int64)
+    dist.broadcast(header.to(tp.device), src=0, group=tp.group)
+
+
+def start_keepalive(tp: TPGroup, stopped: Callable[[], bool], on_error: Callable[[str], None]) -> threading.Thread:
+    """Rank 0: a keepalive header every quarter of the timeout (at most KEEPALIVE_MAX_S)
+    until `stopped()`; a failing one calls `on_error` with a message naming no address."""
+    period = min(tp.timeout_s / 4, KEEPALIVE_MAX_S)
+
+    def run() -> None:
+        while True:
+            time.sleep(period)
+            with tp.lock:
+                if stopped():
+                    return
+                try:
+                    send_keepalive(tp)
+                except Exception:  # noqa: BLE001 - gloo / nccl errors name files and addresses
+                    logger.exception("tensor parallel: a keepalive failed")
+                    on_error("a tensor-parallel rank stopped answering")
+                    return
+
+    thread = threading.Thread(target=run, name="spruce-tp-keepalive", daemon=True)
+    thread.start()
+    return thread
+
+
 def receive_step(tp: TPGroup) -> StepMessage | None:
-    """The next step from rank 0; None when it says stop."""
+    """The next step from rank 0 (keepalives skipped); None when it says stop."""
     header = torch.empty(HEADER, dtype=torch.int64, device=tp.device)
-    dist.broadcast(header, src=0, group=tp.group)
-    kind, n_items, n_writes, length = header.tolist()
+    kind = KEEPALIVE
+    while kind == KEEPALIVE:
+        dist.broadcast(header, src=0, group=tp.group)
+        kind, n_items, n_writes, length = header.tolist()
     if kind == STOP:
         return None
     body = torch.empty(length, dtype=torch.int64, device=tp.device)

@@ -24,6 +24,7 @@ import zmq
 
 from spruce.runtime.text.detokenizer import meta_info
 from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.executor.distributed import RankLost
 from spruce.runtime.core.request import Req
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
@@ -144,18 +145,24 @@ class SchedulerLoop:
         }
 
     def run(self) -> None:
-        while not self.stopping:
-            self._drain(block=not self.core.has_work())
-            if self.core.has_work() and not self.stopping:
-                self._step()
-            self._beat()
+        try:
+            while not self.stopping:
+                self._drain(block=not self.core.has_work())
+                if self.core.has_work() and not self.stopping:
+                    self._step()
+                self._beat()
+        except RankLost as e:  # --tp: a rank is gone; the group cannot compute any more
+            self._fail_all(str(e), 503)
+            raise SystemExit(1) from None  # the front end sees the exit: unhealthy, shuts down
         logger.info("scheduler stopped")
 
     def _beat(self) -> None:
-        """A Heartbeat every HEARTBEAT_S from the loop itself (a stuck step sends none)."""
+        """A Heartbeat every HEARTBEAT_S from the loop itself (a stuck step sends none);
+        with --tp, the ranks are checked as often."""
         now = time.monotonic()
         if now - self.beat_at >= HEARTBEAT_S:
             self.beat_at = now
+            self.core.check_ranks()
             self._send(Heartbeat())
 
     # -- incoming -----------------------------------------------------------------------
@@ -228,6 +235,8 @@ class SchedulerLoop:
     def _step(self) -> None:
         try:
             changed = self.core.step()
+        except RankLost:
+            raise
         except Exception:  # a bug in the core's bookkeeping: fail what is in flight, keep serving
             self._on_step_error(traceback.format_exc())
             return
@@ -303,12 +312,16 @@ class SchedulerLoop:
         server goes down (and is restarted) rather than answering wrongly."""
         self.step_errors += 1
         logger.error("a scheduler step failed; failing %d request(s):\n%s", len(self.tracked), trace)
-        for rid in list(self.tracked):
-            self._send(RequestFailed(rid, "internal error in the scheduler (see the server log)", 500))
-            self.core.abort(rid, "internal error")
-        self.tracked.clear()
+        self._fail_all("internal error in the scheduler (see the server log)", 500)
         if self.step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
             raise RuntimeError("the scheduler failed repeatedly; exiting")
+
+    def _fail_all(self, message: str, status: int) -> None:
+        """Every request in flight fails with `message`; the aborts free their slots."""
+        for rid in list(self.tracked):
+            self._send(RequestFailed(rid, message, status))
+            self.core.abort(rid, "failed")
+        self.tracked.clear()
 
     def _send(self, msg) -> None:
         msg.replica = self.replica
