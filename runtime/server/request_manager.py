@@ -24,6 +24,13 @@ unread is aborted with an error (memory stays bounded however slowly a client re
 request past its deadline (options.timeout_s, or --request-timeout-s) is aborted: its
 final event has finish_reason abort and says why.
 
+Every request ends: an update that cannot be applied here (or built in the scheduler) fails
+its request alone with a message naming no internals, and its slot, client count and
+tracking entry are released (the entry last). The scheduler's loop sends a heartbeat every
+0.5 s; one silent past --scheduler-timeout-s (a stuck step) is stalled: its requests and
+round trips fail (503), new requests are refused (503) and /health fails, until it is
+heard from again.
+
 With `--dp N` (replicas.py) each request goes to the replica the router picks; aborts go
 where the request runs; control commands go to every live replica (stats are summed, with
 each replica's own under "replicas"). A dead replica fails only its own requests (503);

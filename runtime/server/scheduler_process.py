@@ -2,7 +2,9 @@
 ZeroMQ sockets. The same core as the offline Engine; only the I/O differs.
 
 The loop: drain incoming messages without blocking, step while there is work, block on
-the socket when idle. A request the core refuses is answered with `RequestFailed`; the
+the socket when idle (at most HEARTBEAT_S: the loop sends a Heartbeat that often, so the
+front end can tell a stuck step from an idle scheduler; with --tp, the ranks are checked as
+often, and a lost rank fails every request and ends the process). A request the core refuses is answered with `RequestFailed`; the
 process never dies for a bad request. Failures that belong to one request (its row in a
 step, its output processing here) fail that request only (`RequestFailed`, 400 for an
 invalid request such as a constraint that does not compile, 500 otherwise); a failing
