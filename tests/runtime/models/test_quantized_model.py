@@ -1,6 +1,7 @@
 """Models with quantized weights (--quantization): the modules kept quantized, memory near
 the GGUF size, logits near the float model's; the bundled Q4_1 model against its own
-dequantized float32 twin over real text, and its greedy answer (slow)."""
+dequantized float32 twin over real text (its decode path on every ISA variant), and its
+greedy answer (slow)."""
 
 from __future__ import annotations
 
