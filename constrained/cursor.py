@@ -65,6 +65,13 @@ class GrammarCursor:
         if bitmask.shape[-1] > words:
             bitmask[row, words:] = 0
 
+    def prepare_mask(self, max_new_states: int) -> bool:
+        """Makes the current state's mask ahead of `fill_bitmask`, with at most
+        `max_new_states` new DFA states now; False when it needs more (its work is kept:
+        call again). MaskTooExpensive past the grammar's per-mask bound (see grammar.py)."""
+        state = self._states[-1]
+        return state == FINISHED or self.grammar.prepare_mask(state, max_new_states)
+
     def can_end(self) -> bool:
         """The output so far matches the whole constraint: EOS is allowed (or was taken)."""
         state = self._states[-1]

@@ -14,7 +14,7 @@ from spruce.constrained.bitmask import pack_token_ids
 from spruce.constrained.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.byte_nfa import ByteNFA
 from spruce.constrained.cursor import GrammarCursor
-from spruce.constrained.memory import MemoryBudget
+from spruce.constrained.memory import MaskTooExpensive, MemoryBudget
 from spruce.constrained.vocab import TokenVocabulary
 
 if TYPE_CHECKING:
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 
 # A token mask asked for while requests run (on the scheduler thread) may make at most this
-# many new DFA states (~0.2 s at the 86 us a state took for SmolLM2's vocabulary); a JSON
-# schema's masks make tens to a few hundred. The initial state's mask is made at build time,
-# off the scheduler thread, without this bound.
-MAX_MASK_NEW_STATES = 2048
+# many new DFA states in all (a state took 86 us for SmolLM2's vocabulary; the scheduler
+# spreads the work over steps, see `prepare_mask`); a JSON schema's masks make tens to a
+# few hundred. The initial state's mask is made at build time, off the scheduler thread,
+# without this bound.
+MAX_MASK_NEW_STATES = 4096
 MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measured, roughly)
 
 
@@ -52,6 +53,7 @@ class CompiledGrammar:
         self.initial_state = self.dfa.initial
         self.mask_new_states = MAX_MASK_NEW_STATES
         self._states: dict[int, _StateInfo] = {}
+        self._mask_work: dict[int, int] = {}  # new DFA states made so far by unfinished masks
 
     @property
     def nbytes(self) -> int:
@@ -81,11 +83,11 @@ class CompiledGrammar:
 
     def mask(self, state: int) -> torch.Tensor:
         """Packed int32 [num_words]: the tokens allowed in `state`, EOS only if accepting."""
-        return self._state_info(state).mask
+        return self._state_info(state, self._mask_room(state)).mask
 
     def has_continuation(self, state: int) -> bool:
         """Whether some non-EOS token is allowed in `state`."""
-        return self._state_info(state).has_continuation
+        return self._state_info(state, self._mask_room(state)).has_continuation
 
     def forced_bytes(self, state: int) -> bytes:
         """The bytes every output from `state` continues with (see ByteDFA.forced_bytes)."""
@@ -97,19 +99,43 @@ class CompiledGrammar:
 
     def warm(self, state: int) -> None:
         """Makes `state`'s mask without the per-mask work bound (for the build thread)."""
-        self._state_info(state, bounded=False)
+        self._state_info(state, None)
 
-    def _state_info(self, state: int, bounded: bool = True) -> _StateInfo:
+    def prepare_mask(self, state: int, max_new_states: int) -> bool:
+        """Makes `state`'s mask, making at most `max_new_states` new DFA states now; False
+        when the walk stopped there (what it made is kept, so the next call resumes it).
+        MaskTooExpensive once this mask has made more than `mask_new_states` in all."""
+        if state in self._states:
+            return True
+        room = self._mask_room(state)
+        before = self.dfa.num_states
+        try:
+            self._state_info(state, min(room, max_new_states))
+        except MaskTooExpensive:
+            if max_new_states >= room:
+                raise
+            self._mask_work[state] = self._mask_work.get(state, 0) + self.dfa.num_states - before
+            return False
+        self._mask_work.pop(state, None)
+        return True
+
+    def _mask_room(self, state: int) -> int:
+        """New DFA states `state`'s mask may still make (see prepare_mask)."""
+        return self.mask_new_states - self._mask_work.get(state, 0)
+
+    def _state_info(self, state: int, max_new_states: int | None) -> _StateInfo:
+        """The state's mask, made now if needed with at most `max_new_states` new DFA
+        states (None: no bound)."""
         info = self._states.get(state)
         if info is None:
-            limit = self.mask_new_states if bounded else None
-            allowed = np.flatnonzero(self.vocab.trie.allowed(self.dfa, state, limit))
+            allowed = np.flatnonzero(self.vocab.trie.allowed(self.dfa, state, max_new_states))
             has_continuation = allowed.size > 0
             if self.dfa.is_accepting(state):
                 allowed = np.concatenate([allowed, sorted(self.vocab.eos_token_ids)])
             mask = pack_token_ids(allowed, self.vocab.vocab_size)
             self.budget.charge(mask.numel() * mask.element_size() + MASK_OVERHEAD_BYTES)
             info = self._states[state] = _StateInfo(mask, has_continuation)
+            self._mask_work.pop(state, None)
         return info
 
 

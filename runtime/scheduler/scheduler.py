@@ -10,6 +10,10 @@ Failures: `step_failed(out, error)` rolls back a step whose forward pass raised,
 requests of that step then run alone until each has succeeded once or failed twice alone
 (faults.py); `update` aborts a request whose own row or output processing failed, alone.
 `check_integrity()` verifies the KV accounting after any of these.
+
+Grammar masks are made before a step within a per-step budget of new DFA states
+(grammar_queue.prepare_masks): a request whose next mask is not ready sits the step out,
+never sampled without it, while the others run.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from spruce.runtime.errors import ConstraintError, constraint_error
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
-from spruce.runtime.scheduler.grammar_queue import GrammarQueue
+from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks
 from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
 from spruce.runtime.scheduler.prefill import PrefillManager
 from spruce.runtime.text.stop import StopChecker
@@ -102,16 +106,17 @@ class Scheduler:
                 self.stats.steps += 1
                 return out
         out = ScheduleOutput()
+        held = self._prepare_masks()  # requests whose next mask is not made yet sit this step out
         budget = self.options.chunked_prefill_size
-        decoding = [r for r in self.running if r.remaining == 1]
-        continuing = [r for r in self.running if r.remaining > 1]
+        decoding = [r for r in self.running if r.remaining == 1 and id(r) not in held]
+        continuing = [r for r in self.running if r.remaining > 1 and id(r) not in held]
         if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
             for req in self.decode.schedule(out, decoding, self.running):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
         budget = self.prefill.continue_running(out, continuing, budget)
         self.running.extend(self.prefill.admit(out, self.running, budget))
-        if not out and self.running:  # every running request is starved of KV slots
+        if not out and self.running and not held:  # every running request is starved of KV slots
             self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
         return out
@@ -135,6 +140,15 @@ class Scheduler:
         req.computed_len = 0
         self.prefill.waiting.insert(0, req)
         self.stats.retractions += 1
+
+    def _prepare_masks(self) -> set[int]:
+        """Makes the masks running requests sample with next, within a per-step budget
+        (grammar_queue.prepare_masks): the ids of those that wait a step; the ones that
+        failed (a mask or grammar past its bound) are aborted."""
+        held, failed = prepare_masks(self.running)
+        for req in failed:
+            self._finish_outside_step(req, FinishReason("abort", message=str(req.error)))
+        return {id(r) for r in held}
 
     def _admit_compiled(self) -> None:
         if not self.grammars:
