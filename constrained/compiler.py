@@ -13,6 +13,7 @@ from typing import NamedTuple
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
+from spruce.constrained.memory import SharedBudget
 from spruce.constrained.spec import ConstraintSpec
 from spruce.constrained.vocab import TokenVocabulary
 
@@ -22,6 +23,9 @@ NUM_WORKERS = 2  # a slow build does not hold up every other constraint
 # further is aborted (GrammarTooLarge), the others go on.
 GRAMMAR_SHARE_OF_CACHE = 0.25
 MIN_GRAMMAR_BYTES = 32 * 2**20
+# Every live grammar together (cached, or evicted but still held by running requests) may
+# hold this many times the cache's bytes; past it, the walk that would grow one is refused.
+LIVE_SHARE_OF_CACHE = 2
 
 
 class _InFlight(NamedTuple):
@@ -45,7 +49,9 @@ class GrammarCompiler:
     entries, counting what each grammar holds now (`CompiledGrammar.nbytes`: it grows as
     requests walk it; the bound is enforced whenever a grammar is asked for or stored). A
     grammar that passed its own budget (`grammar_bytes`) is dropped from the cache; the
-    requests holding it keep it until they end. Workers start on the first build (about
+    requests holding it keep it until they end. All live grammars together are held to
+    `live.max_bytes` (LIVE_SHARE_OF_CACHE times the cache), so grammars evicted while
+    requests still walk them are bounded too. Workers start on the first build (about
     0.4 s) and are replaced after a number of builds (build_worker.py)."""
 
     def __init__(
@@ -62,6 +68,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
         self.grammar_bytes = grammar_bytes or max(int(GRAMMAR_SHARE_OF_CACHE * cache_bytes), MIN_GRAMMAR_BYTES)
+        self.live = SharedBudget(max(LIVE_SHARE_OF_CACHE * cache_bytes, self.grammar_bytes))
         self.timeout_s = timeout_s
         self._cache: OrderedDict[ConstraintSpec, CompiledGrammar] = OrderedDict()
         self._builds: dict[ConstraintSpec, _InFlight] = {}
@@ -119,7 +126,7 @@ class GrammarCompiler:
     def _build(self, spec: ConstraintSpec, started: threading.Event) -> CompiledGrammar:
         started.set()
         nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
-        grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes)
+        grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
         grammar.warm(grammar.initial_state)
         return grammar
 

@@ -5,6 +5,7 @@ same spec."""
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -14,7 +15,7 @@ from spruce.constrained.bitmask import pack_token_ids
 from spruce.constrained.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.byte_nfa import ByteNFA
 from spruce.constrained.cursor import GrammarCursor
-from spruce.constrained.memory import MaskTooExpensive, MemoryBudget
+from spruce.constrained.memory import MaskTooExpensive, MemoryBudget, SharedBudget
 from spruce.constrained.vocab import TokenVocabulary
 
 if TYPE_CHECKING:
@@ -37,17 +38,20 @@ class CompiledGrammar:
     with identical values, so concurrent readers are safe.
 
     Everything the grammar holds (the NFA, the DFA's rows and state sets, forced bytes,
-    masks) is charged to one MemoryBudget of `max_bytes`: a request whose walk would pass
-    it gets GrammarTooLarge (a ConstraintError) and the grammar stays usable for the states
-    it has. `nbytes` is what it holds now (the compiler's cache counts it)."""
+    masks) is charged to one MemoryBudget of `max_bytes` (and to `shared`, the compiler's
+    budget for all live grammars): a request whose walk would pass it gets GrammarTooLarge
+    (a ConstraintError) and the grammar stays usable for the states it has. `nbytes` is
+    what it holds now (the compiler's cache counts it)."""
 
     def __init__(
-        self, spec: ConstraintSpec, nfa: ByteNFA, vocab: TokenVocabulary, max_bytes: int = MAX_BYTES
-    ) -> None:
+        self, spec: ConstraintSpec, nfa: ByteNFA, vocab: TokenVocabulary, max_bytes: int = MAX_BYTES,
+        shared: SharedBudget | None = None,
+    ) -> None:  # fmt: skip
         self.spec = spec
         self.regex = spec.regex
         self.vocab = vocab
-        self.budget = MemoryBudget(max_bytes)
+        self.budget = MemoryBudget(max_bytes, shared)
+        weakref.finalize(self, self.budget.release)  # gives the shared budget its bytes back
         self.budget.charge(nfa.nbytes + sys.getsizeof(spec.value) + sys.getsizeof(spec.regex))
         self.dfa = ByteDFA(nfa, self.budget)
         self.initial_state = self.dfa.initial

@@ -98,10 +98,14 @@ class GrammarTooLarge(ConstraintError):
 class MemoryBudget:
     """What one grammar holds, in bytes, against its cap: `charge` adds (thread-safe) and
     raises GrammarTooLarge, without adding, when the total would pass `max_bytes`; after
-    that `exhausted` is set (the compiler drops such a grammar from its cache)."""
+    that `exhausted` is set (the compiler drops such a grammar from its cache).
 
-    def __init__(self, max_bytes: int) -> None:
+    `shared`, when given, is the budget of every live grammar together: each charge is
+    charged there too, and `release()` (when the grammar is collected) gives it back."""
+
+    def __init__(self, max_bytes: int, shared: SharedBudget | None = None) -> None:
         self.max_bytes = max_bytes
+        self.shared = shared
         self.used = 0
         self.exhausted = False
         self._lock = threading.Lock()
@@ -116,7 +120,39 @@ class MemoryBudget:
                     "outputs walk into); simplify the constraint (fewer ambiguous repeats such as "
                     "'.*a.{24}'), or raise --grammar-cache-mb (a grammar may hold a quarter of it)"
                 )
+            if self.shared is not None:
+                self.shared.charge(nbytes)
             self.used += nbytes
+
+    def release(self) -> None:
+        with self._lock:
+            if self.shared is not None:
+                self.shared.release(self.used)
+            self.used = 0
+
+
+class SharedBudget:
+    """The bytes every live grammar of a compiler holds together (cached or only held by
+    requests), against `max_bytes`: past it, the walk that would grow one is refused."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int) -> None:
+        with self._lock:
+            if self.used + nbytes > self.max_bytes:
+                raise GrammarTooLarge(
+                    f"the constraints in use hold {self.used / 2**20:.1f} MB, their memory budget "
+                    f"is {self.max_bytes / 2**20:.1f} MB (twice --grammar-cache-mb); retry later or "
+                    "simplify the constraint"
+                )
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
 
 
 class MaskTooExpensive(ConstraintError):

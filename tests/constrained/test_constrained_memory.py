@@ -208,3 +208,25 @@ def test_the_mask_work_bound_refuses_an_expensive_state(tiny_tokenizer):
     assert not grammar.has_mask(cursor.state)
     grammar.mask_new_states = 100_000  # with room, the same state's mask is made
     assert grammar.mask(cursor.state).any()
+
+
+def test_all_live_grammars_share_one_budget_and_give_their_bytes_back(tiny_tokenizer):
+    """Grammars evicted while requests hold them still count; a collected one gives its
+    bytes back; the walk that would pass the shared budget is refused."""
+    compiler = GrammarCompiler(tiny_tokenizer, cache_size=1, grammar_bytes=10**9)
+    try:
+        first = compiler.compile(make_spec(regex=GROWING))
+        cursor = _walk(first, tiny_tokenizer, 100)  # a request holds it
+        second = compiler.compile(make_spec(regex=GROWING + "x"))  # evicts `first` from the cache
+        assert compiler.cached(first.spec) is None
+        assert compiler.live.used == first.nbytes + second.nbytes
+        compiler.live.max_bytes = compiler.live.used + 20_000
+        with pytest.raises(GrammarTooLarge, match="constraints in use"):
+            _walk(second, tiny_tokenizer, 2000, seed=1)
+        assert not second.exhausted and compiler.live.used <= compiler.live.max_bytes
+        held = first.nbytes
+        del first, cursor
+        gc.collect()
+        assert compiler.live.used == second.nbytes and held > 0
+    finally:
+        compiler.close()
