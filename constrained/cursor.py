@@ -79,9 +79,11 @@ class GrammarCursor:
 
     def is_terminated(self) -> bool:
         """No token but EOS can follow (or EOS was taken): the request must stop now. If
-        also not `can_end()`, the vocabulary cannot complete the constraint (a dead end)."""
+        also not `can_end()`, the vocabulary cannot complete the constraint (a dead end).
+        Bounded work (see CompiledGrammar.may_continue): where the state's mask would cost
+        more, only a state no byte can follow counts as terminated."""
         state = self._states[-1]
-        return state == FINISHED or not self.grammar.has_continuation(state)
+        return state == FINISHED or not self.grammar.may_continue(state)
 
     def rollback(self, n: int) -> None:
         """Undoes the last `n` accepted tokens (EOS included)."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # few hundred. The initial state's mask is made at build time, off the scheduler thread,
 # without this bound.
 MAX_MASK_NEW_STATES = 4096
+QUICK_MASK_NEW_STATES = 64  # what `may_continue` may spend on a mask (the scheduler makes the rest)
 MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measured, roughly)
 
 
@@ -92,6 +93,15 @@ class CompiledGrammar:
     def has_continuation(self, state: int) -> bool:
         """Whether some non-EOS token is allowed in `state`."""
         return self._state_info(state, self._mask_room(state)).has_continuation
+
+    def may_continue(self, state: int) -> bool:
+        """Whether some non-EOS token may follow `state`, at a bounded cost: exact when its
+        mask is made (here, if that takes at most QUICK_MASK_NEW_STATES new DFA states);
+        otherwise whether some byte can follow (the mask, finished before the request's
+        next step, then allows EOS alone if the vocabulary cannot go on)."""
+        if self.prepare_mask(state, QUICK_MASK_NEW_STATES):
+            return self._states[state].has_continuation
+        return bool((self.dfa.ensure_rows((state,))[state] >= 0).any())
 
     def forced_bytes(self, state: int) -> bytes:
         """The bytes every output from `state` continues with (see ByteDFA.forced_bytes)."""

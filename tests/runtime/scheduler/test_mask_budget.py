@@ -67,3 +67,15 @@ def test_a_mask_past_its_own_bound_aborts_its_request_only(tiny_tokenizer):
     fake_forward(scheduler, out)
     scheduler.update(out, fake_result(out))
     scheduler.check_integrity()
+
+
+def test_the_stop_check_after_a_token_leaves_a_costly_mask_to_the_step_budget(tiny_tokenizer):
+    """Checking whether a request must stop costs at most a quick bound of mask work."""
+    from spruce.constrained.grammar import QUICK_MASK_NEW_STATES
+
+    cursor = costly_cursor(TokenVocabulary(tiny_tokenizer), tiny_tokenizer)
+    dfa = cursor.grammar.dfa
+    before = dfa.num_states
+    assert not cursor.is_terminated()
+    assert not cursor.grammar.has_mask(cursor.state)
+    assert dfa.num_states <= before + QUICK_MASK_NEW_STATES + 256  # within one row of the bound
