@@ -96,7 +96,9 @@ class TokenTrie:
             alive[nodes] = True
         return alive[self.token_node]
 
-    def _walk_rest(self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray, limit) -> None:
+    def _walk_rest(
+        self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray, limit: int | None
+    ) -> None:
         """Depth first below `nodes` (each in its DFA state), marking the nodes reached."""
         child_start, child_count, byte = self._lists
         stack = list(zip(nodes, states))
