@@ -29,6 +29,7 @@ from bytes they chose.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import resource
@@ -60,13 +61,18 @@ class BuildRequest:
 
 @dataclass(frozen=True, slots=True)
 class ConvertRequest:
-    schema_text: str  # the JSON schema as JSON text (already parsed once by the parent)
-    whitespace_pattern: str
-    schema_mode: str  # lenient | strict
+    """One constraint to check and turn into its spec: a JSON schema (as JSON text, already
+    parsed once by the parent), or a long regex or list of choices (parsing them is linear
+    but Python-bound: done here, it never holds the front end's interpreter)."""
+
+    kind: str  # json_schema | regex | choices
+    text: str  # the schema's JSON text, the regex, or the choices as a JSON list
+    whitespace_pattern: str = ""
+    schema_mode: str = "lenient"  # lenient | strict
 
     @property
     def describe(self) -> str:
-        return f"json_schema {_short(self.schema_text)}"
+        return f"{self.kind} {_short(self.text)}"
 
 
 def dumps(obj: object) -> bytes:
@@ -247,7 +253,13 @@ def _verb(request: BuildRequest | ConvertRequest) -> str:
 # -- the worker process ------------------------------------------------------------------------------
 
 
+# Workers run user-controlled work (a pathological schema or regex); below the serving
+# processes' priority, so on a busy machine decoding for everyone else wins the CPU.
+WORKER_NICENESS = 10
+
+
 def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
+    os.nice(WORKER_NICENESS)
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -266,17 +278,19 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
 def _convert(request: ConvertRequest) -> tuple[str, object]:
     from spruce.constrained.spec import make_spec
 
+    value = json.loads(request.text) if request.kind == "choices" else request.text
     try:
         spec = make_spec(
-            json_schema=request.schema_text, whitespace_pattern=request.whitespace_pattern,
-            schema_mode=request.schema_mode,
-        )  # fmt: skip
+            **{request.kind: value}, whitespace_pattern=request.whitespace_pattern, schema_mode=request.schema_mode
+        )
     except ConstraintError as e:
         return "error", str(e)
     except RecursionError:
-        return "error", "json_schema is nested too deeply; flatten it or use $defs"
+        return "error", f"{request.kind} is nested too deeply" + (
+            "; flatten it or use $defs" if request.kind == "json_schema" else ""
+        )
     except MemoryError:
-        return "error", "converting the json_schema ran out of the worker's memory cap; simplify it"
+        return "error", f"converting the {request.kind} ran out of the worker's memory cap; simplify it"
     except Exception as e:  # a bug in the converter: reported as such, the worker lives on
         return "crash", f"{type(e).__name__}: {e}"
     return "ok", spec

@@ -10,28 +10,33 @@ caller gets a ConstraintError naming the deadline and the other requests never w
     spec = conversion.spec(json_schema=..., schema_mode="lenient")   # ConstraintSpec | None
     regex = conversion.schema_regex({"type": "object", ...})
 
-Regexes, choices and dtypes are converted in the calling thread (`spec.make_spec`): checking
-them is linear in their size, which the request limits bound. Converted schemas are kept
-in a small LRU (keyed by the schema's text and the options), so a client sending the same
-schema again pays one dictionary lookup.
+Short regexes, choices and dtypes are checked in the calling thread (`spec.make_spec`):
+linear in their size, microseconds. Longer ones (past INLINE_CHARS) go to a worker as
+schemas do: linear still, but a 200k-character class is ~0.7 s of Python that would hold
+the front end's interpreter. What workers convert is kept in a small LRU bounded in bytes
+(keyed by the text and the options), so a client sending the same constraint again pays
+one dictionary lookup.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from spruce.constrained.build_worker import ConvertRequest, WorkerPool
 from spruce.constrained.json_schema import load_schema
+from spruce.constrained.memory import BoundedCache, text_bytes
 from spruce.constrained.spec import ConstraintSpec, make_spec
 
 DEFAULT_TIMEOUT_S = 30.0  # the grammar timeout's default (--grammar-timeout-s)
 DEFAULT_MEMORY_MB = 4096  # the grammar workers' default memory cap (--grammar-memory-mb)
 MAX_PARALLEL = 2  # conversions at once (each in its own worker); the others wait their turn
 CACHE_BYTES = 32 * 2**20  # converted schemas kept: regex + schema text, roughly
+# A regex or choices longer than this is parsed in a worker too: parsing is linear, but a
+# 200k-character class keeps the interpreter ~0.7 s, which the front end's loop would wait out.
+INLINE_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +68,7 @@ class SpecConverter:
     def __init__(self, memory_mb: int, cache_bytes: int = CACHE_BYTES) -> None:
         self._workers = WorkerPool(memory_mb, MAX_PARALLEL)
         self._slots = threading.BoundedSemaphore(MAX_PARALLEL)
-        self._cache: OrderedDict[tuple, ConstraintSpec] = OrderedDict()
-        self._cache_bytes = 0
-        self._max_bytes = cache_bytes
-        self._lock = threading.Lock()
+        self._cache = BoundedCache(cache_bytes)
 
     def make_spec(
         self,
@@ -77,19 +79,18 @@ class SpecConverter:
         schema_mode: str = "lenient",
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> ConstraintSpec | None:
-        """As `spec.make_spec`; a JSON schema is converted in a worker within `timeout_s`."""
-        if json_schema is None or regex is not None or choices is not None:
+        """As `spec.make_spec`; a JSON schema, and a regex or choices longer than
+        INLINE_CHARS, are converted in a worker within `timeout_s`."""
+        request = _worker_request(regex, json_schema, choices, whitespace_pattern, schema_mode)
+        if request is None:
             return make_spec(regex=regex, json_schema=json_schema, choices=choices)  # checks "at most one"
-        text = load_schema_text(json_schema)
-        key = (text, whitespace_pattern, schema_mode)
-        with self._lock:
-            spec = self._cache.get(key)
-            if spec is not None:
-                self._cache.move_to_end(key)
-                return spec
-        with self._slots:
-            spec = self._workers.run(ConvertRequest(text, whitespace_pattern, schema_mode), timeout_s)
-        self._remember(key, spec)
+        key = (request.text, request.kind, whitespace_pattern, schema_mode)
+        spec = self._cache.get(key)
+        if spec is None:
+            with self._slots:
+                spec = self._workers.run(request, timeout_s)
+            size = text_bytes(request.text) + text_bytes(spec.value) + text_bytes(spec.regex)
+            self._cache.put(key, spec, size)
         return spec
 
     def start(self, count: int = 1) -> None:
@@ -99,18 +100,22 @@ class SpecConverter:
     def close(self) -> None:
         self._workers.close()
 
-    def _remember(self, key: tuple, spec: ConstraintSpec) -> None:
-        size = len(key[0]) + len(spec.regex)
-        if size > self._max_bytes:
-            return
-        with self._lock:
-            if key in self._cache:
-                return
-            self._cache[key] = spec
-            self._cache_bytes += size
-            while self._cache_bytes > self._max_bytes:
-                old_key, old = self._cache.popitem(last=False)
-                self._cache_bytes -= len(old_key[0]) + len(old.regex)
+
+def _worker_request(
+    regex: Any, json_schema: Any, choices: Any, whitespace_pattern: str, schema_mode: str
+) -> ConvertRequest | None:
+    """What a worker should convert, or None when the calling thread checks it (a short
+    regex or list of choices, or more than one constraint: make_spec refuses that)."""
+    given = [value for value in (regex, json_schema, choices) if value is not None]
+    if len(given) != 1:
+        return None
+    if json_schema is not None:
+        return ConvertRequest("json_schema", load_schema_text(json_schema), whitespace_pattern, schema_mode)
+    if isinstance(regex, str) and len(regex) > INLINE_CHARS:
+        return ConvertRequest("regex", regex)
+    if isinstance(choices, list) and all(isinstance(c, str) for c in choices) and sum(map(len, choices)) > INLINE_CHARS:
+        return ConvertRequest("choices", json.dumps(choices, ensure_ascii=False))
+    return None
 
 
 def load_schema_text(json_schema: Any) -> str:
