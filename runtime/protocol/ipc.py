@@ -114,6 +114,11 @@ class StepOutput:
         self.updates = [u if isinstance(u, ReqUpdate) else ReqUpdate(**u) for u in self.updates]
 
 
+# What a client is told when its request's final update could not be built or applied
+# (the scheduler process or the front end logs the exception).
+UPDATE_FAILED = "internal error while finishing the request (see the server log)"
+
+
 @dataclass(slots=True)
 class RequestFailed:
     """The scheduler refused or dropped a request (InvalidRequestError, ConstraintError...)."""

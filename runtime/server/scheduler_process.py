@@ -44,6 +44,7 @@ from spruce.runtime.protocol.ipc import (
     RequestFailed,
     RequestSpec,
     StartupFailed,
+    UPDATE_FAILED,
     StepOutput,
     decode,
     encode,
@@ -52,7 +53,6 @@ from spruce.runtime.protocol.ipc import (
 logger = logging.getLogger("spruce.scheduler")
 MAX_CONSECUTIVE_STEP_ERRORS = 3
 PARENT_CHECK_S = 0.5
-UPDATE_FAILED = "internal error while finishing the request (see the server log)"
 
 
 def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replica: int = 0) -> None:
