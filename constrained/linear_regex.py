@@ -20,23 +20,24 @@ Patterns use Python's syntax as far as RE2 has it, rewritten where the meaning w
   possessive repeats, counted repeats over 1000, inline flags other than i / m / s / U, and a
   pattern whose compiled form passes MAX_PATTERN_MEMORY.
 
-Compiled patterns are kept in a cache bounded by entries and by total pattern characters,
-so request data cannot grow it without bound.
+Compiled patterns are kept in a cache bounded by their estimated bytes (the pattern text
+and the compiled program), so request data cannot grow it without bound.
 """
 
 from __future__ import annotations
 
 import re
-import threading
-from collections import OrderedDict
 from string import hexdigits
 
 import re2
 from spruce.constrained.errors import ConstraintError
+from spruce.constrained.memory import BoundedCache, text_bytes
 
 MAX_PATTERN_MEMORY = 4 << 20  # bytes RE2 may use per compiled pattern (program and DFA cache)
-MAX_CACHED_PATTERNS = 128
-MAX_CACHED_CHARS = 256 * 1024  # total characters of the cached patterns
+MAX_CACHED_BYTES = 32 << 20  # compiled patterns kept, by their estimated bytes
+# Measured (RSS): a compiled program costs ~16 bytes per instruction; twice that for the
+# reverse program RE2 may build when searching. A 40-character pattern can be 270k instructions.
+PROGRAM_BYTES_PER_INSTRUCTION = 32
 
 _WORD = r"\p{L}\p{N}_"
 _SPACE = r"\t\n\x0b\f\r\x1c-\x20\x85\xa0\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000}"
@@ -120,36 +121,7 @@ def _escape(pattern: str, i: int, in_class: bool) -> tuple[str, int]:
     return pattern[i : i + 2], i + 2
 
 
-class _PatternCache:
-    """Compiled patterns, least recently used first out; bounded by entries and characters."""
-
-    def __init__(self, max_entries: int, max_chars: int) -> None:
-        self.max_entries, self.max_chars = max_entries, max_chars
-        self.entries: OrderedDict[str, object] = OrderedDict()
-        self.chars = 0
-        self.lock = threading.Lock()
-
-    def get(self, pattern: str):
-        with self.lock:
-            compiled = self.entries.get(pattern)
-            if compiled is not None:
-                self.entries.move_to_end(pattern)
-            return compiled
-
-    def put(self, pattern: str, compiled) -> None:
-        if len(pattern) > self.max_chars:
-            return
-        with self.lock:
-            if pattern in self.entries:
-                return
-            self.entries[pattern] = compiled
-            self.chars += len(pattern)
-            while len(self.entries) > self.max_entries or self.chars > self.max_chars:
-                old, _ = self.entries.popitem(last=False)
-                self.chars -= len(old)
-
-
-_CACHE = _PatternCache(MAX_CACHED_PATTERNS, MAX_CACHED_CHARS)
+_CACHE = BoundedCache(MAX_CACHED_BYTES)
 
 
 def _options():
@@ -167,7 +139,7 @@ def _compiled(pattern: str):
     compiled = _CACHE.get(pattern)
     if compiled is None:
         compiled = _compile(pattern)
-        _CACHE.put(pattern, compiled)
+        _CACHE.put(pattern, compiled, text_bytes(pattern) + PROGRAM_BYTES_PER_INSTRUCTION * compiled.programsize)
     return compiled
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from spruce.constrained import linear_regex
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.linear_regex import UnsupportedRegex, _PatternCache
+from spruce.constrained.linear_regex import UnsupportedRegex
 from spruce.constrained.report import validate_output
 from spruce.constrained.schema_validator import pattern_search, validator_class
 
@@ -64,24 +64,17 @@ def test_a_start_position_keeps_caret_at_the_text_start():
     assert linear_regex.search("a", "aa", 1) == (1, 2)
 
 
-def test_the_cache_is_bounded_by_entries_and_characters():
-    cache = _PatternCache(max_entries=3, max_chars=10)
-    for pattern in ("a", "b", "c", "d"):
-        cache.put(pattern, object())
-    assert list(cache.entries) == ["b", "c", "d"]
-    cache.put("x" * 9, object())
-    assert cache.chars == 10 and list(cache.entries) == ["d", "x" * 9]
-    cache.put("e", object())
-    assert cache.chars == 10 and list(cache.entries) == ["x" * 9, "e"]
-    cache.put("y" * 11, object())  # longer than the whole budget: not kept
-    assert "y" * 11 not in cache.entries and cache.chars <= 10
-
-
-def test_the_module_cache_stays_within_its_bounds():
-    for i in range(linear_regex.MAX_CACHED_PATTERNS + 50):
-        linear_regex.search(f"x{i}y", "x1y")
-    assert len(linear_regex._CACHE.entries) <= linear_regex.MAX_CACHED_PATTERNS
-    assert linear_regex._CACHE.chars <= linear_regex.MAX_CACHED_CHARS
+def test_the_module_cache_is_bounded_by_compiled_bytes():
+    """A short pattern can compile to megabytes (`\\w` is Unicode: ~1,300 instructions), so
+    the cache counts programs, not pattern characters."""
+    linear_regex._CACHE.clear()
+    patterns = [rf"(?:\w|x{i}){{1,60}}" for i in range(40)]  # ~80k instructions each
+    for pattern in patterns:
+        assert linear_regex.search(pattern, "ab") == (0, 2)
+    cache = linear_regex._CACHE
+    assert 0 < len(cache) < len(patterns)  # the oldest were dropped
+    assert cache.nbytes <= linear_regex.MAX_CACHED_BYTES
+    assert cache.nbytes >= len(cache) * 2_000_000  # each counted by its program, not its 20 characters
 
 
 def test_schema_patterns_with_leading_lookaheads_are_read_like_the_converter():
