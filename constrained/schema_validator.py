@@ -113,7 +113,6 @@ def _structure(pattern: str, start: int = 0):
         i += 1
 
 
-
 def _check_string(schema: Any, keyword: str) -> None:
     if isinstance(schema, dict) and keyword in schema and not isinstance(schema[keyword], str):
         raise ConstraintError(f"{keyword} must be a string (got {type(schema[keyword]).__name__})")
