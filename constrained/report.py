@@ -24,8 +24,8 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         instance = json.loads(text)
     except json.JSONDecodeError as e:
         return {"valid": False, "error": f"not JSON: {e}"}
-    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, deep nesting
-        return {"valid": False, "error": f"the output could not be read: {str(e).split(';')[0] or type(e).__name__}"}
+    except (ValueError, RecursionError) as e:  # JSON Python will not read: an integer past its digit limit, deep nesting
+        return {"valid": None, "error": f"could not validate: {str(e).split(';')[0] or type(e).__name__}"}
     cls = validator_class(schema)
     try:
         error = jsonschema.exceptions.best_match(

@@ -100,10 +100,10 @@ def test_unevaluated_properties_beside_pattern_properties_is_not_checked_with_re
     assert report["valid"] is None and "unevaluatedProperties" in report["error"]
 
 
-def test_the_finish_report_of_an_unreadable_integer_says_invalid():
+def test_the_finish_report_of_json_python_will_not_read_says_it_could_not_validate():
     report = validate_output({"type": "integer", "minimum": 1}, "1" * 4400)
-    assert report["valid"] is False and "4300 digits" in report["error"]
-    assert validate_output({"type": "array"}, "[" * 100_000)["valid"] is False
+    assert report["valid"] is None and "4300 digits" in report["error"]  # valid JSON Python will not read
+    assert validate_output({"type": "array"}, "[" * 100_000)["valid"] is None
 
 
 @pytest.mark.parametrize("keyword", ["$schema", "$id"])
