@@ -299,3 +299,21 @@ def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenize
     asyncio.run(main())
     main_thread = threading.main_thread()
     assert [t is main_thread for t in model.threads] == [False, True, False]
+
+
+def test_http_connections_send_at_once():
+    """The listening socket has TCP_NODELAY and its connections inherit it: without it a
+    keep-alive response's body waited for the client's delayed ACK (~40 ms a request)."""
+    import socket
+
+    from spruce.runtime.server.launch import _bind_http
+
+    listener = _bind_http("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        conn.close()
+        client.close()
+    finally:
+        listener.close()
