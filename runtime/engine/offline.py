@@ -24,7 +24,13 @@ from spruce.runtime.config import EngineConfig, use_passive_omp_threads
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.core.validation import batch_inputs, check_response_size, sampling_list, validate_request
+from spruce.runtime.core.validation import (
+    batch_inputs,
+    check_options,
+    check_response_size,
+    sampling_list,
+    validate_request,
+)
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.scheduler.router import make_router
@@ -96,8 +102,10 @@ class Engine:
             top_logprobs_num=top_logprobs_num, stream=stream,
         )  # fmt: skip
         limits = replace(self.core.limits, request=self.request_limits)
-        valid = [validate_request(self._ids(p), sp, options, limits) for p, sp in zip(prompts, params)]
-        check_response_size(valid, self.request_limits)
+        check_options(options, self.request_limits)
+        requests = [(self._ids(p), sp) for p, sp in zip(prompts, params)]
+        check_response_size(requests, options, self.request_limits)
+        valid = [validate_request(ids, sp, options, limits) for ids, sp in requests]
         reqs = [self._add(v) for v in valid]
         self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated
         if stream:

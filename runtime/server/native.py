@@ -68,6 +68,15 @@ class ModelContext:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return validate_request(ids, sampling, options, self.limits)
 
+    def _tokenized(self, requests: list[tuple[str | list[int], SamplingParams]]) -> list[tuple[list[int], SamplingParams]]:
+        """Each request's prompt as token ids; a call's n samples share one prompt object,
+        tokenized once."""
+        ids_of: dict[int, list[int]] = {}
+        for prompt, _ in requests:
+            if id(prompt) not in ids_of:
+                ids_of[id(prompt)] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return [(ids_of[id(prompt)], sampling) for prompt, sampling in requests]
+
     async def prepare_all(
         self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
     ) -> list[ValidRequest]:
@@ -77,9 +86,10 @@ class ModelContext:
         thread waits for; the event loop keeps serving every other client meanwhile."""
 
         def work() -> list[ValidRequest]:
-            valid = [self.prepare(prompt, sampling, options) for prompt, sampling in requests]
-            check_response_size(valid, self.limits.request)
-            return valid
+            check_options(options, self.limits.request)
+            tokenized = self._tokenized(requests)
+            check_response_size(tokenized, options, self.limits.request)
+            return [self.prepare(ids, sampling, options) for ids, sampling in tokenized]
 
         if any(sampling.has_constraint for _, sampling in requests):
             return await self.pools.convert.run(work)
