@@ -226,6 +226,7 @@ class Launcher:
     async def _serve(self, ready: Ready, senders, receiver, router) -> None:
         from spruce.runtime.models.loading.files import load_tokenizer
         from spruce.runtime.server.app import build_app
+        from spruce.runtime.server.scheduler_process import freeze_heap  # imported already: it started the schedulers
 
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
         _set_chat_formats(tokenizer, self.options)
@@ -241,6 +242,7 @@ class Launcher:
             max_running=max_running * len(senders), router=router,
         )  # fmt: skip
         self.zmq.attach(self.manager, model, metrics)
+        freeze_heap()  # the tokenizer and the app stay out of full collections
         self.supervisor.on_restart = lambda name: metrics.task_restarts.labels(name).inc()
         self.supervisor.start("receiver", self.manager.receive_forever)
         self.supervisor.start("zmq", self.zmq.serve_forever)

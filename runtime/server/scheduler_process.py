@@ -13,6 +13,7 @@ forward pass is rolled back and retried by the core (scheduler/faults.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -70,6 +71,7 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replic
     if core is None:
         sender.close(linger=2000)
         raise SystemExit(1)
+    freeze_heap()
     sender.send(encode(_ready(core, replica)))
     try:
         SchedulerLoop(core, receiver, sender, replica).run()
@@ -78,6 +80,14 @@ def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replic
         sender.close(linger=1000)
         receiver.close(linger=0)
         context.term()
+
+
+def freeze_heap() -> None:
+    """Moves everything loaded so far (the model's modules, the tokenizer, the vocabulary
+    trie) out of the garbage collector's reach: a full collection walked all of it, a
+    100-190 ms pause for every request in flight, every few hundred requests."""
+    gc.collect()
+    gc.freeze()
 
 
 def watch_parent(parent_pid: int, ipc_dir: str) -> None:
