@@ -259,7 +259,6 @@ WORKER_NICENESS = 10
 
 
 def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
-    os.nice(WORKER_NICENESS)
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -322,6 +321,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main(argv: list[str]) -> None:
     """The worker's entry point: `python -m spruce.constrained.build_worker READ_FD WRITE_FD MEMORY_MB`."""
+    os.nice(WORKER_NICENESS)  # first: its start-up (imports) yields to serving too
     _watch_parent(os.getppid())
     read_fd, write_fd, memory = (int(a) for a in argv[:3])
     _serve(Connection(read_fd, writable=False), Connection(write_fd, readable=False), memory)
