@@ -118,3 +118,19 @@ def add_request(core, ids: list[int], sampling: dict, **options):
 
     valid = validate_request(ids, SamplingParams(**sampling), RequestOptions(**options), core.limits)
     return core.add_request(valid)
+
+
+def stream_ids(client, body: dict, started=None) -> list[int]:
+    """The output ids of a streamed native /generate (httpx client); `started` (a
+    threading.Event) is set at the first chunk."""
+    ids: list[int] = []
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                ids += chunk["output_ids"]
+                if started is not None:
+                    started.set()
+    return ids

@@ -4,7 +4,6 @@ the same through the real server, next to a streaming client."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest
 from spruce.runtime.executor.sampler import Sampler
 from spruce.runtime.scheduler.faults import MAX_FAILURES_ALONE, RequestFault
+from support import stream_ids
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -294,20 +294,6 @@ def start_faulty_server(model_dir: Path, tmp_path: Path):
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
     wait_healthy(server, 90)
     return server
-
-
-def stream_ids(client: httpx.Client, body: dict, started: threading.Event | None = None) -> list[int]:
-    ids: list[int] = []
-    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[len("data: ") :])
-                assert "error" not in chunk, chunk
-                ids += chunk["output_ids"]
-                if started is not None:
-                    started.set()
-    return ids
 
 
 def kv_slots_used(client: httpx.Client) -> int:

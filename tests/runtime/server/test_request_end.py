@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import stream_ids
 from test_server import ServerProcess, free_port, stop_server, wait_healthy
 
 HANG = [7, 7, 7, 7, 7, 7, 7]  # a prompt whose forward pass blocks while the flag file exists
@@ -106,20 +107,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def alone(client) -> list[int]:
     return stream_ids(client, STREAM)
-
-
-def stream_ids(client: httpx.Client, body: dict, started: threading.Event | None = None) -> list[int]:
-    ids: list[int] = []
-    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[len("data: ") :])
-                assert "error" not in chunk, chunk
-                ids += chunk["output_ids"]
-                if started is not None:
-                    started.set()
-    return ids
 
 
 def beside_a_stream(client: httpx.Client, alone: list[int], action) -> None:
