@@ -4,7 +4,6 @@ the same through the real server, next to a streaming client."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import threading
@@ -280,20 +279,11 @@ if __name__ == "__main__":
 
 def start_faulty_server(model_dir: Path, tmp_path: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-    from test_server import ServerProcess, free_port, wait_healthy
+    from test_server import start_server
 
     script = tmp_path / "faulty_serve.py"
     script.write_text(textwrap.dedent(FAULTY_SERVE))
-    port, zmq_port = free_port(), free_port()
-    cmd = [
-        sys.executable, str(script), "serve", "--model", str(model_dir), "--port", str(port),
-        "--zmq-port", str(zmq_port), "--num-threads", "1", "--kv-memory-gb", "0.02",
-    ]  # fmt: skip
-    log_path = tmp_path / "server.log"
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
-    wait_healthy(server, 90)
-    return server
+    return start_server(model_dir, tmp_path / "server.log", script=script)
 
 
 def kv_slots_used(client: httpx.Client) -> int:

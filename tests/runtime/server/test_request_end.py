@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support import stream_ids
-from test_server import ServerProcess, free_port, stop_server, wait_healthy
+from test_server import start_server, stop_server
 
 HANG = [7, 7, 7, 7, 7, 7, 7]  # a prompt whose forward pass blocks while the flag file exists
 FRONT_END_BOOM = "front-end-boom"  # a stop string whose request fails in the front end's detokenizing
@@ -82,17 +80,9 @@ def server(tiny_llama_dir, tmp_path_factory, hang_flag):
     folder = tmp_path_factory.mktemp("request-end")
     script = folder / "faulty_serve.py"
     script.write_text(textwrap.dedent(FAULTY_SERVE))
-    port, zmq_port = free_port(), free_port()
-    cmd = [
-        sys.executable, str(script), "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-        "--zmq-port", str(zmq_port), "--num-threads", "1", "--kv-memory-gb", "0.02",
-        "--max-requests-per-client", "2", "--scheduler-timeout-s", str(SCHEDULER_TIMEOUT_S),
-    ]  # fmt: skip
-    log_path = folder / "server.log"
+    extra = ("--max-requests-per-client", "2", "--scheduler-timeout-s", str(SCHEDULER_TIMEOUT_S))
     env = {**os.environ, "SPRUCE_TEST_HANG_FLAG": str(hang_flag)}
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
-    srv = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
-    wait_healthy(srv, 90)
+    srv = start_server(tiny_llama_dir, folder / "server.log", *extra, script=script, env=env)
     yield srv
     hang_flag.unlink(missing_ok=True)
     assert stop_server(srv) == 0, srv.log()

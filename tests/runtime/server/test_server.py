@@ -49,15 +49,21 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(model_dir: Path, log_path: Path, *extra: str, timeout: float = 90.0) -> ServerProcess:
+def start_server(
+    model_dir: Path, log_path: Path, *extra: str, timeout: float = 90.0, script: Path | None = None,
+    env: dict | None = None,
+) -> ServerProcess:  # fmt: skip
+    """`spruce serve` on the model (or `script serve`: a script that patches the runtime
+    before it calls the CLI), small and on free ports, once it answers /health."""
     port, zmq_port = free_port(), free_port()
+    entry = [str(script)] if script is not None else ["-m", "spruce.runtime"]
     cmd = [
-        sys.executable, "-m", "spruce.runtime", "serve", "--model", str(model_dir), "--port", str(port),
+        sys.executable, *entry, "serve", "--model", str(model_dir), "--port", str(port),
         "--zmq-port", str(zmq_port), "--num-threads", "1", "--kv-memory-gb", "0.02", "--log-level", "info",
         *extra,
     ]  # fmt: skip
     log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
     wait_healthy(server, timeout)
     return server
