@@ -57,7 +57,6 @@ class GuardMiddleware:
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
-
     def _host_allowed(self, host: bytes | None) -> bool:
         """No Host (HTTP/1.0) passes: browsers always send one."""
         return self.hosts is None or host is None or host_name(host) in self.hosts
