@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -237,10 +238,7 @@ class EngineCore:
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> StepResult:
         items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
-        if self.tp is not None:
-            with self.tp.lock:  # the step's collectives, then no keepalive in between
-                forward = self.runner.forward(items)
-        else:
+        with self.tp.lock if self.tp is not None else nullcontext():  # --tp: no keepalive amid the step's collectives
             forward = self.runner.forward(items)
         errors: list[str | None] = [None] * len(out.reqs)
         # prompt logprobs first: the sampler below changes the logits in place

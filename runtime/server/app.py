@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import INTERNAL_ERROR, InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.http.common import (
     ApiError,
@@ -27,7 +27,6 @@ from spruce.runtime.server.openai.routes import router as openai_router
 from spruce.runtime.server.request_manager import Refused
 
 logger = logging.getLogger("spruce.server")
-INTERNAL_ERROR = "internal server error; the server's log has the details"
 
 
 def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> FastAPI:

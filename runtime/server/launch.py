@@ -50,6 +50,7 @@ from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
 from spruce.runtime.server.request_manager import RequestManager, SchedulerUnavailable
 from spruce.runtime.server.supervisor import Supervisor
+from spruce.runtime.server.work_pool import FrontPools
 from spruce.runtime.server.zmq_frontend import ZmqFrontend
 
 logger = logging.getLogger("spruce.server")
@@ -234,7 +235,8 @@ class Launcher:
         c = ready.config["constraint"]
         conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"])
         limits = ModelLimits(ready.vocab_size, ready.context_length, self.options.request_limits, conversion)
-        model = self.model = ModelContext(tokenizer, name, ready.model_path, limits)
+        pools = FrontPools(self.options.serving_limits.retry_after_s)
+        model = self.model = ModelContext(tokenizer, name, ready.model_path, limits, pools)
         metrics = Metrics()
         max_running = ready.config["scheduler"]["max_running_requests"]
         self.manager = RequestManager(

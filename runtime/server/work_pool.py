@@ -9,17 +9,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spruce.runtime.limits import ServingLimits
 from spruce.runtime.server.request_manager import Refused
-
-RETRY_AFTER_S = 1
 
 
 class WorkPool:
-    def __init__(self, name: str, threads: int, max_waiting: int) -> None:
-        self.name = name
+    def __init__(
+        self, name: str, threads: int, max_waiting: int, retry_after_s: int = ServingLimits.retry_after_s
+    ) -> None:
+        self.name, self.retry_after_s = name, retry_after_s
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix=f"spruce-{name}")
         self.slots = threading.BoundedSemaphore(threads + max_waiting)  # jobs running or waiting
 
@@ -28,7 +28,7 @@ class WorkPool:
         cancelled before it starts), even when the caller is cancelled because its client
         left: the bound counts the work that really runs."""
         if not self.slots.acquire(blocking=False):
-            raise Refused(503, f"the server's {self.name} workers are all busy; retry later", RETRY_AFTER_S)
+            raise Refused(503, f"the server's {self.name} workers are all busy; retry later", self.retry_after_s)
         try:
             future = self.executor.submit(fn, *args)
         except BaseException:
@@ -41,14 +41,14 @@ class WorkPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass(frozen=True)
 class FrontPools:
     """One pool per kind of work: `tokenize` (long prompts, /tokenize, /detokenize) and
     `convert` (constrained requests: schema conversion waits for a worker process, and only
     a few run at once, so their waiters must not hold the tokenizing threads)."""
 
-    tokenize: WorkPool = field(default_factory=lambda: WorkPool("tokenize", threads=2, max_waiting=64))
-    convert: WorkPool = field(default_factory=lambda: WorkPool("convert", threads=4, max_waiting=64))
+    def __init__(self, retry_after_s: int = ServingLimits.retry_after_s) -> None:
+        self.tokenize = WorkPool("tokenize", threads=2, max_waiting=64, retry_after_s=retry_after_s)
+        self.convert = WorkPool("convert", threads=4, max_waiting=64, retry_after_s=retry_after_s)
 
     def close(self) -> None:
         self.tokenize.close()

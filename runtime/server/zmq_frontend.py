@@ -23,7 +23,7 @@ import logging
 import zmq
 import zmq.asyncio
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import INTERNAL_ERROR, InvalidRequestError
 from spruce.runtime.protocol import dsl as protocol
 from spruce.runtime.protocol.dsl import (
     AbortMsg,
@@ -51,7 +51,6 @@ logger = logging.getLogger("spruce.server")
 SEND_TIMEOUT_S = 10.0  # a reply the client's full queue does not take in this time: the client is gone
 ROUTER_RCVHWM = 16  # messages queued per client before its sends wait (libzmq's default: 1,000)
 UNAUTHORIZED = "missing or wrong API key: send the server's --api-key in the message envelope (protocol/dsl.py)"
-INTERNAL_ERROR = "internal server error; the server's log has the details"
 
 
 class ZmqFrontend:
