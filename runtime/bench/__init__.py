@@ -9,6 +9,7 @@ BENCHMARKS = {
     "prefix": "spruce.runtime.bench.prefix",
     "gpu": "spruce.runtime.bench.gpu",
     "json": "spruce.runtime.bench.json_bench",
+    "grammar": "spruce.runtime.bench.grammar_bench",
 }
 
 
