@@ -27,6 +27,7 @@ from spruce.runtime.server.openai.schemas import (
 from spruce.runtime.server.openai.tool_parsers import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
+    strict_auto_tag,
     tool_call_format,
 )
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
@@ -89,7 +90,7 @@ class ToolPlan:
                 fmt,
                 _constraint(fmt, functions, False, req.parallel_tool_calls, conversion),
             )
-        return cls(tools, "auto", fmt, None)
+        return cls(tools, "auto", fmt, _strict_auto(fmt, functions, req.parallel_tool_calls))
 
     @property
     def constrained(self) -> bool:
@@ -120,6 +121,14 @@ def _constraint(
         raise ApiError(
             400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools"
         ) from None
+
+
+def _strict_auto(fmt: ToolCallFormat, functions: list[dict], parallel: bool) -> dict | None:
+    """"auto" with a `strict` function: {"structural_tag": ...} (free text, exact calls)."""
+    try:
+        return strict_auto_tag(fmt, functions, parallel)
+    except ValueError as e:
+        raise ApiError(400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools") from None
 
 
 @dataclass(frozen=True, slots=True)

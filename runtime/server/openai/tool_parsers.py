@@ -1,6 +1,7 @@
 """Tool-call formats: how a model family writes its calls, read from whole or streamed
 output (`scan`), and the constraint that makes the decoder write them (`constraint`, for
-tool_choice "required" or a named function).
+tool_choice "required" or a named function; `structural_tag`, for tool_choice "auto" with
+`"strict": true` functions: free text, and calls held to their exact schemas).
 
 Every format scans text into the content around the calls and the calls so far
 (`PartialCall`: the name once it is whole, the arguments' JSON text so far). A scan of text
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from spruce.constrained.patterns import escape_literal
 from spruce.constrained.convert import Conversion
+from spruce.constrained.patterns import escape_literal
 from spruce.runtime.server.openai.json_prefix import object_members, skip_space
 from spruce.runtime.text.stop import stop_prefix_len
 
@@ -67,6 +69,57 @@ class ToolCallFormat:
         """{"regex": ...} or {"json_schema": ...}: one call when `single` or not `parallel`,
         else one or more, each of the `calls` schemas (see `call_schema`)."""
         raise NotImplementedError
+
+    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
+        """The structural tag (constrained/structural_tag.py) of what tool_choice "auto" may
+        write: free text until the call marker, then a call of one of the `functions` whose
+        arguments follow its `parameters` exactly, then free text or (when `parallel`) the
+        next call."""
+        raise NotImplementedError
+
+
+def strict_auto_tag(fmt: ToolCallFormat, functions: list[dict], parallel: bool) -> dict[str, Any] | None:
+    """{"structural_tag": ...} for tool_choice "auto" when a function is `strict` (its
+    arguments are held to its parameters; the other functions' to any JSON object); None
+    when none is."""
+    if not any(f.get("strict") for f in functions):
+        return None
+    exact = [f if f.get("strict") else {**f, "parameters": ANY_OBJECT} for f in functions]
+    return {"structural_tag": fmt.structural_tag(exact, parallel)}
+
+
+def call_tags(functions: list[dict], begin: str, end: str, arguments_key: str) -> list[dict]:
+    """One tag per function: `begin{"name": "<name>", "<arguments_key>": ` <parameters> `}end`."""
+    return [
+        {
+            "type": "tag",
+            "begin": f'{begin}{{"name": {json.dumps(f["name"], ensure_ascii=False)}, "{arguments_key}": ',
+            "content": {"type": "json_schema", "json_schema": f.get("parameters") or ANY_OBJECT},
+            "end": "}" + end,
+        }
+        for f in functions
+    ]
+
+
+def calls_or_text(calls: dict, opening: str, marker: str | None = None) -> dict[str, Any]:
+    """For formats whose calls have no marker inside free text (the whole output is the
+    calls or is text): text that does not start with `opening` (after white space), or the
+    calls, after `marker` or not."""
+    text = {"type": "regex", "pattern": rf"\s*(?:[^\s{re.escape(opening)}][\s\S]*)?"}
+    elements = [text, calls]
+    if marker:
+        elements.append({"type": "sequence", "elements": [{"type": "const_string", "value": marker}, calls]})
+    return structural({"type": "or", "elements": elements})
+
+
+def calls_list(tags: list[dict], separator: str, parallel: bool) -> dict[str, Any]:
+    """One call (or, `parallel`, several separated by `separator`) of the tags."""
+    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            "stop_after_first": not parallel}  # fmt: skip
+
+
+def structural(fmt: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "structural_tag", "format": fmt}
 
 
 def call_schema(function: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
@@ -196,8 +249,18 @@ class HermesFormat(ToolCallFormat):
         block = f"{escape_literal(self.open_tag)}\n{call}\n{escape_literal(self.close_tag)}"
         return {"regex": repeated(block, "\n", parallel and not single)}
 
+    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
+        """Free text; `<tool_call>` starts a call block (exact), then free text again."""
+        tags = call_tags(functions, self.open_tag + "\n", "\n" + self.close_tag, "arguments")
+        return structural({"type": "triggered_tags", "triggers": [self.open_tag], "tags": tags,
+                           "stop_after_first": not parallel})  # fmt: skip
+
 
 class JsonFormat(HermesFormat):
+    """auto + strict: the Hermes blocks its instructions ask for, in free text (the
+    structural tag it inherits); an output that is a bare JSON call stays unconstrained
+    text then, as the model was told to use the blocks."""
+
     name = "json"
     markers = ()
 
@@ -245,11 +308,21 @@ class Llama3JsonFormat(ToolCallFormat):
         call = conversion.schema_regex(any_call_schema(calls, "parameters"))
         return {"regex": repeated(call, "; ", parallel and not single)}
 
+    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
+        """The calls have no marker inside text (`scan` reads an output that starts with `{`
+        as calls, `<|python_tag|>` or not): auto + strict is either text that does not start
+        with `{`, or the calls (exact), after `<|python_tag|>` or not."""
+        calls = calls_list(call_tags(functions, "", "", "parameters"), "; ", parallel)
+        return calls_or_text(calls, "{", self.python_tag)
+
 
 class MistralFormat(ToolCallFormat):
     """`[TOOL_CALLS]` is a special token that a decode skipping special tokens drops: a
-    bare JSON array of calls at the start of the output counts too. The constrained decoder
-    never emits special tokens, so required / named calls are that bare array."""
+    bare JSON array of calls at the start of the output counts too. The regex constraints
+    (required / named calls) never emit special tokens, so they are that bare array.
+    auto + strict: text after which `[TOOL_CALLS]` could be dropped would hide the calls,
+    so the output is either text that does not start with `[`, or the calls array (exact),
+    after `[TOOL_CALLS]` (the special token where it is one) or not."""
 
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
@@ -286,9 +359,17 @@ class MistralFormat(ToolCallFormat):
             schema["maxItems"] = 1
         return {"regex": conversion.schema_regex(schema)}
 
+    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
+        calls = calls_list(call_tags(functions, "", "", "arguments"), ", ", parallel)
+        array = {"type": "tag", "begin": "[", "content": calls, "end": "]"}
+        return calls_or_text(array, "[", self.marker)
+
 
 class PythonicFormat(ToolCallFormat):
-    """Calls are whole only once the list closes: they are sent then (arguments at once)."""
+    """Calls are whole only once the list closes: they are sent then (arguments at once).
+    auto + strict: `scan` reads an output that starts with `[` as the call list, so the
+    output is either text that does not start with `[`, or the list (exact: each argument
+    a JSON value of its property's schema, in declared order, as `constraint` writes it)."""
 
     name = "pythonic"
     markers = ("[func_name1(",)
@@ -339,20 +420,50 @@ class PythonicFormat(ToolCallFormat):
         call = "|".join(self._call_regex(f, conversion) for f in calls)
         return {"regex": r"\[" + repeated(f"(?:{call})", ", ", parallel and not single) + r"\]"}
 
+    def _check_optional(self, function: dict[str, Any], properties: dict, required: set) -> None:
+        if sum(1 for k in properties if k not in required) > self.most_optional:
+            message = f"pythonic tool calls: {function['name']!r} has over {self.most_optional} optional arguments"
+            raise ValueError(message + " (too many combinations to constrain)")
+
     def _call_regex(self, function: dict[str, Any], conversion: Conversion) -> str:
         """name(k=v, ...): JSON values by each property's schema, in declared order."""
         parameters = function.get("parameters") or {}
         properties = parameters.get("properties") or {}
         required = set(parameters.get("required") or [])
-        if sum(1 for k in properties if k not in required) > self.most_optional:
-            message = f"pythonic tool calls: {function['name']!r} has over {self.most_optional} optional arguments"
-            raise ValueError(message + " (too many combinations to constrain)")
+        self._check_optional(function, properties, required)
         items = [
             (f"{k}=(?:{conversion.schema_regex(s)})", k in required) for k, s in properties.items()
         ]
         return (
             escape_literal(function["name"]) + r"\(" + _arguments_regex(items, first=True) + r"\)"
         )
+
+    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
+        tags = [self._call_tag(f) for f in functions]
+        calls = {"type": "tag", "begin": "[", "content": calls_list(tags, ", ", parallel), "end": "]"}
+        return calls_or_text(calls, "[")
+
+    def _call_tag(self, function: dict[str, Any]) -> dict[str, Any]:
+        """name(k=v, ...) as a tag: the arguments' formats in declared order."""
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties") or {}
+        required = set(parameters.get("required") or [])
+        self._check_optional(function, properties, required)
+        items = [(k, s, k in required) for k, s in properties.items()]
+        return {"type": "tag", "begin": function["name"] + "(", "content": _arguments_format(items, True), "end": ")"}
+
+
+def _arguments_format(items: list[tuple[str, Any, bool]], first: bool) -> dict[str, Any]:
+    """The structural-tag twin of `_arguments_regex`: each optional argument there or not."""
+    if not items:
+        return {"type": "const_string", "value": ""}
+    (name, schema, required), rest = items[0], items[1:]
+    key = {"type": "const_string", "value": ("" if first else ", ") + name + "="}
+    value = {"type": "json_schema", "json_schema": schema if isinstance(schema, (dict, bool)) else {}}
+    this = {"type": "sequence", "elements": [key, value, _arguments_format(rest, False)]}
+    if required:
+        return this
+    return {"type": "or", "elements": [this, _arguments_format(rest, first)]}
 
 
 def _arguments_regex(items: list[tuple[str, bool]], first: bool) -> str:
