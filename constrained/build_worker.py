@@ -65,10 +65,11 @@ class ConvertRequest:
     parsed once by the parent), or a long regex or list of choices (parsing them is linear
     but Python-bound: done here, it never holds the front end's interpreter)."""
 
-    kind: str  # json_schema | regex | choices
-    text: str  # the schema's JSON text, the regex, or the choices as a JSON list
+    kind: str  # json_schema | regex | choices | ebnf | lark | structural_tag
+    text: str  # the schema's JSON text, the regex, the choices as a JSON list, the grammar text
     whitespace_pattern: str = ""
     schema_mode: str = "lenient"  # lenient | strict
+    backend: str = "auto"  # the grammar backend (constrained/backends.py)
 
     @property
     def describe(self) -> str:
@@ -280,7 +281,8 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
     value = json.loads(request.text) if request.kind == "choices" else request.text
     try:
         spec = make_spec(
-            **{request.kind: value}, whitespace_pattern=request.whitespace_pattern, schema_mode=request.schema_mode
+            **{request.kind: value}, whitespace_pattern=request.whitespace_pattern, schema_mode=request.schema_mode,
+            backend=request.backend,
         )
     except ConstraintError as e:
         return "error", str(e)

@@ -10,6 +10,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
+from spruce.constrained import backends
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.grammar import CompiledGrammar
@@ -124,7 +125,14 @@ class GrammarCompiler:
         self._workers.close()
 
     def _build(self, spec: ConstraintSpec, started: threading.Event) -> CompiledGrammar:
+        """The spruce automaton's NFA is built in a worker process; the other backends
+        compile here, on this build thread (llguidance drops the GIL and bounds its work with
+        its own limits, backends/llguidance_text.py)."""
         started.set()
+        if spec.backend != "spruce":
+            grammar = backends.module(spec.backend).compile_grammar(spec, self.vocab, self.grammar_bytes, self.live)
+            grammar.warm()
+            return grammar
         nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
         grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
         grammar.warm(grammar.initial_state)

@@ -6,10 +6,12 @@ A thread cannot be stopped, so the conversion runs in a worker process of
 `build_worker` (memory-capped, killed past the deadline, replaced on the next call); the
 caller gets a ConstraintError naming the deadline and the other requests never wait on it.
 
-    conversion = Conversion(whitespace_pattern="", timeout_s=30, memory_mb=4096)
+    conversion = Conversion(whitespace_pattern="", timeout_s=30, memory_mb=4096, backend="auto")
     spec = conversion.spec(json_schema=..., schema_mode="lenient")   # ConstraintSpec | None
-    regex = conversion.schema_regex({"type": "object", ...})
+    spec = conversion.spec(ebnf='root ::= "yes" | "no"')            # lark=, structural_tag= too
+    regex = conversion.schema_regex({"type": "object", ...})        # the spruce converter's
 
+Grammars (ebnf, lark, structural tags) are converted and checked in a worker too.
 Short regexes, choices and dtypes are checked in the calling thread (`spec.make_spec`):
 linear in their size, microseconds. Longer ones (past INLINE_CHARS) go to a worker as
 schemas do: linear still, but a 200k-character class is ~0.7 s of Python that would hold
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.build_worker import ConvertRequest, WorkerPool
 from spruce.constrained.json_schema import load_schema
 from spruce.constrained.memory import BoundedCache, text_bytes
@@ -41,25 +44,28 @@ INLINE_CHARS = 4096
 
 @dataclass(frozen=True, slots=True)
 class Conversion:
-    """How a front end converts constraints: the whitespace JSON output may hold, and the
-    deadline and memory cap of a JSON schema's conversion."""
+    """How a front end converts constraints: the whitespace JSON output may hold, the
+    deadline and memory cap of a conversion, and the grammar backend (`--grammar-backend`)."""
 
     whitespace_pattern: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     memory_mb: int = DEFAULT_MEMORY_MB
+    backend: str = "auto"
 
     def spec(
         self, regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
-        schema_mode: str = "lenient",
+        schema_mode: str = "lenient", *, ebnf: str | None = None, lark: str | None = None,
+        structural_tag: Any = None,
     ) -> ConstraintSpec | None:  # fmt: skip
-        """The constraint (at most one) as a spec with its regex; ConstraintError if bad."""
+        """The constraint (at most one) as a spec; ConstraintError if bad."""
         return shared_converter(self.memory_mb).make_spec(
-            regex, json_schema, choices, self.whitespace_pattern, schema_mode, self.timeout_s
-        )
+            regex, json_schema, choices, self.whitespace_pattern, schema_mode, self.timeout_s,
+            ebnf=ebnf, lark=lark, structural_tag=structural_tag, backend=self.backend,
+        )  # fmt: skip
 
     def schema_regex(self, schema: Any) -> str:
-        """The regex the constrained decoder would use for a JSON schema."""
-        return self.spec(json_schema=schema).regex
+        """The regex of a JSON schema by the spruce converter (to embed in a larger regex)."""
+        return replace(self, backend="spruce").spec(json_schema=schema).regex
 
 
 class SpecConverter:
@@ -78,18 +84,23 @@ class SpecConverter:
         whitespace_pattern: str = "",
         schema_mode: str = "lenient",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        **more: Any,
     ) -> ConstraintSpec | None:
-        """As `spec.make_spec`; a JSON schema, and a regex or choices longer than
-        INLINE_CHARS, are converted in a worker within `timeout_s`."""
-        request = _worker_request(regex, json_schema, choices, whitespace_pattern, schema_mode)
+        """As `spec.make_spec` (`more`: ebnf, lark, structural_tag, backend); a JSON schema,
+        a grammar, and a regex or choices longer than INLINE_CHARS are converted in a worker
+        within `timeout_s`."""
+        backend = more.pop("backend", "auto")
+        given = {"regex": regex, "json_schema": json_schema, "choices": choices, **more}
+        given = {name: value for name, value in given.items() if value is not None}
+        request = _worker_request(given, whitespace_pattern, schema_mode, backend)
         if request is None:
-            return make_spec(regex=regex, json_schema=json_schema, choices=choices)  # checks "at most one"
-        key = (request.text, request.kind, whitespace_pattern, schema_mode)
+            return make_spec(**given, backend=backend)  # checks "at most one"
+        key = (request.text, request.kind, whitespace_pattern, schema_mode, backend)
         spec = self._cache.get(key)
         if spec is None:
             with self._slots:
                 spec = self._workers.run(request, timeout_s)
-            size = text_bytes(request.text) + text_bytes(spec.value) + text_bytes(spec.regex)
+            size = sum(text_bytes(t) for t in (request.text, spec.value, spec.regex, spec.grammar))
             self._cache.put(key, spec, size)
         return spec
 
@@ -102,19 +113,22 @@ class SpecConverter:
 
 
 def _worker_request(
-    regex: Any, json_schema: Any, choices: Any, whitespace_pattern: str, schema_mode: str
+    given: dict[str, Any], whitespace_pattern: str, schema_mode: str, backend: str
 ) -> ConvertRequest | None:
     """What a worker should convert, or None when the calling thread checks it (a short
     regex or list of choices, or more than one constraint: make_spec refuses that)."""
-    given = [value for value in (regex, json_schema, choices) if value is not None]
     if len(given) != 1:
         return None
-    if json_schema is not None:
-        return ConvertRequest("json_schema", load_schema_text(json_schema), whitespace_pattern, schema_mode)
-    if isinstance(regex, str) and len(regex) > INLINE_CHARS:
-        return ConvertRequest("regex", regex)
-    if isinstance(choices, list) and all(isinstance(c, str) for c in choices) and sum(map(len, choices)) > INLINE_CHARS:
-        return ConvertRequest("choices", json.dumps(choices, ensure_ascii=False))
+    (kind, value), = given.items()
+    if kind == "json_schema":
+        return ConvertRequest(kind, load_schema_text(value), whitespace_pattern, schema_mode, backend)
+    if kind in GRAMMAR_KINDS and isinstance(value, (str, dict)):
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return ConvertRequest(kind, text, backend=backend)
+    if kind == "regex" and isinstance(value, str) and len(value) > INLINE_CHARS:
+        return ConvertRequest(kind, value, backend=backend)
+    if kind == "choices" and isinstance(value, list) and all(isinstance(c, str) for c in value) and sum(map(len, value)) > INLINE_CHARS:
+        return ConvertRequest(kind, json.dumps(value, ensure_ascii=False), backend=backend)
     return None
 
 

@@ -19,8 +19,73 @@ class _Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
-class GrammarCursor:
-    """Where one request stands in its grammar. Cheap: a list entry per accepted token.
+class CursorBase:
+    """What every backend's cursor shares: jump-forward (the forced text re-tokenized
+    canonically with the output's tail). A subclass keeps `grammar` (with `vocab`) and
+    `_tokens` (the accepted ids), and gives `accept_token`, `rollback`, `forced_bytes` and
+    `accepts(rollback, token_ids)`."""
+
+    __slots__ = ()
+
+    # -- jump-forward -----------------------------------------------------------------------
+
+    def jump_forward_text(self) -> str:
+        """The forced text from the current state, whole characters only ('' when none); its
+        first character may complete one the last token left open."""
+        return self._forced()[1]
+
+    def jump_forward(
+        self, output_ids: Sequence[int], tokenizer: _Encoder, min_forced_chars: int = 2
+    ) -> JumpForward | None:
+        """If the current state starts a forced text of at least `min_forced_chars`
+        characters, appends it: the last few output tokens plus the forced text are
+        re-tokenized canonically, the tokens that change are rolled back, and the cursor
+        ends advanced over the new tokens. None (cursor unchanged) when there is nothing to
+        force or the grammar refuses the re-tokenized tokens; plain decoding then continues.
+
+        `output_ids` must end with the tokens this cursor accepted."""
+        forced_bytes, forced = self._forced()
+        if not forced_bytes or len(forced) < max(min_forced_chars, 1):
+            return None
+        tokens = self._tokens
+        tail_len = min(len(tokens), len(output_ids), RETOKENIZE_WINDOW + 4)
+        if list(output_ids[len(output_ids) - tail_len :]) != tokens[len(tokens) - tail_len :]:
+            raise ValueError("output_ids do not end with the tokens this cursor accepted")
+        plan = retokenize_tail(
+            tokens[len(tokens) - tail_len :],
+            forced_bytes,
+            self.grammar.vocab.token_bytes,
+            tokenizer,
+            RETOKENIZE_WINDOW,
+        )
+        if plan is None or not self.accepts(plan[0], plan[1]):
+            return None
+        rollback, new_ids = plan
+        self.rollback(rollback)
+        for token_id in new_ids:
+            accepted = self.accept_token(token_id)
+            assert accepted, "checked by _accepts"
+        return JumpForward(rollback=rollback, new_ids=new_ids, text=forced)
+
+    def _forced(self) -> tuple[bytes, str]:
+        """(the forced bytes cut after the last whole character, their text together with
+        the open character they complete); (b"", "") when nothing is forced."""
+        forced = self.forced_bytes()
+        if not forced:
+            return b"", ""
+        tail = b"".join(self.grammar.vocab.token_bytes[t] for t in self._tokens[-4:])
+        pending = tail[_utf8_cut(tail) :]
+        data = pending + forced
+        cut = _utf8_cut(data)
+        try:
+            text = data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            return b"", ""
+        return forced[: max(cut - len(pending), 0)], text
+
+
+class GrammarCursor(CursorBase):
+    """Where one request stands in a byte-automaton grammar (the spruce backend). Cheap: a list entry per accepted token.
 
     Keeps the grammar state after every accepted token (so `rollback` can undo any number
     of them). Not thread-safe: one request, one thread."""
@@ -108,49 +173,12 @@ class GrammarCursor:
         """The grammar (DFA) state (FINISHED after EOS); for debugging and tests."""
         return self._states[-1]
 
-    # -- jump-forward -----------------------------------------------------------------------
+    def forced_bytes(self) -> bytes:
+        """The bytes every output from here continues with (see ByteDFA.forced_bytes)."""
+        state = self._states[-1]
+        return b"" if state == FINISHED else self.grammar.forced_bytes(state)
 
-    def jump_forward_text(self) -> str:
-        """The forced text from the current state, whole characters only ('' when none); its
-        first character may complete one the last token left open."""
-        return self._forced()[1]
-
-    def jump_forward(
-        self, output_ids: Sequence[int], tokenizer: _Encoder, min_forced_chars: int = 2
-    ) -> JumpForward | None:
-        """If the current state starts a forced text of at least `min_forced_chars`
-        characters, appends it: the last few output tokens plus the forced text are
-        re-tokenized canonically, the tokens that change are rolled back, and the cursor
-        ends advanced over the new tokens. None (cursor unchanged) when there is nothing to
-        force or the grammar refuses the re-tokenized tokens; plain decoding then continues.
-
-        `output_ids` must end with the tokens this cursor accepted."""
-        forced_bytes, forced = self._forced()
-        if not forced_bytes or len(forced) < max(min_forced_chars, 1):
-            return None
-        tokens = self._tokens
-        tail_len = min(len(tokens), len(output_ids), RETOKENIZE_WINDOW + 4)
-        if list(output_ids[len(output_ids) - tail_len :]) != tokens[len(tokens) - tail_len :]:
-            raise ValueError("output_ids do not end with the tokens this cursor accepted")
-        plan = retokenize_tail(
-            tokens[len(tokens) - tail_len :],
-            forced_bytes,
-            self.grammar.vocab.token_bytes,
-            tokenizer,
-            RETOKENIZE_WINDOW,
-        )
-        if plan is None or not self._accepts(plan[0], plan[1]):
-            return None
-        rollback, new_ids = plan
-        self.rollback(rollback)
-        for token_id in new_ids:
-            accepted = self.accept_token(token_id)
-            assert accepted, "checked by _accepts"
-        return JumpForward(rollback=rollback, new_ids=new_ids, text=forced)
-
-    # -- internals --------------------------------------------------------------------------
-
-    def _accepts(self, rollback: int, token_ids: list[int]) -> bool:
+    def accepts(self, rollback: int, token_ids: list[int]) -> bool:
         state = self._states[len(self._states) - 1 - rollback]
         for token_id in token_ids:
             state = self.grammar.next_state(state, token_id)
@@ -161,25 +189,6 @@ class GrammarCursor:
     def _push(self, state: int, token_id: int) -> None:
         self._states.append(state)
         self._tokens.append(token_id)
-
-    def _forced(self) -> tuple[bytes, str]:
-        """(the forced bytes cut after the last whole character, their text together with
-        the open character they complete); (b"", "") when nothing is forced."""
-        state = self._states[-1]
-        if state == FINISHED:
-            return b"", ""
-        forced = self.grammar.forced_bytes(state)
-        if not forced:
-            return b"", ""
-        tail = b"".join(self.grammar.vocab.token_bytes[t] for t in self._tokens[-4:])
-        pending = tail[_utf8_cut(tail) :]
-        data = pending + forced
-        cut = _utf8_cut(data)
-        try:
-            text = data[:cut].decode("utf-8")
-        except UnicodeDecodeError:
-            return b"", ""
-        return forced[: max(cut - len(pending), 0)], text
 
 
 def _utf8_cut(data: bytes) -> int:

@@ -33,6 +33,7 @@ MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measure
 
 
 class CompiledGrammar:
+    backend = "spruce"
     """States are the lazy DFA's (byte_dfa.py). A state's token mask is computed on first use
     by walking the vocabulary's byte trie from it (token_trie.py: a few ms for a state
     allowing most of a 49k vocabulary, far less elsewhere) and cached; the caches only grow,
@@ -63,6 +64,11 @@ class CompiledGrammar:
     @property
     def nbytes(self) -> int:
         return self.budget.used
+
+    @property
+    def work(self) -> int:
+        """Mask work done so far: DFA states made (the scheduler's per-step budget)."""
+        return self.dfa.num_states
 
     @property
     def exhausted(self) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
+from spruce.constrained import backends
+from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.json_schema import convert_schema, load_schema
 from spruce.constrained.byte_nfa import parse_regex
@@ -14,28 +16,35 @@ from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anch
 from spruce.constrained.schema_context import LENIENT, SchemaOptions
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
+EBNF, LARK, STRUCTURAL_TAG = GRAMMAR_KINDS
 
 
 @dataclass(frozen=True, slots=True)
 class ConstraintSpec:
-    """`kind` is "regex" (value: the regex; choices and dtypes become regexes) or
-    "json_schema" (value: the schema as JSON text, property order kept); `regex` is the
-    constraint as a regex, converted once by `make_spec` and carried from then on.
+    """`kind` is "regex" (value: the regex; choices and dtypes become regexes), "json_schema"
+    (value: the schema as JSON text, property order kept), "ebnf" or "lark" (value: the
+    grammar text) or "structural_tag" (value: the tag as JSON text).
+    `backend`: the grammar backend that compiles it (backends/: spruce, llguidance,
+    outlines); `regex`: the constraint as a regex where the backend works from one ("" for
+    llguidance); `grammar`: the backend's own form (llguidance's grammar text; "" for the
+    others); both converted once by `make_spec` and carried from then on.
     `variant`: the conversion options that differ from the defaults (they change the regex).
     `unenforced`: the schema keywords the regex does not enforce (lenient mode): the output
     is validated against the schema once finished (see `schema_report`).
-    Hashable on (kind, value, variant): the compiled-grammar cache key."""
+    Hashable on (kind, value, variant, backend): the compiled-grammar cache key."""
 
     kind: str
     value: str
     regex: str = field(compare=False)
     variant: str = ""
     unenforced: tuple[str, ...] = field(default=(), compare=False)
+    backend: str = "spruce"
+    grammar: str = field(default="", compare=False)
 
     def to_dict(self) -> dict:
         return {
-            "kind": self.kind, "value": self.value, "regex": self.regex,
-            "variant": self.variant, "unenforced": list(self.unenforced),
+            "kind": self.kind, "value": self.value, "regex": self.regex, "variant": self.variant,
+            "unenforced": list(self.unenforced), "backend": self.backend, "grammar": self.grammar,
         }  # fmt: skip
 
 
@@ -47,38 +56,107 @@ def make_spec(
     whitespace_pattern: str = "",
     schema_mode: str = LENIENT,
     schema_options: SchemaOptions | None = None,
+    *,
+    ebnf: str | None = None,
+    lark: str | None = None,
+    structural_tag: Any = None,
+    backend: str = "auto",
 ) -> ConstraintSpec | None:
-    """Validates a constraint (at most one of the four) and returns its spec, or None when
-    none is given. Raises ConstraintError for anything invalid or unsupported.
+    """Validates a constraint (at most one) and returns its spec, or None when none is
+    given. Raises ConstraintError for anything invalid or unsupported.
 
     json_schema: a dict, a JSON string or a pydantic model class. choices: the output is one
     of the strings. dtype: int, float, bool, str (or their names): see DTYPE_REGEXES.
+    ebnf: a GBNF grammar (llama.cpp's dialect; root rule `root`). lark: a grammar in
+    llguidance's Lark dialect (start rule `start`). structural_tag: a dict or its JSON text
+    (structural_tag.py). backend: auto | spruce | llguidance | outlines (backends/).
     whitespace_pattern: the whitespace a JSON schema's output may hold between tokens.
     schema_mode: "lenient" (default: a keyword that cannot be enforced is left out of the
     grammar and listed in `unenforced`) or "strict" (refused, naming it).
     schema_options: recursion_depth, any_json_depth, property order (see SchemaOptions);
     its mode and whitespace_pattern are replaced by the two arguments above."""
-    candidates = {"regex": regex, "json_schema": json_schema, "choices": choices, "dtype": dtype}
+    candidates = {
+        "regex": regex, "json_schema": json_schema, "choices": choices, "dtype": dtype,
+        EBNF: ebnf, LARK: lark, STRUCTURAL_TAG: structural_tag,
+    }  # fmt: skip
     given = [name for name, value in candidates.items() if value is not None]
     if len(given) > 1:
         raise ConstraintError(f"give at most one constraint; got {', '.join(given)}")
-    if regex is not None:
-        return _regex_spec(regex)
-    if json_schema is not None:
-        return _schema_spec(json_schema, whitespace_pattern, schema_mode, schema_options)
-    if choices is not None:
-        return _regex_spec(choices_regex(_checked_choices(choices)))
-    if dtype is not None:
-        return _regex_spec(DTYPE_REGEXES[_dtype_name(dtype)])
-    return None
+    if not given:
+        return None
+    name = given[0]
+    if name == "json_schema":
+        options = replace(schema_options or SchemaOptions(), mode=schema_mode, whitespace_pattern=whitespace_pattern)
+        return _schema_spec(json_schema, options, backend)
+    if name in GRAMMAR_KINDS:
+        return _grammar_spec(name, candidates[name], backend)
+    if name == "choices":
+        regex = choices_regex(_checked_choices(choices))
+    elif name == "dtype":
+        regex = DTYPE_REGEXES[_dtype_name(dtype)]
+    return _regex_spec(regex, backend)
 
 
-def _schema_spec(json_schema: Any, whitespace: str, mode: str, options: SchemaOptions | None) -> ConstraintSpec:
-    options = replace(options or SchemaOptions(), mode=mode, whitespace_pattern=whitespace)
+def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> ConstraintSpec:
+    """The first backend that takes the schema whole (llguidance passes on one it would
+    enforce only in part; the spruce converter's lenient mode takes the rest)."""
     schema = load_schema(json_schema)
-    converted = convert_schema(schema, options)  # every check, before any compute
     text = json.dumps(schema, ensure_ascii=False)
-    return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
+    tried = backends.candidates(JSON_SCHEMA, backend)
+    for name in tried:
+        if name == "spruce":
+            converted = convert_schema(schema, options)  # every check, before any compute
+            return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
+        last = name == tried[-1]
+        made = _backend_schema(name, schema, options, lenient=last and options.mode == LENIENT)
+        if made is not None:
+            return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
+        if last:
+            raise ConstraintError(f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)")
+    raise AssertionError("unreachable")
+
+
+class _Made(NamedTuple):
+    regex: str
+    grammar: str
+    unenforced: tuple[str, ...]
+
+
+def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made | None:
+    if name == "llguidance":
+        from spruce.constrained.llguidance_text import schema_grammar
+
+        made = schema_grammar(schema, options, lenient)
+        return None if made is None else _Made("", *made)
+    regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
+    return None if regex is None else _Made(regex, "", ())
+
+
+def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:
+    backends.candidates(kind, backend)  # llguidance, or a ConstraintError naming the backend
+    from spruce.constrained import llguidance_text
+
+    if kind == STRUCTURAL_TAG:
+        from spruce.constrained.structural_tag import structural_tag_to_lark
+
+        tag = _structural_tag(value)
+        return ConstraintSpec(kind, json.dumps(tag, ensure_ascii=False), "", backend="llguidance",
+                              grammar=llguidance_text.lark_grammar(structural_tag_to_lark(tag), STRUCTURAL_TAG))  # fmt: skip
+    if not isinstance(value, str):
+        raise ConstraintError(f"{kind} must be a grammar text (a string)")
+    grammar = llguidance_text.ebnf_grammar(value) if kind == EBNF else llguidance_text.lark_grammar(value)
+    return ConstraintSpec(kind, value, "", backend="llguidance", grammar=grammar)
+
+
+def _structural_tag(value: Any) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"structural_tag is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConstraintError("structural_tag must be a JSON object")
+    return value
 
 
 def _variant(options: SchemaOptions) -> str:
@@ -88,12 +166,17 @@ def _variant(options: SchemaOptions) -> str:
     return ",".join(f"{n}={getattr(options, n)!r}" for n in names if getattr(options, n) != getattr(default, n))
 
 
-def _regex_spec(regex: Any) -> ConstraintSpec:
+def _regex_spec(regex: Any, backend: str) -> ConstraintSpec:
     if not isinstance(regex, str):
         raise ConstraintError(f"regex must be a string; got {type(regex).__name__}")
     regex = strip_anchors(regex)
     check_regex_size(regex, parse_regex(regex))
-    return ConstraintSpec(REGEX, regex, regex)
+    name = backends.candidates(REGEX, backend)[0]
+    if name == "llguidance":
+        from spruce.constrained.llguidance_text import regex_grammar
+
+        return ConstraintSpec(REGEX, regex, regex, backend=name, grammar=regex_grammar(regex))
+    return ConstraintSpec(REGEX, regex, regex, backend=name)
 
 
 def _checked_choices(choices: Any) -> list[str]:

@@ -32,6 +32,11 @@ class TokenVocabulary:
             )
         excluded = tokenizer.special_token_ids | self.eos_token_ids
         raw = tokenizer.token_bytes()
+        # What a backend that matches special tokens itself needs (llguidance: `<|im_end|>`
+        # in a grammar is that token): their text, and the tokenizer's encoder.
+        self.special_bytes = {i: raw[i] for i in sorted(excluded) if i < len(raw)}
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.encode = getattr(tokenizer, "encode", None)
         self.token_bytes = [
             b"" if i >= len(raw) or i in excluded else raw[i] for i in range(self.vocab_size)
         ]

@@ -42,7 +42,6 @@ NO_EQUIVALENT = {
     "tokenizer_path": "the tokenizer is read from the model path",
     "max_prefill_tokens": "use chunked_prefill_size (Spruce's prefill tokens per step, all requests together)",
     "max_total_tokens": "size the KV pool with kv_memory_gb (or mem_fraction_static on a GPU)",
-    "grammar_backend": "Spruce's constraints always use outlines-core",
     "enable_torch_compile": "Spruce does not compile the model with torch.compile",
     "stream_interval": "Spruce streams every step's new text",
     "schedule_conservativeness": "Spruce reserves room for future output tokens with decode_reserve_ratio",

@@ -57,6 +57,15 @@ class ConstraintOptions:
     grammar_cache_size: int = 64  # compiled grammars kept, at most (entries)
     grammar_cache_mb: int = 1024  # compiled grammars kept, at most (estimated memory)
     grammar_memory_mb: int = 4096  # address-space cap of a grammar build worker process
+    grammar_backend: str = "auto"  # auto (per kind, docs/grammar-bench.md) | spruce | llguidance | outlines
+
+    def __post_init__(self) -> None:
+        from spruce.constrained.backends import BACKEND_CHOICES
+
+        if self.grammar_backend not in BACKEND_CHOICES:
+            raise InvalidRequestError(
+                f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}; got {self.grammar_backend!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ class EngineCore:
     def limits(self) -> ModelLimits:
         """What the validation boundary needs to know of this model and configuration."""
         c = self.config.constraint
-        conversion = Conversion(c.grammar_whitespace_pattern or "", c.grammar_timeout_s, c.grammar_memory_mb)
+        conversion = Conversion(c.grammar_whitespace_pattern or "", c.grammar_timeout_s, c.grammar_memory_mb, c.grammar_backend)
         return ModelLimits(self.vocab_size, self.context_len, conversion=conversion)
 
     def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:

@@ -58,15 +58,15 @@ def prepare_masks(running: list[Req], budget: int | None = None) -> tuple[list[R
     for req in running:
         if req.cursor is None:
             continue
-        dfa = req.cursor.grammar.dfa
-        before = dfa.num_states
+        grammar = req.cursor.grammar
+        before = grammar.work
         try:
             ready = req.cursor.prepare_mask(max(budget, 0))
         except ConstraintError as e:
             req.error = constraint_error(e)
             failed.append(req)
             continue
-        budget -= dfa.num_states - before
+        budget -= grammar.work - before
         if not ready:
             held.append(req)
     return held, failed

@@ -233,7 +233,9 @@ class Launcher:
         _set_chat_formats(tokenizer, self.options)
         name = self.options.served_model_name or ready.model_name
         c = ready.config["constraint"]
-        conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"])
+        conversion = Conversion(
+            c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"], c["grammar_backend"]
+        )
         limits = ModelLimits(ready.vocab_size, ready.context_length, self.options.request_limits, conversion)
         pools = FrontPools(self.options.serving_limits.retry_after_s)
         model = self.model = ModelContext(tokenizer, name, ready.model_path, limits, pools)

@@ -28,16 +28,16 @@ def converter():
 
 
 def test_worker_result_equals_in_process_conversion(converter):
-    got = converter.make_spec(json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
-    want = make_spec(json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
+    got = converter.make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
+    want = make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
     assert (got, got.regex, got.unenforced) == (want, want.regex, want.unenforced)
-    assert converter.make_spec(json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict") is got  # cached
+    assert converter.make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict") is got  # cached
 
 
 def test_errors_come_back_as_constraint_errors(converter):
     bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}
     with pytest.raises(ConstraintError, match="'pattern' at #/properties/a"):
-        converter.make_spec(json_schema=bad, schema_mode="strict")
+        converter.make_spec(backend="spruce", json_schema=bad, schema_mode="strict")
     with pytest.raises(ConstraintError, match="at most one constraint"):
         converter.make_spec(regex="a", json_schema=SCHEMA)
     assert converter.make_spec(regex="a+").regex == "a+"  # regexes convert in the caller
@@ -46,14 +46,14 @@ def test_errors_come_back_as_constraint_errors(converter):
 
 def test_conversion_past_its_deadline_is_stopped_and_the_next_one_works(converter):
     converter.start()
-    converter.make_spec(json_schema=SCHEMA)  # the worker is up
+    converter.make_spec(backend="spruce", json_schema=SCHEMA)  # the worker is up
     start = time.monotonic()
     with pytest.raises(ConstraintError, match="not converted within 0.01 s"):
-        converter.make_spec(json_schema=WIDE, timeout_s=0.01)
+        converter.make_spec(backend="spruce", json_schema=WIDE, timeout_s=0.01)
     assert time.monotonic() - start < 5
     # the killed worker is replaced; the same schema converts given time, other schemas too
-    assert converter.make_spec(json_schema=WIDE, timeout_s=60).regex.startswith(r"\{")
-    assert converter.make_spec(json_schema={"type": "integer"}).regex
+    assert converter.make_spec(backend="spruce", json_schema=WIDE, timeout_s=60).regex.startswith(r"\{")
+    assert converter.make_spec(backend="spruce", json_schema={"type": "integer"}).regex
 
 
 def test_a_slow_conversion_does_not_hold_up_a_quick_one(converter):
@@ -62,13 +62,13 @@ def test_a_slow_conversion_does_not_hold_up_a_quick_one(converter):
 
     def slow():
         try:
-            converter.make_spec(json_schema=SLOW, timeout_s=120)
+            converter.make_spec(backend="spruce", json_schema=SLOW, timeout_s=120)
         finally:
             slow_done.set()
 
     threading.Thread(target=slow).start()
     time.sleep(0.2)
-    assert converter.make_spec(json_schema={"type": "boolean"}).regex == "(?:true|false)"
+    assert converter.make_spec(backend="spruce", json_schema={"type": "boolean"}).regex == "(?:true|false)"
     assert not slow_done.is_set()  # the quick one came back while the slow one still runs
     assert slow_done.wait(120)
 
@@ -78,5 +78,5 @@ def test_conversion_carries_whitespace_and_deadline():
     with pytest.raises(ConstraintError, match="not converted within"):
         conversion.spec(json_schema={**WIDE, "title": "not cached yet"})
     assert Conversion(whitespace_pattern="[ ]?").schema_regex(SCHEMA) == make_spec(
-        json_schema=SCHEMA, whitespace_pattern="[ ]?"
+        json_schema=SCHEMA, whitespace_pattern="[ ]?", backend="spruce"
     ).regex

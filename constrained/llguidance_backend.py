@@ -1,0 +1,218 @@
+"""The llguidance backend (PyPI `llguidance`, Rust): context-free grammars (its Lark dialect;
+GBNF through its converter), JSON schemas with recursion, regexes, lazy lexemes and special
+tokens. An Earley parser over a lazily built lexer DFA: a mask is computed per step (tens of
+microseconds, bounded by the parser's fuel limits below), nothing per state is cached here.
+
+    grammar = LLGuidanceGrammar(spec, vocab)     # compiles spec.grammar (llguidance's form)
+    cursor = grammar.cursor()                    # a copy of the compiled matcher per request
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+import weakref
+from typing import TYPE_CHECKING
+
+import llguidance
+import numpy as np
+import torch
+
+from spruce.constrained.llguidance_text import lark_grammar, limits, readable_error
+from spruce.constrained.structural_tag import structural_tag_to_lark
+from spruce.constrained.cursor import CursorBase
+from spruce.constrained.errors import ConstraintError
+from spruce.constrained.memory import MemoryBudget, SharedBudget
+
+if TYPE_CHECKING:
+    from spruce.constrained.spec import ConstraintSpec
+    from spruce.constrained.vocab import TokenVocabulary
+
+MATCHER_BYTES = 256 * 1024  # what a compiled matcher holds beyond its grammar text (roughly)
+BYTES_PER_GRAMMAR_CHAR = 64  # the compiled grammar against its text (roughly, measured on schemas)
+
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def llg_tokenizer(vocab: TokenVocabulary) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary (built once per TokenVocabulary, ~0.1 s): every
+    id's bytes, special tokens marked as such (a grammar names them as `<|im_end|>`)."""
+    tokenizer = _tokenizers.get(vocab)
+    if tokenizer is None:
+        wrapper = llguidance.TokenizerWrapper(_Tokens(vocab))
+        eos = sorted(vocab.eos_token_ids)
+        tokenizer = _tokenizers[vocab] = llguidance.LLTokenizer(wrapper, n_vocab=vocab.vocab_size, eos_token=eos)
+    return tokenizer
+
+
+class _Tokens:
+    """The tokenizer interface llguidance.TokenizerWrapper reads."""
+
+    def __init__(self, vocab: TokenVocabulary) -> None:
+        self.tokens = list(vocab.token_bytes)
+        for token_id, data in vocab.special_bytes.items():
+            self.tokens[token_id] = data
+        self.special_token_ids = sorted(vocab.special_bytes)
+        self.eos_token_id = min(vocab.eos_token_ids)
+        self.bos_token_id = vocab.bos_token_id
+        self._encode = vocab.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if self._encode is None:
+            raise ValueError("this vocabulary has no encoder")
+        return self._encode(text, add_special_tokens=False)
+
+
+def compile_grammar(
+    spec: ConstraintSpec, vocab: TokenVocabulary, max_bytes: int, shared: SharedBudget | None = None
+) -> LLGuidanceGrammar:
+    """A structural tag is converted again here, where the vocabulary is known: a trigger
+    that is one of its special tokens matches that token (the front door checked the tag)."""
+    if spec.kind == "structural_tag":
+        lark = structural_tag_to_lark(spec.value, special_tokens(vocab))
+        spec = replace(spec, grammar=lark_grammar(lark, "structural_tag"))
+    return LLGuidanceGrammar(spec, vocab, max_bytes, shared)
+
+
+def special_tokens(vocab: TokenVocabulary) -> dict[str, int]:
+    """The vocabulary's special tokens, text -> id."""
+    return {data.decode("utf-8", "replace"): token_id for token_id, data in vocab.special_bytes.items()}
+
+
+class LLGuidanceGrammar:
+    """A compiled llguidance grammar, shared by the requests with the same spec: the matcher
+    made once here is copied per request (its compiled grammar and lexer are shared)."""
+
+    backend = "llguidance"
+    work = 0  # masks are computed per step within llguidance's fuel (no states to count)
+
+    def __init__(
+        self, spec: ConstraintSpec, vocab: TokenVocabulary, max_bytes: int, shared: SharedBudget | None = None
+    ) -> None:
+        self.spec = spec
+        self.vocab = vocab
+        self.budget = MemoryBudget(max_bytes, shared)
+        weakref.finalize(self, self.budget.release)
+        self.budget.charge(MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value))
+        matcher = llguidance.LLMatcher(llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits())
+        if matcher.is_error():
+            raise ConstraintError(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
+        self._matcher = matcher
+
+    @property
+    def nbytes(self) -> int:
+        return self.budget.used
+
+    @property
+    def exhausted(self) -> bool:
+        return self.budget.exhausted
+
+    def cursor(self) -> LLGuidanceCursor:
+        return LLGuidanceCursor(self, self._matcher.deep_copy())
+
+    def warm(self) -> None:
+        """Computes the first mask once (builds the lexer's first states, which copies share)."""
+        self.cursor().prepare_mask(0)
+
+
+class LLGuidanceCursor(CursorBase):
+    """One request's llguidance matcher. The mask of the current position is computed once
+    (`prepare_mask`, before the step) into a row of our own and copied by `fill_bitmask`;
+    a sampled token is checked against that row before the matcher takes it (a token the
+    matcher refused would leave it in its error state for good)."""
+
+    __slots__ = ("grammar", "_matcher", "_tokens", "_mask", "_finished")
+
+    def __init__(self, grammar: LLGuidanceGrammar, matcher: llguidance.LLMatcher) -> None:
+        self.grammar = grammar
+        self._matcher = matcher
+        self._tokens: list[int] = []
+        self._mask: np.ndarray | None = None
+        self._finished = False
+
+    def accept_token(self, token_id: int) -> bool:
+        """EOS (where the grammar can end) finishes the cursor without reaching the matcher:
+        llguidance's rollback over an EOS taken in a stopped state undoes a token too many."""
+        if self._finished or not 0 <= token_id < self.grammar.vocab.vocab_size:
+            return False
+        if token_id in self.grammar.vocab.eos_token_ids:
+            if not self._matcher.is_accepting():
+                return False
+            self._finished = True
+        elif not self._allows(token_id) or not self._matcher.consume_token(token_id):
+            return False
+        self._tokens.append(token_id)
+        self._mask = None
+        return True
+
+    def prepare_mask(self, max_new_states: int = 0) -> bool:
+        """Computes the current position's mask (bounded by llguidance's fuel, not by
+        `max_new_states`); ConstraintError when the matcher failed (a limit, a dead end)."""
+        if self._mask is None:
+            mask = np.zeros(self.grammar.vocab.num_words, dtype=np.int32)
+            if self._finished:
+                mask[:] = self.grammar.vocab.eos_mask.numpy()
+            else:
+                self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+                self._raise_error()
+            self._mask = mask
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.prepare_mask()
+        words = self._mask.shape[0]
+        if bitmask.shape[-1] < words:
+            raise ValueError(f"bitmask rows have {bitmask.shape[-1]} words; this grammar needs {words}")
+        bitmask[row, :words].copy_(torch.from_numpy(self._mask))
+        if bitmask.shape[-1] > words:
+            bitmask[row, words:] = 0
+
+    def can_end(self) -> bool:
+        return self._finished or self._matcher.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self._finished or self._matcher.is_stopped()
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"cannot roll back {n} tokens; {len(self._tokens)} accepted")
+        if n:
+            in_matcher = n - 1 if self._finished else n  # EOS never reached the matcher
+            if in_matcher:
+                self._matcher.rollback(in_matcher)
+            del self._tokens[-n:]
+            self._finished = False
+            self._mask = None
+
+    def copy(self) -> LLGuidanceCursor:
+        clone = LLGuidanceCursor(self.grammar, self._matcher.deep_copy())
+        clone._tokens = list(self._tokens)
+        clone._mask = self._mask
+        clone._finished = self._finished
+        return clone
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._tokens)
+
+    def forced_bytes(self) -> bytes:
+        """The forced bytes up to the first special token (llguidance marks one with a 0xFF
+        byte: it is sampled as a token, never re-tokenized from text)."""
+        return b"" if self._finished else self._matcher.compute_ff_bytes().split(b"\xff", 1)[0]
+
+    def accepts(self, rollback: int, token_ids: list[int]) -> bool:
+        """Whether `token_ids` may follow once the last `rollback` tokens are undone (EOS
+        not among them: jump-forward never follows a finished cursor)."""
+        probe = self._matcher.deep_copy()
+        if rollback:
+            probe.rollback(rollback)
+        return probe.validate_tokens(list(token_ids)) == len(token_ids)
+
+    def _allows(self, token_id: int) -> bool:
+        if self._mask is not None:
+            return bool((int(self._mask[token_id >> 5]) >> (token_id & 31)) & 1)
+        return self._matcher.validate_tokens([token_id]) == 1
+
+    def _raise_error(self) -> None:
+        if self._matcher.is_error():
+            raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")

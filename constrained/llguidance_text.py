@@ -1,0 +1,159 @@
+"""Each constraint kind as llguidance's grammar text, checked (syntax errors with their line
+and column). No torch here: the conversion workers import this module.
+
+    grammar = lark_grammar('start: "yes" | "no"')
+    grammar = ebnf_grammar('root ::= "Hello" | "Hi"')         # GBNF / XGrammar's EBNF
+    grammar, unenforced = schema_grammar(schema, options)      # None when llguidance refuses it
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+from spruce.constrained.errors import ConstraintError
+from spruce.constrained.schema_context import SchemaOptions
+
+# Per-mask work is bounded by llguidance's fuel: a step's lexer fuel at ~14k/ms and its Earley
+# items at ~20k/ms keep one mask under ~15 ms (past them the request fails, the batch goes on).
+# Lexer states cost 1-2 kB each: 50,000 holds one grammar's lexer to ~100 MB.
+LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=50_000)
+
+
+def limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
+
+
+def check_grammar(grammar: str, what: str) -> list[str]:
+    """The grammar's warnings; ConstraintError naming `what` when it does not compile.
+    Checked without the vocabulary: a special token a grammar names is checked when the
+    grammar is compiled for the model."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
+    if is_error:
+        raise ConstraintError(f"{what}: {readable_error(messages[0])}")
+    return messages
+
+
+def readable_error(message: str) -> str:
+    """llguidance writes a position as `at 2(6):` or `2(6):`; say line 2, column 6."""
+    message = re.sub(r"^(?:at )?(\d+)\((\d+)\):\s*", r"line \1, column \2: ", message.strip())
+    return message if len(message) <= 600 else message[:600] + " ..."
+
+
+def lark_grammar(text: str, what: str = "lark") -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ConstraintError(f"{what} must be a non-empty grammar text")
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    check_grammar(grammar, what)
+    return grammar
+
+
+def ebnf_grammar(text: str) -> str:
+    """GBNF (llama.cpp's dialect, which XGrammar's EBNF and SGLang's `ebnf` share), root
+    rule `root`, through llguidance's converter to Lark."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConstraintError("ebnf must be a non-empty grammar text")
+    try:
+        lark = gbnf_to_lark(text)
+    except GbnfToLarkError as e:
+        raise ConstraintError(f"ebnf: {_gbnf_position(e)}{e.args[0].split(' at line ')[0]}") from None
+    except (ValueError, KeyError, IndexError, RecursionError) as e:
+        raise ConstraintError(f"ebnf: {e}") from None
+    return lark_grammar(lark, "ebnf")
+
+
+def _gbnf_position(error: GbnfToLarkError) -> str:
+    text, pos = error.pos.text, error.pos.pos
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return f"line {line}, column {column}: "
+
+
+def regex_grammar(regex: str) -> str:
+    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    check_grammar(grammar, "regex")
+    return grammar
+
+
+def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]] | None:
+    """(the grammar, the keywords it leaves unenforced) of a JSON schema, or None when
+    llguidance cannot enforce all of it and `lenient` is False (a keyword it does not
+    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know). As the
+    spruce converter writes them: objects that say nothing of additionalProperties take no
+    extra keys unless `options.open_objects`, unbounded integers have at most 16 digits (a
+    small model writes digits forever otherwise), whitespace is `options.whitespace_pattern`."""
+    if not isinstance(schema, (dict, bool)):
+        raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
+    schema = _prepared(schema, close=not options.open_objects and not _intersects(schema))
+    overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+    if options.whitespace_pattern:
+        overrides["whitespace_pattern"] = options.whitespace_pattern
+    if lenient:
+        overrides["lenient"] = True
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
+    except ValueError as e:
+        raise ConstraintError(f"json_schema: {e}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
+    if is_error:
+        return None
+    return grammar, _unimplemented(messages)
+
+
+def _unimplemented(warnings: list[str]) -> tuple[str, ...]:
+    """The keywords llguidance's warnings name (`Unimplemented keys: ["not"]`)."""
+    found: list[str] = []
+    for warning in warnings:
+        match = re.search(r"Unimplemented keys: (\[.*?\])", warning)
+        if match:
+            found += [k for k in json.loads(match.group(1)) if k not in found]
+    return tuple(found)
+
+
+# Keywords that combine an object schema with another one (an intersection): closing the
+# parts would refuse what the whole allows, so a schema using them keeps its objects open.
+_INTERSECTING = frozenset({"allOf", "if", "then", "else", "dependentSchemas", "dependencies", "not", "unevaluatedProperties"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+
+
+def _intersects(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_intersects(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    if _INTERSECTING & node.keys():
+        return True
+    return any(_intersects(value) for key, value in node.items() if key not in _DATA_KEYWORDS)
+
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # name -> schema
+
+
+INTEGER_BOUND = 10**16 - 1  # as the spruce converter: -?(0|[1-9][0-9]{0,15})
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _prepared(node: Any, close: bool) -> Any:
+    """A copy of the schema with objects closed (`close`: every object schema with
+    `properties` and no `additionalProperties` says `additionalProperties: false`) and
+    integers without bounds bounded to INTEGER_BOUND."""
+    if isinstance(node, list):
+        return [_prepared(item, close) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _prepared(sub, close) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _prepared(value, close)
+    if close and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+        out["additionalProperties"] = False
+    kinds = node.get("type")
+    if (kinds == "integer" or isinstance(kinds, list) and "integer" in kinds) and not any(b in node for b in _BOUNDS):
+        out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    return out
