@@ -3,7 +3,8 @@ worker process, under a deadline: constrained/build_worker.py), so compilation n
 the scheduler loop; a failed or overdue build fails its own requests only.
 
 Masks: a running request's next token mask is made before its step (`prepare_masks`), all
-of them within MASK_STEP_NEW_STATES new DFA states a step. A request whose mask needs more
+of them within MASK_STEP_NEW_STATES new DFA states a step (the spruce automaton; an
+llguidance mask is computed whole, within llguidance's fuel limits). A request whose mask needs more
 sits the step out (its walk's work is kept and resumed next step) while the others run, so
 one costly mask (a state of `.*a.{24}` makes thousands) never stalls the batch; a mask
 past its own bound, or a grammar past its memory budget, fails its request only."""
@@ -14,7 +15,9 @@ from spruce.constrained.errors import ConstraintError
 from spruce.runtime.errors import constraint_error
 from spruce.runtime.core.request import Req
 
-MASK_STEP_NEW_STATES = 512  # ~45 ms of mask work a step at 86 us a state (SmolLM2's vocabulary)
+# ~16 ms of automaton mask work a step at 86 us a state (SmolLM2's vocabulary): no step
+# spends more than 20 ms on masks. llguidance's masks are bounded by its own fuel (~15 ms).
+MASK_STEP_NEW_STATES = 192
 
 
 class GrammarQueue:
