@@ -442,12 +442,14 @@ def test_the_bundled_model_writes_parseable_json_and_arithmetic():
         {"ebnf": (GBNF_DIR / f"{name}.gbnf").read_text(), "temperature": 0, "max_new_tokens": 96}
         for name in asks
     ]
-    for name, out in zip(asks, engine.generate(prompts, params)):
-        finish = out["meta_info"]["finish_reason"]["type"]
-        if finish == "length":  # cut: at least a prefix the grammar allows
-            continue
-        assert is_valid(name, out["text"].encode()), f"{name}: {out['text']!r}"
-        if name == "json":
-            assert isinstance(json.loads(out["text"]), dict)
-        else:
-            assert ast.parse(_pythonic(out["text"].split("=")[0]), mode="eval")
+    json_out, arithmetic_out = engine.generate(prompts, params)
+    assert json_out["meta_info"]["finish_reason"]["type"] == "stop", json_out["text"]
+    assert isinstance(json.loads(json_out["text"]), dict)
+    # arithmetic.gbnf cannot end under llguidance (GREEDY_LEXEMES above: the model writes
+    # "1+2=3\n", then only whitespace is allowed until the token limit); until that is fixed
+    # the first equation, parsed by ast, is what is checked.
+    text = arithmetic_out["text"]
+    if arithmetic_out["meta_info"]["finish_reason"]["type"] == "stop":
+        assert _arithmetic(text), text
+    else:
+        assert "\n" in text and _arithmetic(text[: text.index("\n") + 1]), text
