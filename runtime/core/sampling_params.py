@@ -18,6 +18,10 @@ from spruce.runtime.limits import INT64_MAX, RequestLimits
 
 MIN_TEMPERATURE = 1e-5  # below, logits / temperature overflow to inf (and sampling to NaN)
 MIN_REPETITION_PENALTY = 1e-5  # the same division
+# The constraint fields: a request sets at most one. All but choices are text.
+CONSTRAINT_FIELDS = ("regex", "json_schema", "choices", "ebnf", "lark", "structural_tag")
+TEXT_CONSTRAINTS = tuple(name for name in CONSTRAINT_FIELDS if name != "choices")
+GRAMMAR_FIELDS = ("ebnf", "lark", "structural_tag")  # compiled by a grammar backend, not the regex path
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,13 @@ class SamplingParams:
     json_schema: str | None = None
     # Compiled into a regex by the front end / DSL; kept so requests stay self-describing.
     choices: tuple[str, ...] | None = None
+    # Context-free grammars: GBNF / EBNF (llama.cpp's and XGrammar's dialect, SGLang's `ebnf`;
+    # root rule `root`) or Lark (llguidance's dialect; start rule `start`).
+    ebnf: str | None = None
+    lark: str | None = None
+    # A structural tag (XGrammar's `format` tree or the older `structures` + `triggers`), as
+    # JSON text; a dict is dumped to JSON as json_schema is.
+    structural_tag: str | None = None
     # json_schema keywords the grammar cannot enforce: "strict" refuses them, "lenient" leaves
     # them out and reports them in meta_info; None: the server's default (lenient).
     schema_mode: str | None = None
@@ -90,7 +101,12 @@ class SamplingParams:
 
     @property
     def has_constraint(self) -> bool:
-        return self.regex is not None or self.json_schema is not None or self.choices is not None
+        return bool(self.constraint_names)
+
+    @property
+    def constraint_names(self) -> list[str]:
+        """The constraint fields that are set (a valid request has at most one)."""
+        return [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
 
     def validate(
         self, prompt_len: int | None = None, context_len: int | None = None, limits: RequestLimits | None = None
@@ -197,7 +213,7 @@ class SamplingParams:
         _check(len(bias) <= most, f"logit_bias has {len(bias)} entries; at most {most} (--max-logit-bias)")
 
     def _check_constraint(self, limits: RequestLimits) -> None:
-        for name in ("regex", "json_schema"):
+        for name in TEXT_CONSTRAINTS:
             value = getattr(self, name)
             _check(value is None or isinstance(value, str), f"{name} must be a string")
             _check_size(name, len(value or ""), limits.max_constraint_chars)
@@ -210,7 +226,7 @@ class SamplingParams:
             _check(len(choices) <= limits.max_choices, f"choices has {len(choices)} entries; at most {limits.max_choices}")
             _check_size("choices", sum(map(len, choices)), limits.max_constraint_chars)
         _check(self.schema_mode in (None, "strict", "lenient"), "schema_mode must be 'strict' or 'lenient'")
-        constraints = [n for n in ("regex", "json_schema", "choices") if getattr(self, n) is not None]
+        constraints = self.constraint_names
         _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
 
     def validate_length(self, prompt_len: int, context_len: int) -> None:
@@ -240,9 +256,10 @@ def _normalized(data: dict[str, Any]) -> dict[str, Any]:
             out[name] = ()
     if "logit_bias" in out:
         out["logit_bias"] = _bias_pairs(out["logit_bias"])
-    schema = out.get("json_schema")
-    if schema is not None and not isinstance(schema, str):
-        out["json_schema"] = _schema_text(schema)
+    for name in ("json_schema", "structural_tag"):
+        value = out.get(name)
+        if value is not None and not isinstance(value, str):
+            out[name] = _json_text(name, value)
     return out
 
 
@@ -265,13 +282,15 @@ def _bias_pairs(bias: Any) -> Any:
     return tuple(sorted(pairs, key=lambda pair: pair[0]))
 
 
-def _schema_text(schema: Any) -> str:
-    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
-        schema = schema.model_json_schema()
+def _json_text(name: str, value: Any) -> str:
+    """A json_schema (dict or pydantic model class) or structural_tag (dict) as JSON text."""
+    if name == "json_schema" and isinstance(value, type) and hasattr(value, "model_json_schema"):
+        value = value.model_json_schema()  # a pydantic model class
     try:
-        return json.dumps(schema)
+        return json.dumps(value)
     except (TypeError, ValueError, RecursionError) as e:
-        raise InvalidRequestError(f"json_schema must be a dict, a JSON string or a pydantic model: {e}") from None
+        shapes = "a dict, a JSON string or a pydantic model" if name == "json_schema" else "a dict or a JSON string"
+        raise InvalidRequestError(f"{name} must be {shapes}: {e}") from None
 
 
 def _check_size(name: str, size: int, limit: int, flag: str = "--max-constraint-chars") -> None:

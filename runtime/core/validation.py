@@ -15,7 +15,7 @@ from spruce.constrained import errors as constrained_errors
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.sampling_params import GRAMMAR_FIELDS, SamplingParams
 from spruce.runtime.core.values import is_int, is_number
 from spruce.runtime.errors import ConstraintError, InvalidRequestError, constraint_error
 from spruce.runtime.limits import INT64_MAX, RequestLimits
@@ -130,18 +130,34 @@ def logprob_entries(num_ids: int, sampling: SamplingParams, options: RequestOpti
 
 
 def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec | None:
-    """The constraint converted to its regex, once. A JSON schema converts in a worker
-    process that is stopped at the deadline (`constrained.convert`)."""
+    """The constraint converted to its spec, once. A JSON schema converts in a worker
+    process that is stopped at the deadline (`constrained.convert`). A grammar's error
+    names its field (`ebnf: 3(7): ...`)."""
     if not sampling.has_constraint:
         return None
     try:
-        return limits.conversion.spec(
-            sampling.regex, sampling.json_schema, sampling.choices, sampling.schema_mode or "lenient"
-        )
+        return constraint_spec(sampling, limits.conversion)
     except constrained_errors.ConstraintError as e:
-        raise constraint_error(e) from None
+        raise named_error(e, sampling.constraint_names[0]) from None
     except RecursionError:  # a schema nested deeper than the JSON parser's recursion allows
         raise ConstraintError("json_schema is nested too deeply; flatten it or use $defs") from None
+
+
+def named_error(error: constrained_errors.ConstraintError, name: str) -> ConstraintError:
+    """The runtime's ConstraintError, naming the grammar field it is about (`lark: 1(15):
+    Expected token ...`); regex / schema / choices messages name theirs already."""
+    message = str(error)
+    if name in GRAMMAR_FIELDS and not message.startswith(name):
+        return ConstraintError(f"{name}: {message}")
+    return constraint_error(error)
+
+
+def constraint_spec(sampling: SamplingParams, conversion: Conversion) -> ConstraintSpec | None:
+    """The spec of the one constraint `sampling` holds (ConstraintError if bad or several)."""
+    return conversion.spec(
+        sampling.regex, sampling.json_schema, sampling.choices, sampling.schema_mode or "lenient",
+        ebnf=sampling.ebnf, lark=sampling.lark, structural_tag=sampling.structural_tag,
+    )  # fmt: skip
 
 
 def batch_inputs(
