@@ -1,6 +1,7 @@
 """Reasoning output: the `<think>...</think>` block some models (Qwen3, DeepSeek-R1) write
-before their answer, split from it (whole or while streaming), and the constraint regex that
-lets such a model think freely before a constrained answer.
+before their answer, split from it (whole or while streaming), and the constraint (a regex,
+or a Lark grammar for constraints that are not regular) that lets such a model think freely
+before a constrained answer.
 
 A format is chosen by name (`REASONING_FORMATS`, the server's --reasoning-parser) or found
 in a chat template that writes the tags (`detect_reasoning`). Whether the output starts
@@ -12,6 +13,7 @@ all answer.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from spruce.constrained.patterns import escape_literal
@@ -58,6 +60,22 @@ class ReasoningFormat:
         if inside or self.starts_open:
             return f"(?:{escape_literal(self.open_tag)})?{block}(?:{answer_regex})"
         return f"(?:{escape_literal(self.open_tag)}{block})?(?:{answer_regex})"
+
+    def constraint_lark(self, answer: str, inside: bool) -> str:
+        """A Lark grammar (llguidance's dialect) for reasoning text then the constrained
+        answer, for constraints that are not regular: the reasoning is one lazy lexeme that
+        ends at the first closing tag, then up to 4 whitespace characters, then `answer`, a
+        Lark expression (`answer_lark`: `%json {...}` or `%lark {...}`). The
+        block is optional when the output does not start inside it."""
+        block = "think SEPARATOR?"
+        start = f"OPEN? {block} answer" if inside or self.starts_open else f"(OPEN {block})? answer"
+        return (
+            f"start: {start}\n"
+            f"OPEN: {json.dumps(self.open_tag)}\n"
+            "SEPARATOR: /[ \\t\\r\\n]{1,4}/\n"
+            f"think[lazy]: /(?s:.*){lark_regex_literal(self.close_tag)}/\n"
+            f"answer: {answer}\n"
+        )
 
     def _visible(self, text: str, inside: bool, final: bool) -> tuple[str | None, str]:
         """What can be shown of `text` so far; each part only grows as text is added."""
@@ -158,6 +176,27 @@ def text_without_regex(word: str) -> str:
     loop = f"(?:{partial}{c})*"
     tail = f"(?:{c}{loop}{partial})?"
     return f"(?:{other(first)}|{c}{loop}(?:{fails}))*{tail}"
+
+
+def answer_lark(grammar: str) -> str:
+    """llguidance's grammar text (Lark, or its JSON form holding one JSON schema or Lark
+    grammar: `ConstraintSpec.grammar`) as a Lark expression for `constraint_lark`: a nested
+    `%lark {...}` block (its rules keep their own names) or `%json {...}`."""
+    if grammar.lstrip().startswith("{"):
+        (top,) = json.loads(grammar)["grammars"]
+        if top.get("json_schema") is not None:
+            return "%json " + json.dumps(top["json_schema"], ensure_ascii=False)
+        grammar = top["lark_grammar"]
+    return "%lark {\n" + grammar + "\n}"
+
+
+def lark_regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark `/regex/` (Rust regex syntax: only its meta
+    characters are escaped, since `\\<` means a word start there)."""
+    return "".join("\\" + ch if ch in _RUST_REGEX_META else ch for ch in text)
+
+
+_RUST_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 
 def _class_char(ch: str) -> str:
