@@ -12,16 +12,17 @@ from spruce.lang.ir import (
     MAX_SAMPLES, Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params, to_node,
 )  # fmt: skip
 from spruce.lang.program import resolve_backend
+from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS
 from spruce.runtime.errors import ConstraintError
-
-_CONSTRAINTS = ("regex", "json_schema", "choices")
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen | Select:
     """Generates text into variable `name`. Keywords: every SamplingParams field (with
     SGLang's names max_tokens / min_tokens), return_logprob, logprob_start_len,
     top_logprobs_num, and one constraint: regex, json_schema (dict, JSON string or pydantic
-    model class) or dtype (int, float, bool, str). None means "the run's default".
+    model class), ebnf (a GBNF grammar, root rule `root`), lark (llguidance's Lark, start
+    rule `start`), structural_tag (dict or JSON text) or dtype (int, float, bool, str).
+    None means "the run's default".
 
     As in SGLang: n=k draws k samples in one request (the variable is the list of k texts,
     its meta_info the list of their meta_infos; the first sample is appended to the text);
@@ -41,7 +42,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
     sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
     dtype_name = None
     if dtype is not None:
-        given = [c for c in _CONSTRAINTS if c in sampling]
+        given = [c for c in CONSTRAINT_FIELDS if c in sampling]
         if given:
             raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
         dtype_name, sampling["regex"] = _dtype_regex(dtype)

@@ -15,6 +15,8 @@ Client -> server, one message per call:
       text / input_ids may be a list (a batch); a batch is answered by one "final"
       message whose "results" holds one result per input (streaming a batch is an error).
       For a batch, sampling_params may also be a list (one dict per input).
+      sampling_params holds SamplingParams' fields, at most one constraint among them:
+      regex, json_schema, choices, ebnf (GBNF), lark (llguidance's Lark), structural_tag.
   {"type": "abort", "rid"}                 aborts the request with that rid
   {"type": "model_info", "rid"}            model name, context length, chat template
   {"type": "flush_cache", "rid"}           empties the prefix cache (refused while busy)

@@ -13,15 +13,18 @@ from spruce.constrained.errors import ConstraintError
 from spruce.constrained.report import schema_report
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec
-from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
+from spruce.runtime.core.validation import constraint_spec, named_error
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
+from spruce.runtime.server.openai.custom_tools import CustomCallStream, custom_call, custom_constraint
 from spruce.runtime.server.openai.sglang_fields import check_continue_final, continued
 from spruce.runtime.server.openai.schemas import (
     ChatMessage,
     ChatRequest,
     ContentPart,
     MessageToolCall,
+    NamedCustomToolChoice,
     NamedToolChoice,
 )
 from spruce.runtime.server.openai.tool_parsers import (
@@ -31,7 +34,7 @@ from spruce.runtime.server.openai.tool_parsers import (
     tool_call_format,
 )
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
-from spruce.runtime.text.reasoning import ReasoningFormat, reasoning_format
+from spruce.runtime.text.reasoning import ReasoningFormat, answer_lark, reasoning_format
 from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS
 
 
@@ -54,13 +57,15 @@ class ToolPlan:
     is constrained to write in the model's tool-call format ("required", a named function)."""
 
     def __init__(
-        self, tools: list[dict], choice: str, fmt: ToolCallFormat, constraint: dict | None
-    ) -> None:
-        self.tools = tools
-        self.choice = choice  # "none" | "auto" | "required" | "named"
+        self, tools: list[dict], choice: str, fmt: ToolCallFormat, constraint: dict | None,
+        custom: str | None = None,
+    ) -> None:  # fmt: skip
+        self.tools = tools  # the function tools (custom tools are not shown to the template)
+        self.choice = choice  # "none" | "auto" | "required" | "named" | "custom"
         self.format = fmt
-        self.constraint = constraint  # {"regex": ...} or {"json_schema": ...}
+        self.constraint = constraint  # {"regex": ...}, {"json_schema": ...} or {"lark": ...}
         self.names = {t["function"]["name"] for t in tools}
+        self.custom = custom  # the custom tool tool_choice names: the answer is its input
 
     @classmethod
     def of(
@@ -70,10 +75,16 @@ class ToolPlan:
         server's whitespace and deadline; default Conversion())."""
         conversion = conversion or Conversion()
         fmt = fmt or TOOL_CALL_FORMATS["json"]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        given = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        tools = [t for t in given if t["type"] == "function"]
         choice = req.tool_choice
-        if choice is not None and not tools and choice != "none":
+        if choice is not None and not given and choice != "none":
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedCustomToolChoice):
+            customs = {t["custom"]["name"]: t["custom"] for t in given if t["type"] == "custom"}
+            return cls(tools, "custom", fmt, _custom_constraint(customs, choice.custom.name, conversion), choice.custom.name)
+        if choice == "required" and not tools:
+            raise ApiError(400, 'tool_choice "required" needs function tools (name a custom tool instead)', param="tool_choice")
         if not tools or choice == "none":
             return cls(tools, "none", fmt, None)
         functions = [t["function"] for t in tools]
@@ -106,9 +117,13 @@ class ToolPlan:
 
     def calls_from(self, text: str) -> tuple[str | None, list[dict]]:
         """(content, tool calls) of a finished answer."""
+        if self.custom is not None:
+            return None, [custom_call(self.custom, text)]
         return final_calls(self.format, text, self.names) if self.parses_calls else (text, [])
 
-    def stream(self) -> ToolCallStream | None:
+    def stream(self) -> ToolCallStream | CustomCallStream | None:
+        if self.custom is not None:
+            return CustomCallStream(self.custom)
         return ToolCallStream(self.format, self.names) if self.parses_calls else None
 
 
@@ -121,6 +136,19 @@ def _constraint(
         raise ApiError(
             400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools"
         ) from None
+
+
+def _custom_constraint(customs: dict[str, dict], name: str, conversion: Conversion) -> dict | None:
+    """The constraint of the named custom tool's input, checked (a bad grammar is a 400)."""
+    if name not in customs:
+        raise ApiError(400, f"tool_choice names the custom tool {name!r}, which is not in tools", param="tool_choice")
+    constraint = custom_constraint(customs[name])
+    try:
+        if constraint is not None:
+            conversion.spec(**constraint)
+    except ConstraintError as e:
+        raise ApiError(400, f"tools: custom tool {name!r}: {e}", param="tools") from None
+    return constraint
 
 
 def _strict_auto(fmt: ToolCallFormat, functions: list[dict], parallel: bool) -> dict | None:
@@ -148,19 +176,24 @@ class ChatPrompt:
     def constrain(
         self, sampling: SamplingParams, conversion: Conversion
     ) -> tuple[SamplingParams, ConstraintSpec | None]:
-        """A constrained answer after a reasoning block: the constraint becomes a regex that
-        lets the reasoning through first (any text but the closing tag), then the answer.
-        Returns the sampling and the answer's own spec (None when nothing was wrapped), by
-        which the answer is checked once finished (`answer_report`)."""
+        """A constrained answer after a reasoning block: the constraint becomes a regex (a
+        Lark grammar where it is not regular, or compiled by llguidance) that lets the
+        reasoning through first (any text but the closing tag), then the answer. Returns the
+        sampling and the answer's own spec (None when nothing was wrapped), by which the
+        answer is checked once finished (`answer_report`). A bad constraint raises the
+        runtime's ConstraintError naming its field."""
         if self.reasoning is None or not sampling.has_constraint:
             return sampling, None
         try:
-            mode = sampling.schema_mode or "lenient"
-            spec = conversion.spec(sampling.regex, sampling.json_schema, sampling.choices, mode)
+            spec = constraint_spec(sampling, conversion)
         except ConstraintError as e:
-            raise ApiError(400, str(e), param="response_format") from None
-        regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
-        return sampling.replace(regex=regex, json_schema=None, choices=None), spec
+            raise named_error(e, sampling.constraint_names[0]) from None
+        cleared = dict.fromkeys(CONSTRAINT_FIELDS)
+        if spec.regex and spec.backend != "llguidance":
+            regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
+            return sampling.replace(**{**cleared, "regex": regex}), spec
+        lark = self.reasoning.constraint_lark(answer_lark(spec.grammar), self.thinking)
+        return sampling.replace(**{**cleared, "lark": lark}), spec
 
 
 def answer_report(spec: ConstraintSpec | None, answer: str) -> dict[str, Any]:

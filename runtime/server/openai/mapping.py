@@ -1,18 +1,20 @@
 """OpenAI requests -> validated requests: sampling maps onto the one `SamplingParams`
 (OpenAI's names, and any SamplingParams field by its own name as an extension);
-`response_format` and tool calls become its json_schema, enforced by the constrained
-decoder; every choice is validated once (core.validation via ModelContext.prepare)."""
+`response_format`, vLLM's structured-output fields and tool calls become its one
+constraint, enforced by the constrained decoder; every choice is validated once
+(core.validation via ModelContext.prepare)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import ConstraintError, InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai.tool_parsers import ANY_OBJECT
+from spruce.runtime.server.openai.vllm_fields import vllm_constraints
 from spruce.runtime.server.openai.schemas import (
     MAX_TOP_LOGPROBS,
     ChatRequest,
@@ -38,30 +40,60 @@ def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_constraint: 
             fields[name] = getattr(req, name)
     if req.stop is not None:
         fields["stop"] = req.stop
-    add_constraint(fields, req.response_format, tool_constraint)
+    add_constraint(fields, req, tool_constraint)
     try:
         return sampling_from(fields)
     except InvalidRequestError as e:
-        raise ApiError(400, openai_names(str(e))) from None
+        raise request_error(e, req) from None
 
 
-def add_constraint(fields: dict, fmt: ResponseFormat | None, tool_constraint: dict | None) -> None:
-    """tool_constraint: {"regex": ...} or {"json_schema": ...} (see ToolPlan)."""
-    given = [k for k in ("regex", "json_schema", "choices") if fields.get(k) is not None]
+def add_constraint(fields: dict, req: SamplingRequest, tool_constraint: dict | None) -> None:
+    """The request's one output constraint into `fields`; more than one is a 400.
+    tool_constraint: {"regex": ...}, {"json_schema": ...} or {"lark": ...} (see ToolPlan)."""
+    sources = constraint_sources(fields, req, tool_constraint)
+    if len(sources) > 1:
+        names = [name for name, _ in sources]
+        raise ApiError(400, f"give at most one output constraint; got {', '.join(names)}", param=names[1])
+    for _, constraint in sources:
+        fields.update(constraint)
+
+
+def constraint_sources(fields: dict, req: SamplingRequest, tool_constraint: dict | None = None) -> list[tuple[str, dict]]:
+    """Each output constraint the request gives: (the name the request gave it by,
+    {SamplingParams field: value}). The guided_* fields are taken out of `fields`."""
+    sources = [(name, {name: fields[name]}) for name in CONSTRAINT_FIELDS if fields.get(name) is not None]
+    sources += vllm_constraints(fields, req.structured_outputs)
+    fmt = req.response_format
     if fmt is not None and fmt.type != "text":
-        given.append("response_format")
-        if fmt.type == "json_object":
-            fields["json_schema"] = ANY_OBJECT
-        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            message = 'response_format json_schema needs {"json_schema": {"schema": {...}}}'
-            raise ApiError(400, message, param="response_format")
-        else:
-            fields["json_schema"] = fmt.json_schema.schema_
+        sources.append(("response_format", format_constraint(fmt)))
     if tool_constraint is not None:
-        given.append("tool_choice")
-        fields.update(tool_constraint)
-    if len(given) > 1:
-        raise ApiError(400, f"give at most one output constraint; got {', '.join(given)}")
+        sources.append(("tool_choice", tool_constraint))
+    return sources
+
+
+def format_constraint(fmt: ResponseFormat) -> dict:
+    if fmt.type == "json_object":
+        return {"json_schema": ANY_OBJECT}
+    if fmt.type == "structural_tag":
+        return {"structural_tag": fmt.structural_tag()}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        message = 'response_format json_schema needs {"json_schema": {"schema": {...}}}'
+        raise ApiError(400, message, param="response_format")
+    return {"json_schema": fmt.json_schema.schema_}
+
+
+def request_error(e: InvalidRequestError, req: SamplingRequest) -> ApiError:
+    """A 400 for a request the runtime refused; a bad constraint names the field the
+    request gave it by (`structured_outputs.grammar: 1(7): ...`, param too)."""
+    message = openai_names(str(e))
+    sources = constraint_sources(req.extensions(), req) if isinstance(e, ConstraintError) else []
+    if len(sources) != 1:
+        return ApiError(400, message)
+    name, given = sources[0]
+    field = next(iter(given))
+    if message.startswith((f"{field}:", f"{field}.")) and name != field:  # `structural_tag.format...` too
+        message = name + message[len(field) :]
+    return ApiError(400, message, param=name)
 
 
 async def choices(
@@ -78,7 +110,7 @@ async def choices(
     try:
         return await server.model.prepare_all([(ids, sampling) for sampling in seeded], options)
     except InvalidRequestError as e:
-        raise ApiError(400, openai_names(str(e))) from None
+        raise request_error(e, req) from None
 
 
 def check_n(server: ServerState, n: int) -> None:

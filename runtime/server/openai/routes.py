@@ -13,11 +13,12 @@ from spruce.runtime.server.http.common import (
     ApiError, ServerState, all_results, client_key, json_response, server_of, stream_response,
 )  # fmt: skip
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.server.native import batch_error
 from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, chat_prompt, server_formats
 from spruce.runtime.server.openai.mapping import (
     check_model, chat_top_logprobs, choices, completion_prompts, completion_top_logprobs, openai_names,
-    sampling_params,
+    request_error, sampling_params,
 )  # fmt: skip
 from spruce.runtime.server.openai.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse
 from spruce.runtime.server.openai.views import ChatView, CompletionView
@@ -86,7 +87,10 @@ def _chat_request(req: ChatRequest, server: ServerState) -> tuple[ToolPlan, Chat
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
         max_tokens = max(server.model.context_length - len(prompt.ids), 0)
-    base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), conversion)
+    try:
+        base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), conversion)
+    except InvalidRequestError as e:
+        raise request_error(e, req) from None
     return tools, prompt, base, answer_spec
 
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, validation_message
 from spruce.runtime.server.openai.sglang_fields import ACCEPTED_FIELDS, SAMPLING_ALIASES, renamed
+from spruce.runtime.server.openai.vllm_fields import GUIDED_FIELDS
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's; the server's --max-top-logprobs may be lower
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "best_of"} | ACCEPTED_FIELDS
 SAMPLING_EXTENSIONS = set(SamplingParams.field_names()) - {"max_new_tokens"}
-KNOWN_EXTENSIONS = SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES)
+KNOWN_EXTENSIONS = SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES) | set(GUIDED_FIELDS)
 
 
 class _Strict(BaseModel):
@@ -36,8 +37,32 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's formats, and the structural tag (SGLang / vLLM / XGrammar) in either form:
+    `format` (XGrammar's tree) or `structures` + `triggers` (the older list)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The structural tag as the constraint takes it (the fields that were given)."""
+        return self.model_dump(exclude_none=True, include={"type", "format", "structures", "triggers"})
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object,
+    structural_tag). `disable_fallback` is accepted: Spruce never falls back to another
+    backend. `grammar` is EBNF (GBNF) unless it reads as Lark (see vllm_fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_fallback: bool | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -57,6 +82,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     timeout_s: float | None = None  # Spruce's: the request's deadline (default: --request-timeout-s)
 
     def extensions(self) -> dict[str, Any]:
@@ -118,9 +144,43 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
+class CustomGrammar(_Strict):
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+class CustomFormat(_Strict):
+    """A custom tool's input: free text, or text in a grammar (OpenAI's Lark dialect is
+    llguidance's)."""
+
+    type: Literal["text", "grammar"]
+    grammar: CustomGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomFormat:
+        if (self.type == "grammar") != (self.grammar is not None):
+            raise ValueError('a custom tool\'s format is {"type": "text"} or {"type": "grammar", "grammar": {...}}')
+        return self
+
+
+class CustomToolDef(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    format: CustomFormat | None = None
+
+
 class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
+    """A function tool, or a custom tool (its input is free text or text in a grammar)."""
+
+    type: Literal["function", "custom"]
+    function: FunctionDef | None = None
+    custom: CustomToolDef | None = None
+
+    @model_validator(mode="after")
+    def _definition_given(self) -> Tool:
+        if (self.function is None, self.custom is None) != (self.type != "function", self.type != "custom"):
+            raise ValueError(f'a tool of type {self.type!r} needs its definition under "{self.type}" (only)')
+        return self
 
 
 class NamedFunction(_Strict):
@@ -132,13 +192,18 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class NamedCustomToolChoice(_Strict):
+    type: Literal["custom"]
+    custom: NamedFunction
+
+
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
     separate_reasoning: bool = True  # False: the reasoning block stays in content (with --reasoning-parser)

@@ -444,7 +444,8 @@ def test_a_wrapped_schema_answer_is_reported():
         "properties": {"n": {"type": "integer", "multipleOf": 2}},
         "required": ["n"],
     }
-    sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), Conversion())
+    spruce = Conversion(backend="spruce")  # its regex is wrapped (llguidance's: a Lark grammar, test_grammar_api)
+    sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), spruce)
     assert sampling.json_schema is None and sampling.regex.startswith("(?:<think>")
     text = '<think>even?</think>\n{"n":3}'
     report = answer_report(spec, prompt.split(text)[1])["json_schema"]
