@@ -54,14 +54,18 @@ def lark_grammar(text: str, what: str = "lark") -> str:
 
 def ebnf_grammar(text: str) -> str:
     """GBNF (llama.cpp's dialect, which XGrammar's EBNF and SGLang's `ebnf` share), root
-    rule `root`, through llguidance's converter to Lark."""
+    rule `root`, through llguidance's converter to Lark. A known difference from llama.cpp:
+    the converter makes a rule of terminals only a lexeme, which llguidance's lexer matches
+    greedily (arithmetic.gbnf's `num ::= [0-9]+ ws` eats the newline its root needs)."""
     if not isinstance(text, str) or not text.strip():
         raise ConstraintError("ebnf must be a non-empty grammar text")
     try:
         lark = gbnf_to_lark(text)
     except GbnfToLarkError as e:
         raise ConstraintError(f"ebnf: {_gbnf_position(e)}{e.args[0].split(' at line ')[0]}") from None
-    except (ValueError, KeyError, IndexError, RecursionError) as e:
+    except RecursionError:
+        raise ConstraintError("ebnf is nested too deeply") from None
+    except Exception as e:  # the converter says an undefined rule or a missing root this way
         raise ConstraintError(f"ebnf: {e}") from None
     return lark_grammar(lark, "ebnf")
 

@@ -410,9 +410,6 @@ def test_syntax_errors_carry_line_and_column(kind, text, position):
     assert str(error.value).startswith(f"{kind}: ")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="llguidance_text.ebnf_grammar lets gbnf_to_lark's bare Exception through"
-)
 @pytest.mark.parametrize(
     "text, named", [('root ::= "a" missing', "missing"), ('start ::= "a"', "root")]
 )
