@@ -83,16 +83,23 @@ def regex_grammar(regex: str) -> str:
     return grammar
 
 
-def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]] | None:
+def schema_grammar(
+    schema: Any, options: SchemaOptions, lenient: bool, fallback: bool = False
+) -> tuple[str, tuple[str, ...]] | None:
     """(the grammar, the keywords it leaves unenforced) of a JSON schema, or None when
     llguidance cannot enforce all of it and `lenient` is False (a keyword it does not
-    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know). As the
+    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know) or, with
+    `fallback` (another backend comes next), when objects would stay open (see _INTERSECTING). As the
     spruce converter writes them: objects that say nothing of additionalProperties take no
-    extra keys unless `options.open_objects`, unbounded integers have at most 16 digits (a
-    small model writes digits forever otherwise), whitespace is `options.whitespace_pattern`."""
+    extra keys unless `options.open_objects`, a number without bounds has at most 16 digits
+    before its point and 10 after it (a small model writes digits forever otherwise),
+    whitespace is `options.whitespace_pattern`."""
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
-    schema = _prepared(schema, close=not options.open_objects and not _intersects(schema))
+    intersects = _intersects(schema)
+    if intersects and not options.open_objects and fallback:
+        return None  # closed objects under allOf / if-then: the spruce converter merges them
+    schema = _prepared(schema, close=not options.open_objects and not intersects)
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
@@ -137,14 +144,17 @@ def _intersects(node: Any) -> bool:
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # name -> schema
 
 
-INTEGER_BOUND = 10**16 - 1  # as the spruce converter: -?(0|[1-9][0-9]{0,15})
+INTEGER_BOUND = 10**16 - 1  # as the spruce converter writes a number's integer part: -?(0|[1-9][0-9]{0,15})
+# A number's fraction digits, at most 10 (llguidance takes no finer multipleOf; the spruce
+# converter allows 16): without a bound a small model writes digits until its token limit.
+FRACTION_STEP = 1e-10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _prepared(node: Any, close: bool) -> Any:
     """A copy of the schema with objects closed (`close`: every object schema with
-    `properties` and no `additionalProperties` says `additionalProperties: false`) and
-    integers without bounds bounded to INTEGER_BOUND."""
+    `properties` and no `additionalProperties` says `additionalProperties: false`), numbers
+    without bounds bounded to INTEGER_BOUND and their fractions to FRACTION_STEP."""
     if isinstance(node, list):
         return [_prepared(item, close) for item in node]
     if not isinstance(node, dict):
@@ -158,6 +168,14 @@ def _prepared(node: Any, close: bool) -> Any:
     if close and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False
     kinds = node.get("type")
-    if (kinds == "integer" or isinstance(kinds, list) and "integer" in kinds) and not any(b in node for b in _BOUNDS):
+    if _numeric(kinds) and not any(b in node for b in _BOUNDS):
         out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    if "number" in (kinds if isinstance(kinds, list) else [kinds]) and "multipleOf" not in node:
+        out["multipleOf"] = FRACTION_STEP
     return out
+
+
+def _numeric(kinds: Any) -> bool:
+    """Whether a schema's `type` admits integers or numbers."""
+    names = kinds if isinstance(kinds, list) else [kinds]
+    return "integer" in names or "number" in names

@@ -14,6 +14,7 @@ from spruce.constrained.byte_nfa import parse_regex
 from spruce.constrained.limits import check_regex_size
 from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
 from spruce.constrained.schema_context import LENIENT, SchemaOptions
+from spruce.constrained.schema_validator import validator_class
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
 EBNF, LARK, STRUCTURAL_TAG = GRAMMAR_KINDS
@@ -101,6 +102,7 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
     """The first backend that takes the schema whole (llguidance passes on one it would
     enforce only in part; the spruce converter's lenient mode takes the rest)."""
     schema = load_schema(json_schema)
+    validator_class(schema)  # the finished output is validated with it (report.py)
     text = json.dumps(schema, ensure_ascii=False)
     tried = backends.candidates(JSON_SCHEMA, backend)
     for name in tried:
@@ -108,7 +110,7 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
             converted = convert_schema(schema, options)  # every check, before any compute
             return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
         last = name == tried[-1]
-        made = _backend_schema(name, schema, options, lenient=last and options.mode == LENIENT)
+        made = _backend_schema(name, schema, options, lenient=last and options.mode == LENIENT, fallback=not last)
         if made is not None:
             return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
         if last:
@@ -122,11 +124,11 @@ class _Made(NamedTuple):
     unenforced: tuple[str, ...]
 
 
-def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made | None:
+def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool, fallback: bool) -> _Made | None:
     if name == "llguidance":
         from spruce.constrained.llguidance_text import schema_grammar
 
-        made = schema_grammar(schema, options, lenient)
+        made = schema_grammar(schema, options, lenient, fallback)
         return None if made is None else _Made("", *made)
     regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
     return None if regex is None else _Made(regex, "", ())
