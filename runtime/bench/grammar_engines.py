@@ -140,7 +140,7 @@ class SpruceCursor:
 class LLGuidanceEngine:
     def __init__(self, tokenizer) -> None:
         import llguidance
-        from spruce.constrained.backends.llguidance import llg_tokenizer
+        from spruce.constrained.llguidance_backend import llg_tokenizer
         from spruce.constrained.vocab import TokenVocabulary
 
         self.llguidance = llguidance
