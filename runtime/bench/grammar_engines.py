@@ -19,11 +19,12 @@ from importlib import metadata
 import numpy as np
 import torch
 from spruce.constrained.bitmask import num_words
-from spruce.runtime.bench.grammar_bench import COMPILE_TIMEOUT_S
 
 MASK_BUDGET = 10**9  # prepare_mask's new-state budget: unbounded (the whole mask is timed)
 # The peers' JSON output as compact as ours: no whitespace between tokens.
 LLG_OVERRIDES = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+COMPILE_TIMEOUT_S = 30  # a compile past it counts as refused (the server's grammar timeout)
 
 
 def spruce_backends() -> tuple[str, ...]:

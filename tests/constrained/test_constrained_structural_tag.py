@@ -11,7 +11,8 @@ import llguidance
 import pytest
 from spruce.constrained.errors import ConstraintError
 from spruce.constrained.structural_tag import MAX_DEPTH, MAX_FORMATS, structural_tag_to_lark
-from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS, strict_auto_tag
+from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
+from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 
 ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
 NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}

@@ -27,12 +27,8 @@ from spruce.runtime.server.openai.schemas import (
     NamedCustomToolChoice,
     NamedToolChoice,
 )
-from spruce.runtime.server.openai.tool_parsers import (
-    TOOL_CALL_FORMATS,
-    ToolCallFormat,
-    strict_auto_tag,
-    tool_call_format,
-)
+from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_format
+from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
 from spruce.runtime.text.reasoning import ReasoningFormat, answer_lark, reasoning_format
 from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS

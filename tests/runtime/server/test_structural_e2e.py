@@ -15,7 +15,8 @@ import httpx
 import jsonschema
 import pytest
 from spruce.constrained import GrammarCompiler, make_spec
-from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS, strict_auto_tag
+from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
+from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 from support import bundled_gguf_path
 from test_server import start_server, stop_server
 
