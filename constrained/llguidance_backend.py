@@ -121,13 +121,15 @@ class LLGuidanceCursor(CursorBase):
     a sampled token is checked against that row before the matcher takes it (a token the
     matcher refused would leave it in its error state for good)."""
 
-    __slots__ = ("grammar", "_matcher", "_tokens", "_mask", "_finished")
+    __slots__ = ("grammar", "_matcher", "_tokens", "_row", "_row_view", "_ready", "_finished")
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher: llguidance.LLMatcher) -> None:
         self.grammar = grammar
         self._matcher = matcher
         self._tokens: list[int] = []
-        self._mask: np.ndarray | None = None
+        self._row = np.zeros(grammar.vocab.num_words, dtype=np.int32)  # the current mask, once made
+        self._row_view = torch.from_numpy(self._row)
+        self._ready = False
         self._finished = False
 
     def accept_token(self, token_id: int) -> bool:
@@ -142,28 +144,27 @@ class LLGuidanceCursor(CursorBase):
         elif not self._allows(token_id) or not self._matcher.consume_token(token_id):
             return False
         self._tokens.append(token_id)
-        self._mask = None
+        self._ready = False
         return True
 
     def prepare_mask(self, max_new_states: int = 0) -> bool:
         """Computes the current position's mask (bounded by llguidance's fuel, not by
         `max_new_states`); ConstraintError when the matcher failed (a limit, a dead end)."""
-        if self._mask is None:
-            mask = np.zeros(self.grammar.vocab.num_words, dtype=np.int32)
+        if not self._ready:
             if self._finished:
-                mask[:] = self.grammar.vocab.eos_mask.numpy()
+                self._row[:] = self.grammar.vocab.eos_mask.numpy()
             else:
-                self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+                self._matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
                 self._raise_error()
-            self._mask = mask
+            self._ready = True
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.prepare_mask()
-        words = self._mask.shape[0]
+        words = self._row.shape[0]
         if bitmask.shape[-1] < words:
             raise ValueError(f"bitmask rows have {bitmask.shape[-1]} words; this grammar needs {words}")
-        bitmask[row, :words].copy_(torch.from_numpy(self._mask))
+        bitmask[row, :words].copy_(self._row_view)
         if bitmask.shape[-1] > words:
             bitmask[row, words:] = 0
 
@@ -182,12 +183,13 @@ class LLGuidanceCursor(CursorBase):
                 self._matcher.rollback(in_matcher)
             del self._tokens[-n:]
             self._finished = False
-            self._mask = None
+            self._ready = False
 
     def copy(self) -> LLGuidanceCursor:
         clone = LLGuidanceCursor(self.grammar, self._matcher.deep_copy())
         clone._tokens = list(self._tokens)
-        clone._mask = self._mask
+        clone._row[:] = self._row
+        clone._ready = self._ready
         clone._finished = self._finished
         return clone
 
@@ -209,8 +211,8 @@ class LLGuidanceCursor(CursorBase):
         return probe.validate_tokens(list(token_ids)) == len(token_ids)
 
     def _allows(self, token_id: int) -> bool:
-        if self._mask is not None:
-            return bool((int(self._mask[token_id >> 5]) >> (token_id & 31)) & 1)
+        if self._ready:
+            return bool((int(self._row[token_id >> 5]) >> (token_id & 31)) & 1)
         return self._matcher.validate_tokens([token_id]) == 1
 
     def _raise_error(self) -> None:

@@ -116,12 +116,18 @@ def schema_grammar(
 
 
 def _unimplemented(warnings: list[str]) -> tuple[str, ...]:
-    """The keywords llguidance's warnings name (`Unimplemented keys: ["not"]`)."""
+    """The keywords llguidance's warnings say it leaves out (lenient mode)."""
     found: list[str] = []
     for warning in warnings:
         match = re.search(r"Unimplemented keys: (\[.*?\])", warning)
-        if match:
-            found += [k for k in json.loads(match.group(1)) if k not in found]
+        names = json.loads(match.group(1)) if match else []
+        if warning.startswith("oneOf not fully supported"):
+            names = ["oneOf"]  # approximated by anyOf
+        elif warning.startswith("Unknown format"):
+            names = ["format"]
+        elif warning.startswith("min/maxProperties"):
+            names = ["minProperties", "maxProperties"]
+        found += [name for name in names if name not in found]
     return tuple(found)
 
 
@@ -151,21 +157,35 @@ FRACTION_STEP = 1e-10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def _prepared(node: Any, close: bool) -> Any:
-    """A copy of the schema with objects closed (`close`: every object schema with
-    `properties` and no `additionalProperties` says `additionalProperties: false`), numbers
-    without bounds bounded to INTEGER_BOUND and their fractions to FRACTION_STEP."""
+_OBJECT_KEYS = frozenset({"properties", "patternProperties", "additionalProperties", "required", "propertyNames"})
+_APPLICATORS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "if", "then", "else", "not", "dependentSchemas", "dependencies"})
+
+
+def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[str] = frozenset()) -> Any:
+    """A copy of the schema with numbers without bounds bounded to INTEGER_BOUND and their
+    fractions to FRACTION_STEP, and objects closed (`close`): an object schema with
+    `properties` and no `additionalProperties` says `additionalProperties: false`, unless it
+    is combined with another schema that may add properties (it has applicators beside its
+    properties; it is an anyOf / oneOf branch of a schema with object keywords of its own; it
+    is a definition some such schema `$ref`s: `keep_open`). `here`: this node may be closed."""
     if isinstance(node, list):
-        return [_prepared(item, close) for item in node]
+        return [_prepared(item, close, here, keep_open) for item in node]
     if not isinstance(node, dict):
         return node
+    if close and not keep_open:
+        keep_open = frozenset(_refs_beside_object_keys(node)) or frozenset({""})
+    owns_objects = bool(_OBJECT_KEYS & node.keys())
     out = {}
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _prepared(sub, close) for name, sub in value.items()}
+            prefix = f"#/{key}/"
+            out[key] = {name: _prepared(sub, close, prefix + name not in keep_open, keep_open) for name, sub in value.items()}
+        elif key in ("anyOf", "oneOf"):
+            out[key] = _prepared(value, close, not owns_objects, keep_open)
         else:
-            out[key] = value if key in _DATA_KEYWORDS else _prepared(value, close)
-    if close and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+            out[key] = value if key in _DATA_KEYWORDS else _prepared(value, close, True, keep_open)
+    closes = close and here and not _APPLICATORS & node.keys()
+    if closes and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False
     kinds = node.get("type")
     if _numeric(kinds) and not any(b in node for b in _BOUNDS):
@@ -173,6 +193,29 @@ def _prepared(node: Any, close: bool) -> Any:
     if "number" in (kinds if isinstance(kinds, list) else [kinds]) and "multipleOf" not in node:
         out["multipleOf"] = FRACTION_STEP
     return out
+
+
+def _refs_beside_object_keys(node: Any) -> set[str]:
+    """The `$ref`s of schemas that also have object keywords, or that are anyOf / oneOf
+    branches of such schemas (their targets take properties from beside them)."""
+    found: set[str] = set()
+    todo = [(node, False)]
+    while todo:
+        item, beside = todo.pop()
+        if isinstance(item, list):
+            todo += [(sub, beside) for sub in item]
+            continue
+        if not isinstance(item, dict):
+            continue
+        owns = bool(_OBJECT_KEYS & item.keys())
+        if isinstance(item.get("$ref"), str) and (owns or beside):
+            found.add(item["$ref"])
+        for key, value in item.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo += [(sub, False) for sub in value.values()]
+            elif key not in _DATA_KEYWORDS:
+                todo.append((value, owns and key in ("anyOf", "oneOf")))
+    return found
 
 
 def _numeric(kinds: Any) -> bool:

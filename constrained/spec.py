@@ -99,8 +99,8 @@ def make_spec(
 
 
 def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> ConstraintSpec:
-    """The first backend that takes the schema whole (llguidance passes on one it would
-    enforce only in part; the spruce converter's lenient mode takes the rest)."""
+    """The first backend that takes the schema (in lenient mode, leaving out what it cannot
+    enforce: `unenforced`, checked on the finished output); one that refuses it passes it on."""
     schema = load_schema(json_schema)
     validator_class(schema)  # the finished output is validated with it (report.py)
     text = json.dumps(schema, ensure_ascii=False)
@@ -110,7 +110,7 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
             converted = convert_schema(schema, options)  # every check, before any compute
             return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
         last = name == tried[-1]
-        made = _backend_schema(name, schema, options, lenient=last and options.mode == LENIENT, fallback=not last)
+        made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT, fallback=not last)
         if made is not None:
             return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
         if last:
