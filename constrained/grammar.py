@@ -5,7 +5,6 @@ same spec."""
 from __future__ import annotations
 
 import sys
-import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -15,7 +14,7 @@ from spruce.constrained.bitmask import pack_token_ids
 from spruce.constrained.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.byte_nfa import ByteNFA
 from spruce.constrained.cursor import GrammarCursor
-from spruce.constrained.memory import MaskTooExpensive, MemoryBudget, SharedBudget
+from spruce.constrained.memory import Budgeted, MaskTooExpensive, SharedBudget
 from spruce.constrained.vocab import TokenVocabulary
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ QUICK_MASK_NEW_STATES = 64  # what `may_continue` may spend on a mask (the sched
 MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measured, roughly)
 
 
-class CompiledGrammar:
+class CompiledGrammar(Budgeted):
     backend = "spruce"
     """States are the lazy DFA's (byte_dfa.py). A state's token mask is computed on first use
     by walking the vocabulary's byte trie from it (token_trie.py: a few ms for a state
@@ -52,8 +51,7 @@ class CompiledGrammar:
         self.spec = spec
         self.regex = spec.regex
         self.vocab = vocab
-        self.budget = MemoryBudget(max_bytes, shared)
-        weakref.finalize(self, self.budget.release)  # gives the shared budget its bytes back
+        super().__init__(max_bytes, shared)
         self.budget.charge(nfa.nbytes + sys.getsizeof(spec.value) + sys.getsizeof(spec.regex))
         self.dfa = ByteDFA(nfa, self.budget)
         self.initial_state = self.dfa.initial
@@ -62,18 +60,9 @@ class CompiledGrammar:
         self._mask_work: dict[int, int] = {}  # new DFA states made so far by unfinished masks
 
     @property
-    def nbytes(self) -> int:
-        return self.budget.used
-
-    @property
     def work(self) -> int:
         """Mask work done so far: DFA states made (the scheduler's per-step budget)."""
         return self.dfa.num_states
-
-    @property
-    def exhausted(self) -> bool:
-        """A walk was refused for passing the byte budget (the cache should drop this one)."""
-        return self.budget.exhausted
 
     def cursor(self) -> GrammarCursor:
         return GrammarCursor(self)

@@ -22,7 +22,7 @@ from spruce.constrained.llguidance_text import lark_grammar, limits, readable_er
 from spruce.constrained.structural_tag import structural_tag_to_lark
 from spruce.constrained.cursor import CursorBase
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import MemoryBudget, SharedBudget
+from spruce.constrained.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
     from spruce.constrained.spec import ConstraintSpec
@@ -79,7 +79,7 @@ def special_tokens(vocab: TokenVocabulary) -> dict[str, int]:
     return {data.decode("utf-8", "replace"): token_id for token_id, data in vocab.special_bytes.items()}
 
 
-class LLGuidanceGrammar:
+class LLGuidanceGrammar(Budgeted):
     """A compiled llguidance grammar, shared by the requests with the same spec: the matcher
     made once here is copied per request (its compiled grammar and lexer are shared)."""
 
@@ -91,21 +91,12 @@ class LLGuidanceGrammar:
     ) -> None:
         self.spec = spec
         self.vocab = vocab
-        self.budget = MemoryBudget(max_bytes, shared)
-        weakref.finalize(self, self.budget.release)
+        super().__init__(max_bytes, shared)
         self.budget.charge(MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value))
         matcher = llguidance.LLMatcher(llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits())
         if matcher.is_error():
             raise ConstraintError(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
         self._matcher = matcher
-
-    @property
-    def nbytes(self) -> int:
-        return self.budget.used
-
-    @property
-    def exhausted(self) -> bool:
-        return self.budget.exhausted
 
     def cursor(self) -> LLGuidanceCursor:
         return LLGuidanceCursor(self, self._matcher.deep_copy())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable
 
@@ -129,6 +130,26 @@ class MemoryBudget:
             if self.shared is not None:
                 self.shared.release(self.used)
             self.used = 0
+
+
+class Budgeted:
+    """A compiled grammar's memory (every backend's): what it holds is charged to its own
+    MemoryBudget of `max_bytes` (and to `shared`, the compiler's budget for all live
+    grammars), given back when the grammar is collected."""
+
+    def __init__(self, max_bytes: int, shared: SharedBudget | None = None) -> None:
+        self.budget = MemoryBudget(max_bytes, shared)
+        weakref.finalize(self, self.budget.release)
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds now (the compiler's cache counts it)."""
+        return self.budget.used
+
+    @property
+    def exhausted(self) -> bool:
+        """A charge was refused for passing the budget (the cache drops this grammar)."""
+        return self.budget.exhausted
 
 
 class SharedBudget:

@@ -24,7 +24,7 @@ import torch
 from spruce.constrained.bitmask import pack_token_ids
 from spruce.constrained.cursor import GrammarCursor
 from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import MemoryBudget, SharedBudget
+from spruce.constrained.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
     from spruce.constrained.schema_context import SchemaOptions
@@ -76,7 +76,7 @@ def compile_grammar(
     return OutlinesGrammar(spec, vocab, max_bytes, shared)
 
 
-class OutlinesGrammar:
+class OutlinesGrammar(Budgeted):
     """A compiled outlines-core Index, shared by the requests with the same spec. Thread-safe
     for reads; the mask cache only grows (charged to the grammar's byte budget)."""
 
@@ -91,8 +91,7 @@ class OutlinesGrammar:
     ) -> None:
         self.spec = spec
         self.vocab = vocab
-        self.budget = MemoryBudget(max_bytes, shared)
-        weakref.finalize(self, self.budget.release)
+        super().__init__(max_bytes, shared)
         self.budget.charge(INDEX_BYTES_PER_REGEX_CHAR * len(spec.regex) + sys.getsizeof(spec.value))
         try:
             self._index = outlines_core.Index(spec.regex, outlines_vocabulary(vocab))
@@ -104,14 +103,6 @@ class OutlinesGrammar:
         self._final = frozenset(self._index.get_final_states())
         self._masks: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return self.budget.used
-
-    @property
-    def exhausted(self) -> bool:
-        return self.budget.exhausted
 
     @property
     def work(self) -> int:
