@@ -83,23 +83,18 @@ def regex_grammar(regex: str) -> str:
     return grammar
 
 
-def schema_grammar(
-    schema: Any, options: SchemaOptions, lenient: bool, fallback: bool = False
-) -> tuple[str, tuple[str, ...]] | None:
+def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]] | None:
     """(the grammar, the keywords it leaves unenforced) of a JSON schema, or None when
     llguidance cannot enforce all of it and `lenient` is False (a keyword it does not
-    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know) or, with
-    `fallback` (another backend comes next), when objects would stay open (see _INTERSECTING). As the
+    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know). As the
     spruce converter writes them: objects that say nothing of additionalProperties take no
-    extra keys unless `options.open_objects`, a number without bounds has at most 16 digits
+    extra keys unless `options.open_objects` (or the schema intersects object schemas: then
+    it keeps the specification's open objects, see _INTERSECTING), a number without bounds has at most 16 digits
     before its point and 10 after it (a small model writes digits forever otherwise),
     whitespace is `options.whitespace_pattern`."""
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
-    intersects = _intersects(schema)
-    if intersects and not options.open_objects and fallback:
-        return None  # closed objects under allOf / if-then: the spruce converter merges them
-    schema = _prepared(schema, close=not options.open_objects and not intersects)
+    schema = _prepared(schema, close=not options.open_objects and not _intersects(schema))
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
@@ -142,9 +137,37 @@ def _intersects(node: Any) -> bool:
         return any(_intersects(item) for item in node)
     if not isinstance(node, dict):
         return False
-    if _INTERSECTING & node.keys():
+    if _INTERSECTING & node.keys() and not _plain_all_of(node):
         return True
     return any(_intersects(value) for key, value in node.items() if key not in _DATA_KEYWORDS)
+
+
+_PLAIN_OBJECT_KEYS = frozenset({"type", "properties", "required", "title", "description"})
+
+
+def _plain_all_of(node: dict) -> bool:
+    """An allOf of plain object schemas (properties and required only, as pydantic writes
+    a model that extends another): closed together, see _closed_all_of."""
+    parts = node.get("allOf")
+    if not isinstance(parts, list) or not parts or (_INTERSECTING - {"allOf"}) & node.keys():
+        return False
+    if "additionalProperties" in node or node.get("type", "object") != "object":
+        return False
+    return all(
+        isinstance(p, dict) and p.keys() <= _PLAIN_OBJECT_KEYS and p.get("type", "object") == "object"
+        and isinstance(p.get("properties", {}), dict)
+        for p in parts
+    )
+
+
+def _closed_all_of(node: dict) -> list:
+    """The allOf parts of a plain allOf (see _plain_all_of), each closed over every name any
+    part (or the node itself) declares: together they allow exactly those properties."""
+    names = dict.fromkeys(node.get("properties", {}) if isinstance(node.get("properties"), dict) else {})
+    for part in node["allOf"]:
+        names.update(dict.fromkeys(part.get("properties", {})))
+    return [{**part, "properties": {**{n: {} for n in names}, **part.get("properties", {})}, "additionalProperties": False}
+            for part in node["allOf"]]  # fmt: skip
 
 
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # name -> schema
@@ -184,6 +207,8 @@ def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[st
             out[key] = _prepared(value, close, not owns_objects, keep_open)
         else:
             out[key] = value if key in _DATA_KEYWORDS else _prepared(value, close, True, keep_open)
+    if close and here and _plain_all_of(node):
+        out["allOf"] = _prepared(_closed_all_of(node), close, False, keep_open)
     closes = close and here and not _APPLICATORS & node.keys()
     if closes and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False

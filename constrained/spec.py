@@ -110,7 +110,7 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
             converted = convert_schema(schema, options)  # every check, before any compute
             return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
         last = name == tried[-1]
-        made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT, fallback=not last)
+        made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT)
         if made is not None:
             return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
         if last:
@@ -124,11 +124,11 @@ class _Made(NamedTuple):
     unenforced: tuple[str, ...]
 
 
-def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool, fallback: bool) -> _Made | None:
+def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made | None:
     if name == "llguidance":
         from spruce.constrained.llguidance_text import schema_grammar
 
-        made = schema_grammar(schema, options, lenient, fallback)
+        made = schema_grammar(schema, options, lenient)
         return None if made is None else _Made("", *made)
     regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
     return None if regex is None else _Made(regex, "", ())
