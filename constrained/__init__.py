@@ -1,5 +1,16 @@
-"""spruce.constrained: regex / JSON-schema constraints as lazily determinized byte automata,
-packed token bitmasks and a compressed FSM (jump-forward).
+"""spruce.constrained: output constraints (regex, choices, JSON schema, context-free
+grammars, structural tags) compiled by a grammar backend into token masks, with
+jump-forward over forced text.
+
+    spec.py, convert.py    a constraint checked and converted once, at the front door
+    compiler.py            the service: builds under a deadline in worker processes
+                           (build_worker.py), one LRU of compiled grammars bounded in bytes
+    report.py              a finished output checked against its JSON schema
+    core/                  errors, memory budgets, bitmasks, linear-time regexes, jump-forward
+    automaton/             the spruce backend: lazily determinized byte automata, cached masks
+    schema/                the JSON-schema converter (schema -> regex) and its validator
+    backends/              the registry (auto | spruce | llguidance | outlines), llguidance
+                           (grammars, structural tags, JSON schemas), outlines-core
 
     spec = make_spec(json_schema=MyModel)          # validated, hashable
     grammar = compiler.compile(spec)               # or compiler.submit(spec) -> Future
@@ -13,10 +24,10 @@ from importlib import import_module
 # Public name -> submodule. Imported on first use, so light users (the DSL's dtype
 # patterns) do not pull in torch and NumPy.
 _EXPORTS = {
-    "allocate_bitmask": "bitmask", "apply_bitmask": "bitmask", "unpack_bitmask": "bitmask",
-    "GrammarCompiler": "compiler", "GrammarCursor": "cursor", "CompiledGrammar": "grammar",
-    "JumpForward": "jump_forward",
-    "ConstraintSpec": "spec", "make_spec": "spec", "ConstraintError": "errors",
+    "allocate_bitmask": "core.bitmask", "apply_bitmask": "core.bitmask", "unpack_bitmask": "core.bitmask",
+    "GrammarCompiler": "compiler", "GrammarCursor": "automaton.cursor", "CompiledGrammar": "automaton.grammar",
+    "JumpForward": "core.jump_forward",
+    "ConstraintSpec": "spec", "make_spec": "spec", "ConstraintError": "core.errors",
 }  # fmt: skip
 
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 
 STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing its modules on a loaded machine
 # A worker is replaced after this many jobs, or once its address space passes this share of
@@ -69,7 +69,7 @@ class ConvertRequest:
     text: str  # the schema's JSON text, the regex, the choices as a JSON list, the grammar text
     whitespace_pattern: str = ""
     schema_mode: str = "lenient"  # lenient | strict
-    backend: str = "auto"  # the grammar backend (constrained/backends.py)
+    backend: str = "auto"  # the grammar backend (constrained/backends/__init__.py)
 
     @property
     def describe(self) -> str:
@@ -263,7 +263,8 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
     if memory_mb > 0:
         cap = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    from spruce.constrained import byte_nfa, spec  # noqa: F401 - imported before "ready"
+    from spruce.constrained import spec  # noqa: F401 - imported before "ready"
+    from spruce.constrained.automaton import byte_nfa  # noqa: F401
 
     send.send_bytes(b"ready")
     while True:
@@ -298,7 +299,7 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
 
 
 def _build(request: BuildRequest) -> tuple[str, object]:
-    from spruce.constrained.byte_nfa import build_nfa
+    from spruce.constrained.automaton.byte_nfa import build_nfa
 
     try:
         return "ok", build_nfa(request.regex)

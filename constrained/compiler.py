@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 from spruce.constrained import backends
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.grammar import CompiledGrammar
-from spruce.constrained.memory import SharedBudget
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.automaton.grammar import CompiledGrammar
+from spruce.constrained.core.memory import SharedBudget
 from spruce.constrained.spec import ConstraintSpec
-from spruce.constrained.vocab import TokenVocabulary
+from spruce.constrained.automaton.vocab import TokenVocabulary
 
 NUM_WORKERS = 2  # a slow build does not hold up every other constraint
 # One grammar may hold this share of the cache's bytes (its NFA, and the DFA rows and masks

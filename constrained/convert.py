@@ -29,8 +29,8 @@ from typing import Any
 
 from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.build_worker import ConvertRequest, WorkerPool
-from spruce.constrained.json_schema import load_schema
-from spruce.constrained.memory import BoundedCache, text_bytes
+from spruce.constrained.schema.json_schema import load_schema
+from spruce.constrained.core.memory import BoundedCache, text_bytes
 from spruce.constrained.spec import ConstraintSpec, make_spec
 
 DEFAULT_TIMEOUT_S = 30.0  # the grammar timeout's default (--grammar-timeout-s)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import jsonschema
-from spruce.constrained.schema_validator import validator_class
+from spruce.constrained.schema.schema_validator import validator_class
 from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 
 

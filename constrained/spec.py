@@ -8,13 +8,13 @@ from typing import Any, NamedTuple
 
 from spruce.constrained import backends
 from spruce.constrained.backends import GRAMMAR_KINDS
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.json_schema import convert_schema, load_schema
-from spruce.constrained.byte_nfa import parse_regex
-from spruce.constrained.limits import check_regex_size
-from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
-from spruce.constrained.schema_context import LENIENT, SchemaOptions
-from spruce.constrained.schema_validator import validator_class
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.schema.json_schema import convert_schema, load_schema
+from spruce.constrained.automaton.byte_nfa import parse_regex
+from spruce.constrained.automaton.limits import check_regex_size
+from spruce.constrained.core.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
+from spruce.constrained.schema.schema_context import LENIENT, SchemaOptions
+from spruce.constrained.schema.schema_validator import validator_class
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
 EBNF, LARK, STRUCTURAL_TAG = GRAMMAR_KINDS
@@ -126,7 +126,7 @@ class _Made(NamedTuple):
 
 def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made | None:
     if name == "llguidance":
-        from spruce.constrained.llguidance_text import schema_grammar
+        from spruce.constrained.backends.llguidance_text import schema_grammar
 
         made = schema_grammar(schema, options, lenient)
         return None if made is None else _Made("", *made)
@@ -136,10 +136,10 @@ def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: boo
 
 def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:
     backends.candidates(kind, backend)  # llguidance, or a ConstraintError naming the backend
-    from spruce.constrained import llguidance_text
+    from spruce.constrained.backends import llguidance_text
 
     if kind == STRUCTURAL_TAG:
-        from spruce.constrained.structural_tag import structural_tag_to_lark
+        from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 
         tag = _structural_tag(value)
         return ConstraintSpec(kind, json.dumps(tag, ensure_ascii=False), "", backend="llguidance",
@@ -175,7 +175,7 @@ def _regex_spec(regex: Any, backend: str) -> ConstraintSpec:
     check_regex_size(regex, parse_regex(regex))
     name = backends.candidates(REGEX, backend)[0]
     if name == "llguidance":
-        from spruce.constrained.llguidance_text import regex_grammar
+        from spruce.constrained.backends.llguidance_text import regex_grammar
 
         return ConstraintSpec(REGEX, regex, regex, backend=name, grammar=regex_grammar(regex))
     return ConstraintSpec(REGEX, regex, regex, backend=name)

@@ -190,7 +190,7 @@ def get_server_info(backend: Any = None) -> dict[str, Any]:
 
 
 def _dtype_regex(dtype: Any) -> tuple[str, str]:
-    from spruce.constrained.patterns import DTYPE_REGEXES  # the runtime's one definition
+    from spruce.constrained.core.patterns import DTYPE_REGEXES  # the runtime's one definition
 
     name = dtype.__name__ if isinstance(dtype, type) else dtype
     if name not in DTYPE_REGEXES:

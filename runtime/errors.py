@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spruce.constrained import errors as constrained_errors
+from spruce.constrained.core import errors as constrained_errors
 
 # What a client is told of a failure that is not its doing (the server log has the details).
 INTERNAL_ERROR = "internal server error; the server's log has the details"

@@ -201,7 +201,7 @@ def _example_texts(entry: dict, kind: str) -> dict:
     keys in the schema's definition order."""
     if kind == "regex":
         return {"valid": [[v] for v in entry["valid"]], "invalid": [[v] for v in entry["invalid"]]}
-    from spruce.constrained.json_schema import canonical_instance, declared_orders
+    from spruce.constrained.schema.json_schema import canonical_instance, declared_orders
 
     orders = declared_orders(entry["schema"])
 
@@ -350,7 +350,7 @@ def make_engines(tokenizer, names: list[str] | None = None) -> dict:
 def regex_entries() -> list[dict]:
     """The DSL dtypes, choices lists and regexes from the tests and examples, each with valid
     and invalid instances."""
-    from spruce.constrained.patterns import DTYPE_REGEXES, choices_regex
+    from spruce.constrained.core.patterns import DTYPE_REGEXES, choices_regex
 
     colors = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
     countries = ["France", "Germany", "Italy", "Spain", "Portugal", "Poland", "Sweden", "Norway", "Finland",

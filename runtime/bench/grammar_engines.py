@@ -18,7 +18,7 @@ from importlib import metadata
 
 import numpy as np
 import torch
-from spruce.constrained.bitmask import num_words
+from spruce.constrained.core.bitmask import num_words
 
 MASK_BUDGET = 10**9  # prepare_mask's new-state budget: unbounded (the whole mask is timed)
 # The peers' JSON output as compact as ours: no whitespace between tokens.
@@ -108,7 +108,7 @@ class SpruceCompiled:
             or getattr(self.grammar.spec, "backend", "spruce") != "spruce"
         ):
             return None
-        from spruce.constrained.json_schema import canonical_instance, convert_schema
+        from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
 
         if self._orders is None:
             self._orders = convert_schema(self._value).orders
@@ -141,8 +141,8 @@ class SpruceCursor:
 class LLGuidanceEngine:
     def __init__(self, tokenizer) -> None:
         import llguidance
-        from spruce.constrained.llguidance_backend import llg_tokenizer
-        from spruce.constrained.vocab import TokenVocabulary
+        from spruce.constrained.backends.llguidance import llg_tokenizer
+        from spruce.constrained.automaton.vocab import TokenVocabulary
 
         self.llguidance = llguidance
         self.version = _version("llguidance")

@@ -10,8 +10,8 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from spruce.constrained import linear_regex
-from spruce.constrained.linear_regex import UnsupportedRegex
+from spruce.constrained.core import linear_regex
+from spruce.constrained.core.linear_regex import UnsupportedRegex
 from spruce.runtime.core.values import is_int, is_int64, is_number
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import INT64_MAX, RequestLimits

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spruce.constrained import errors as constrained_errors
+from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions

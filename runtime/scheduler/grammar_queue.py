@@ -11,7 +11,7 @@ past its own bound, or a grammar past its memory budget, fails its request only.
 
 from __future__ import annotations
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 from spruce.runtime.errors import constraint_error
 from spruce.runtime.core.request import Req
 

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from spruce.constrained import errors as constrained_errors
+from spruce.constrained.core import errors as constrained_errors
 from spruce.runtime.config import ConstraintOptions, SchedulerOptions
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.errors import ConstraintError, constraint_error

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from spruce.constrained.patterns import escape_literal
+from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.text.stop import stop_prefix_len
 
 THINK_SEPARATOR = r"[ \t\r\n]{0,4}"  # between `</think>` and a constrained answer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spruce.constrained import linear_regex
+from spruce.constrained.core import linear_regex
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -22,7 +22,7 @@ STOP_REGEX_TAIL_TOKENS = 256  # a stop_regex match must lie within the output's 
 
 def find_regex_stop(text: str, patterns: tuple[str, ...], start: int = 0) -> tuple[int, int, str] | None:
     """Earliest match of any stop regex in text[start:]: (match start, match end, pattern).
-    Matched in linear time (RE2, see constrained/linear_regex.py): this runs after every token."""
+    Matched in linear time (RE2, see constrained/core/linear_regex.py): this runs after every token."""
     best = None
     for pattern in patterns:
         span = linear_regex.search(pattern, text, start)

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from test_constrained_helpers import tiny_compiler  # noqa: F401  (a fixture)
 
 from spruce.constrained import ConstraintError, make_spec
-from spruce.constrained.byte_dfa import DEAD, ByteDFA
-from spruce.constrained.byte_nfa import _utf8_sequences, build_nfa
-from spruce.constrained.patterns import JSON_NUMBER, JSON_STRING, json_value_regex
-from spruce.constrained.token_trie import TokenTrie
+from spruce.constrained.automaton.byte_dfa import DEAD, ByteDFA
+from spruce.constrained.automaton.byte_nfa import _utf8_sequences, build_nfa
+from spruce.constrained.core.patterns import JSON_NUMBER, JSON_STRING, json_value_regex
+from spruce.constrained.automaton.token_trie import TokenTrie
 
 REGEXES = [
     JSON_STRING, JSON_NUMBER, r"(a|b)*a(a|b){3}", r"\w+\s[^a-c]{2,3}", r".x?", r"(?:ab|a)(?:bc|c)*",

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from spruce.constrained.convert import Conversion, SpecConverter
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.spec import make_spec
 
 SCHEMA = {

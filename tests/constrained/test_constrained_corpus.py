@@ -11,7 +11,7 @@ import re
 
 import pytest
 from spruce.constrained import ConstraintError, unpack_bitmask
-from spruce.constrained.json_schema import SchemaRegex, canonical_instance, convert_schema
+from spruce.constrained.schema.json_schema import SchemaRegex, canonical_instance, convert_schema
 from spruce.constrained.report import excused
 from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 from support import DATA_DIR

@@ -20,7 +20,7 @@ from spruce.constrained import (
     make_spec,
     unpack_bitmask,
 )
-from spruce.constrained.bitmask import pack_token_ids
+from spruce.constrained.core.bitmask import pack_token_ids
 from spruce.constrained import ConstraintError
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -316,8 +316,8 @@ def test_the_cache_is_bounded_in_bytes(tiny_tokenizer):
 def test_the_nfa_crosses_the_process_boundary_intact(tiny_tokenizer):
     """The worker's NFA gives the same masks as one built here, and JSON-unsafe characters
     outside the regex's classes are still refused."""
-    from spruce.constrained.byte_nfa import build_nfa
-    from spruce.constrained.grammar import CompiledGrammar
+    from spruce.constrained.automaton.byte_nfa import build_nfa
+    from spruce.constrained.automaton.grammar import CompiledGrammar
 
     compiler = GrammarCompiler(tiny_tokenizer)
     spec = make_spec(regex='"[^"]{0,5}" ok')

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.internal.conjecture import utils as conjecture_utils
 from hypothesis_jsonschema import from_schema
 from spruce.constrained import ConstraintError
-from spruce.constrained.json_schema import canonical_instance, convert_schema
-from spruce.constrained.patterns import JSON_INTEGER, JSON_NUMBER
+from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
+from spruce.constrained.core.patterns import JSON_INTEGER, JSON_NUMBER
 from spruce.constrained.report import violated_keywords
-from spruce.constrained.schema_context import SchemaOptions
+from spruce.constrained.schema.schema_context import SchemaOptions
 
 
 def _more(self) -> bool:

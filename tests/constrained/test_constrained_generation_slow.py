@@ -9,11 +9,12 @@ import json
 
 import pytest
 from spruce.constrained import ConstraintError
-from spruce.constrained.json_schema import convert_schema
-from spruce.constrained.limits import regex_size
+from spruce.constrained.spec import make_spec
+from spruce.constrained.schema.json_schema import convert_schema
+from spruce.constrained.automaton.limits import regex_size
 from spruce.constrained.report import excused, validate_output
-from spruce.constrained.schema_context import Context, SchemaOptions
-from spruce.constrained.schema_size import subtree_keywords
+from spruce.constrained.schema.schema_context import Context, SchemaOptions
+from spruce.constrained.schema.schema_size import subtree_keywords
 from support import DATA_DIR, bundled_gguf_path
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def test_the_most_complex_schemas_generate_valid_or_say_why():
     valid = 0
     for (name, schema), out in zip(chosen, outs):
         report, finish = out["meta_info"]["json_schema"], out["meta_info"]["finish_reason"]["type"]
-        assert report["unenforced"] == list(convert_schema(schema).unenforced), name
+        assert report["unenforced"] == list(make_spec(json_schema=schema).unenforced), name
         assert {k: report[k] for k in ("valid", "error")} == validate_output(schema, out["text"]), name
         if report["valid"]:
             valid += 1

@@ -14,8 +14,8 @@ from test_constrained_helpers import (  # noqa: F401  (tiny_compiler is a fixtur
 )
 
 from spruce.constrained import GrammarCompiler, make_spec
-from spruce.constrained.byte_dfa import ByteDFA
-from spruce.constrained.byte_nfa import build_nfa
+from spruce.constrained.automaton.byte_dfa import ByteDFA
+from spruce.constrained.automaton.byte_nfa import build_nfa
 
 PERSON = {
     "type": "object",

@@ -1,15 +1,15 @@
-"""The linear-time regex seam (constrained/linear_regex.py): what it matches, what it refuses
+"""The linear-time regex seam (constrained/core/linear_regex.py): what it matches, what it refuses
 (with the reason), its bounded cache, and the schema checks built on it."""
 
 from __future__ import annotations
 
 import pytest
 
-from spruce.constrained import linear_regex
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.linear_regex import UnsupportedRegex
+from spruce.constrained.core import linear_regex
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.linear_regex import UnsupportedRegex
 from spruce.constrained.report import validate_output
-from spruce.constrained.schema_validator import pattern_search, validator_class
+from spruce.constrained.schema.schema_validator import pattern_search, validator_class
 
 
 def test_a_catastrophic_backtracking_pattern_answers_correctly():

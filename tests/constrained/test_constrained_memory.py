@@ -13,12 +13,12 @@ import pytest
 from spruce.constrained import ConstraintError, GrammarCompiler, make_spec
 from spruce.constrained import build_worker
 from spruce.constrained.build_worker import BuildRequest, WorkerPool
-from spruce.constrained.byte_dfa import ByteDFA
-from spruce.constrained.byte_nfa import _class_template, _ranges_of, _utf8_sequences, build_nfa, parse_regex
-from spruce.constrained.grammar import CompiledGrammar
-from spruce.constrained.limits import regex_size
-from spruce.constrained.memory import BoundedCache, GrammarTooLarge, MaskTooExpensive
-from spruce.constrained.vocab import TokenVocabulary
+from spruce.constrained.automaton.byte_dfa import ByteDFA
+from spruce.constrained.automaton.byte_nfa import _class_template, _ranges_of, _utf8_sequences, build_nfa, parse_regex
+from spruce.constrained.automaton.grammar import CompiledGrammar
+from spruce.constrained.automaton.limits import regex_size
+from spruce.constrained.core.memory import BoundedCache, GrammarTooLarge, MaskTooExpensive
+from spruce.constrained.automaton.vocab import TokenVocabulary
 
 CLASS_CACHES = (_ranges_of, _class_template, _utf8_sequences)
 GROWING = "(a|b)*a(a|b){24}"  # 2^25 DFA states: each new byte read tends to make a new one

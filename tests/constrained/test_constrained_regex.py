@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_constrained_helpers import assert_stopped_by_automaton, generate, tiny_compiler  # noqa: F401
 
 from spruce.constrained import make_spec
-from spruce.constrained.patterns import escape_literal
+from spruce.constrained.core.patterns import escape_literal
 
 LITERALS = ["a", "b", "x", "ab", "é", "中", "0", "-", ".", " ", "😀", '"']
 CLASSES = ["[a-c]", "[xyz]", "[0-9]", "[^a-z]", r"\d", "[é中]", "[.-]"]

@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 from spruce.constrained import ConstraintError
 from spruce.constrained.spec import make_spec as _make_spec
-from spruce.constrained.json_schema import convert_schema
+from spruce.constrained.schema.json_schema import convert_schema
 from spruce.constrained.report import validate_output
-from spruce.constrained.schema_context import SchemaOptions
+from spruce.constrained.schema.schema_context import SchemaOptions
 
 
 def make_spec(*args, **kwargs):

@@ -9,9 +9,9 @@ import re
 
 import pytest
 from spruce.constrained import ConstraintError
-from spruce.constrained.json_schema import canonical_instance, convert_schema
-from spruce.constrained.limits import MAX_EXPANDED_SIZE, regex_lengths, regex_size
-from spruce.constrained.schema_context import SchemaOptions
+from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
+from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_lengths, regex_size
+from spruce.constrained.schema.schema_context import SchemaOptions
 
 ITEM = {
     "type": "object",

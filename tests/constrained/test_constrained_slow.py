@@ -66,7 +66,7 @@ def smollm_compiler(smollm_tokenizer):
 def test_the_trie_walk_equals_walking_every_token(smollm_compiler, smollm_tokenizer):
     """The masks of the states a generation visits (a free string, a shared schema) against
     walking each of the 49k tokens' bytes through the DFA one by one."""
-    from spruce.constrained.byte_dfa import DEAD
+    from spruce.constrained.automaton.byte_dfa import DEAD
 
     vocab = smollm_compiler.vocab
     for spec in [make_spec(regex='"[^"]{0,40}"'), make_spec(json_schema=SHARED_SCHEMAS[0].read_text())]:

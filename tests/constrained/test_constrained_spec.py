@@ -18,8 +18,8 @@ from test_constrained_helpers import (  # noqa: F401  (tiny_compiler is a fixtur
 
 from spruce.constrained import ConstraintSpec
 from spruce.constrained.spec import make_spec as _make_spec
-from spruce.constrained.limits import MAX_STRING_LENGTH
-from spruce.constrained.ranges import integer_range_regex, number_range_regex
+from spruce.constrained.automaton.limits import MAX_STRING_LENGTH
+from spruce.constrained.core.ranges import integer_range_regex, number_range_regex
 from spruce.constrained import ConstraintError
 from spruce.runtime import errors as runtime_errors
 

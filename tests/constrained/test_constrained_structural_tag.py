@@ -1,4 +1,4 @@
-"""Structural tags -> llguidance Lark (constrained/structural_tag.py), checked with
+"""Structural tags -> llguidance Lark (constrained/backends/structural_tag.py), checked with
 llguidance's own matcher on the bundled SmolLM2 tokenizer, token by token: each format type,
 both forms, special tokens, every tool-call format's auto + strict tag, and errors that name
 the field."""
@@ -9,8 +9,8 @@ import json
 
 import llguidance
 import pytest
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.structural_tag import MAX_DEPTH, MAX_FORMATS, structural_tag_to_lark
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.backends.structural_tag import MAX_DEPTH, MAX_FORMATS, structural_tag_to_lark
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 
@@ -25,8 +25,8 @@ IM_START = {"<|im_start|>": 1}  # a special token of the bundled vocabulary
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from spruce.constrained.llguidance_backend import llg_tokenizer
-    from spruce.constrained.vocab import TokenVocabulary
+    from spruce.constrained.backends.llguidance import llg_tokenizer
+    from spruce.constrained.automaton.vocab import TokenVocabulary
     from spruce.runtime.models.loading.files import load_tokenizer
 
     tok = load_tokenizer()

@@ -9,8 +9,8 @@ import re
 from hypothesis import given, settings, strategies as st
 
 import spruce.lang as sl
-from spruce.constrained.byte_dfa import DEAD, ByteDFA
-from spruce.constrained.byte_nfa import build_nfa
+from spruce.constrained.automaton.byte_dfa import DEAD, ByteDFA
+from spruce.constrained.automaton.byte_nfa import build_nfa
 
 
 def dtype_str_regex() -> str:

@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.report import schema_report
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from spruce.constrained.convert import Conversion
-from spruce.constrained.patterns import escape_literal
+from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.server.openai.json_prefix import object_members, skip_space
 from spruce.runtime.server.openai.tool_tags import ANY_OBJECT, call_tags, calls_list, calls_or_text, structural
 from spruce.runtime.text.stop import stop_prefix_len
@@ -70,7 +70,7 @@ class ToolCallFormat:
         raise NotImplementedError
 
     def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
-        """The structural tag (constrained/structural_tag.py) of what tool_choice "auto" may
+        """The structural tag (constrained/backends/structural_tag.py) of what tool_choice "auto" may
         write: free text until the call marker, then a call of one of the `functions` whose
         arguments follow its `parameters` exactly, then free text or (when `parallel`) the
         next call."""

@@ -8,9 +8,9 @@ import torch
 from scheduler_fakes import fake_forward, fake_result, make_req, make_scheduler, step
 
 from spruce.constrained import make_spec
-from spruce.constrained.byte_nfa import build_nfa
-from spruce.constrained.grammar import CompiledGrammar
-from spruce.constrained.vocab import TokenVocabulary
+from spruce.constrained.automaton.byte_nfa import build_nfa
+from spruce.constrained.automaton.grammar import CompiledGrammar
+from spruce.constrained.automaton.vocab import TokenVocabulary
 from spruce.runtime.scheduler import grammar_queue
 
 COSTLY = ".*a.{24}"  # after an "a", nearly every byte a mask's walk reads makes a new state
@@ -71,7 +71,7 @@ def test_a_mask_past_its_own_bound_aborts_its_request_only(tiny_tokenizer):
 
 def test_the_stop_check_after_a_token_leaves_a_costly_mask_to_the_step_budget(tiny_tokenizer):
     """Checking whether a request must stop costs at most a quick bound of mask work."""
-    from spruce.constrained.grammar import QUICK_MASK_NEW_STATES
+    from spruce.constrained.automaton.grammar import QUICK_MASK_NEW_STATES
 
     cursor = costly_cursor(TokenVocabulary(tiny_tokenizer), tiny_tokenizer)
     dfa = cursor.grammar.dfa

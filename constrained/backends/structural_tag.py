@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import llguidance
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.llguidance_text import check_grammar, ebnf_grammar
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.backends.llguidance_text import check_grammar, ebnf_grammar
 
 # A tool list of OpenAI's 128 functions is ~400 formats (tag, content, schema); nesting past
 # a dozen levels is never a real format. Both bound the walk and the grammar's size (the

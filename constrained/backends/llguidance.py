@@ -18,15 +18,15 @@ import llguidance
 import numpy as np
 import torch
 
-from spruce.constrained.llguidance_text import lark_grammar, limits, readable_error
-from spruce.constrained.structural_tag import structural_tag_to_lark
-from spruce.constrained.cursor import CursorBase
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import Budgeted, SharedBudget
+from spruce.constrained.backends.llguidance_text import lark_grammar, limits, readable_error
+from spruce.constrained.backends.structural_tag import structural_tag_to_lark
+from spruce.constrained.automaton.cursor import CursorBase
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
     from spruce.constrained.spec import ConstraintSpec
-    from spruce.constrained.vocab import TokenVocabulary
+    from spruce.constrained.automaton.vocab import TokenVocabulary
 
 MATCHER_BYTES = 256 * 1024  # what a compiled matcher holds beyond its grammar text (roughly)
 BYTES_PER_GRAMMAR_CHAR = 64  # the compiled grammar against its text (roughly, measured on schemas)

@@ -9,7 +9,7 @@ import json
 import re
 from itertools import combinations
 
-from spruce.constrained.automata import (
+from spruce.constrained.automaton.automata import (
     intersect_regexes,
     literal_text,
     regex_fsm,
@@ -17,12 +17,12 @@ from spruce.constrained.automata import (
     subtract_regexes,
     words_except_regex,
 )
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.patterns import json_value_regex
-from spruce.constrained.schema_context import BOUNDS
-from spruce.constrained.schema_normalize import alternatives
-from spruce.constrained.schema_scalars import SAFE_CHAR, pattern_regex, string_regex
-from spruce.constrained.schema_validator import pattern_search
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.patterns import json_value_regex
+from spruce.constrained.schema.schema_context import BOUNDS
+from spruce.constrained.schema.schema_normalize import alternatives
+from spruce.constrained.schema.schema_scalars import SAFE_CHAR, pattern_regex, string_regex
+from spruce.constrained.schema.schema_validator import pattern_search
 
 KEY_UNIT = r'[^"\\\x00-\x1F\x7F-\x9F]'  # one unescaped key character
 KEY_ESCAPE = r'\\["\\bfnrt]'  # escapes; no "\/" or "\u": every key has one spelling

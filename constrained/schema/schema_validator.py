@@ -3,7 +3,7 @@ draft's keywords apply whatever `$schema` says (a draft-04 schema using `const` 
 `propertyNames` means them, as the converter and most tools take it), and patterns may use
 ECMA 262's named groups `(?<name>...)`, which Python's `re` spells `(?P<name>...)`.
 
-Patterns are matched in linear time (constrained/linear_regex.py, RE2), never with Python's
+Patterns are matched in linear time (constrained/core/linear_regex.py, RE2), never with Python's
 backtracking `re`: the keywords that match patterns (`pattern`, `patternProperties`,
 `additionalProperties`) are replaced here, and `unevaluatedProperties` is not checked in a
 schema that has `patternProperties` (jsonschema would search those with `re`). Lookaheads at
@@ -18,9 +18,9 @@ from typing import Any
 
 import jsonschema
 from jsonschema.exceptions import ValidationError
-from spruce.constrained import linear_regex
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.linear_regex import UnsupportedRegex
+from spruce.constrained.core import linear_regex
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.linear_regex import UnsupportedRegex
 
 # Keywords of later drafts that an older draft's validator lacks and that mean nothing else there.
 _LATER_KEYWORDS = ("const", "contains", "propertyNames", "if", "dependentRequired", "dependentSchemas")

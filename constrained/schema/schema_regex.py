@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from spruce.constrained.automata import literal_text
-from spruce.constrained.errors import ConstraintError, TooLarge
-from spruce.constrained.limits import MAX_ARRAY_ITEMS
-from spruce.constrained.patterns import (
+from spruce.constrained.automaton.automata import literal_text
+from spruce.constrained.core.errors import ConstraintError, TooLarge
+from spruce.constrained.automaton.limits import MAX_ARRAY_ITEMS
+from spruce.constrained.core.patterns import (
     JSON_INTEGER,
     JSON_NUMBER,
     JSON_STRING,
@@ -17,13 +17,13 @@ from spruce.constrained.patterns import (
     json_object_regex,
     json_value_regex,
 )
-from spruce.constrained.schema_context import BOUNDS, LOOSE, STRICT, Context
-from spruce.constrained.schema_merge import KINDS, same_json
-from spruce.constrained.schema_normalize import TYPE_KINDS, alternatives
-from spruce.constrained.schema_objects import object_regex
-from spruce.constrained.schema_scalars import integer_regex, number_regex, string_regex
-from spruce.constrained.schema_size import Part, subtree_keywords
-from spruce.constrained.schema_validator import validator_class
+from spruce.constrained.schema.schema_context import BOUNDS, LOOSE, STRICT, Context
+from spruce.constrained.schema.schema_merge import KINDS, same_json
+from spruce.constrained.schema.schema_normalize import TYPE_KINDS, alternatives
+from spruce.constrained.schema.schema_objects import object_regex
+from spruce.constrained.schema.schema_scalars import integer_regex, number_regex, string_regex
+from spruce.constrained.schema.schema_size import Part, subtree_keywords
+from spruce.constrained.schema.schema_validator import validator_class
 
 MAX_REGEX_CHARS = 4_000_000  # the regex text built so far; past it the schema is refused
 _TYPE_KEYS = {

@@ -30,8 +30,8 @@ import re
 from string import hexdigits
 
 import re2
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import BoundedCache, text_bytes
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.memory import BoundedCache, text_bytes
 
 MAX_PATTERN_MEMORY = 4 << 20  # bytes RE2 may use per compiled pattern (program and DFA cache)
 MAX_CACHED_BYTES = 32 << 20  # compiled patterns kept, by their estimated bytes

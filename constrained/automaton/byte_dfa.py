@@ -20,8 +20,8 @@ import threading
 
 import numpy as np
 
-from spruce.constrained.byte_nfa import ByteNFA
-from spruce.constrained.memory import MaskTooExpensive, MemoryBudget
+from spruce.constrained.automaton.byte_nfa import ByteNFA
+from spruce.constrained.core.memory import MaskTooExpensive, MemoryBudget
 
 DEAD = -1  # no transition
 UNKNOWN = -2  # row not computed yet

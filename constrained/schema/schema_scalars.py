@@ -9,7 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from interegular.fsm import FSM, Alphabet, anything_else
-from spruce.constrained.automata import (
+from spruce.constrained.automaton.automata import (
     MAX_AUTOMATON_STATES,
     can_emit,
     fsm_to_regex,
@@ -18,19 +18,19 @@ from spruce.constrained.automata import (
     regex_fsm,
     subtract_regexes,
 )
-from spruce.constrained.errors import ConstraintError, TooLarge
-from spruce.constrained.byte_nfa import parse_regex
-from spruce.constrained.limits import MAX_STRING_LENGTH, regex_lengths, regex_size
-from spruce.constrained.patterns import (
+from spruce.constrained.core.errors import ConstraintError, TooLarge
+from spruce.constrained.automaton.byte_nfa import parse_regex
+from spruce.constrained.automaton.limits import MAX_STRING_LENGTH, regex_lengths, regex_size
+from spruce.constrained.core.patterns import (
     FORMAT_REGEXES,
     JSON_FRACTION,
     JSON_INTEGER,
     JSON_NUMBER,
     JSON_STRING_CHAR,
 )
-from spruce.constrained.ranges import integer_range_regex, number_range_regex
-from spruce.constrained.schema_context import BOUNDS, CONTENT, Context
-from spruce.constrained.schema_validator import leading_lookaheads, plain_groups, top_level_branches
+from spruce.constrained.core.ranges import integer_range_regex, number_range_regex
+from spruce.constrained.schema.schema_context import BOUNDS, CONTENT, Context
+from spruce.constrained.schema.schema_validator import leading_lookaheads, plain_groups, top_level_branches
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))

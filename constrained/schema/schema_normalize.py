@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.schema_context import Context
-from spruce.constrained.schema_merge import FLATS_KEY, combine, merge, same_json, tighten
-from spruce.constrained.schema_negate import disjoint, negate
-from spruce.constrained.schema_refs import resolve_ref
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.schema.schema_context import Context
+from spruce.constrained.schema.schema_merge import FLATS_KEY, combine, merge, same_json, tighten
+from spruce.constrained.schema.schema_negate import disjoint, negate
+from spruce.constrained.schema.schema_refs import resolve_ref
 
 TYPE_KINDS = {
     "null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},

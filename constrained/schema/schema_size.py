@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.limits import MAX_EXPANDED_SIZE, regex_size
-from spruce.constrained.schema_context import LOOSE, Context
-from spruce.constrained.schema_refs import resolve_ref
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_size
+from spruce.constrained.schema.schema_context import LOOSE, Context
+from spruce.constrained.schema.schema_refs import resolve_ref
 
 MAX_RELAX_ROUNDS = 8  # each round converts the schema again
 TARGET_SIZE = MAX_EXPANDED_SIZE * 3 // 4  # relax towards this: part sizes are estimates

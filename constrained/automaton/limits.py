@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
-from spruce.constrained.byte_nfa import parse_regex
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import bounded_cache, text_bytes
+from spruce.constrained.automaton.byte_nfa import parse_regex
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.memory import bounded_cache, text_bytes
 
 MAX_STRING_LENGTH = 256  # JSON schema minLength / maxLength
 MAX_ARRAY_ITEMS = 64  # JSON schema minItems / maxItems (the item regex is repeated)

@@ -11,7 +11,7 @@ from functools import reduce
 
 import interegular
 from interegular.fsm import FSM, anything_else
-from spruce.constrained.errors import ConstraintError, TooLarge
+from spruce.constrained.core.errors import ConstraintError, TooLarge
 
 MAX_AUTOMATON_STATES = 2000  # state elimination is cubic in the states it removes
 _CLASS_SPECIAL = set("\\]^-[&~|")

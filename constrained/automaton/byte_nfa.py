@@ -21,8 +21,8 @@ from array import array
 from contextlib import contextmanager
 from functools import lru_cache
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.memory import EDGE_BYTES, PAIR_BYTES, bounded_cache
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.memory import EDGE_BYTES, PAIR_BYTES, bounded_cache
 
 try:  # Python 3.11+
     from re import _constants as sre, _parser as sre_parse  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 
 BACKENDS = ("spruce", "llguidance", "outlines")
 BACKEND_CHOICES = ("auto", *BACKENDS)
@@ -38,7 +38,7 @@ AUTO = {
     "json_schema": ("llguidance", "spruce"),
     **{kind: ("llguidance",) for kind in GRAMMAR_KINDS},
 }
-_MODULES = {"llguidance": "spruce.constrained.llguidance_backend", "outlines": "spruce.constrained.outlines_backend"}
+_MODULES = {"llguidance": "spruce.constrained.backends.llguidance", "outlines": "spruce.constrained.backends.outlines"}
 
 
 def candidates(kind: str, backend: str) -> tuple[str, ...]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spruce.constrained.byte_dfa import UNKNOWN, ByteDFA
-from spruce.constrained.memory import MaskTooExpensive
+from spruce.constrained.automaton.byte_dfa import UNKNOWN, ByteDFA
+from spruce.constrained.core.memory import MaskTooExpensive
 
 
 SMALL_FRONTIER = 64  # past depth 8, this few (node, state) pairs are walked on in plain Python

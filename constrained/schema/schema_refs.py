@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.schema_context import Context
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.schema.schema_context import Context
 
 
 def resolve_ref(ref: Any, path: str, ctx: Context) -> Any:

@@ -15,8 +15,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.schema_context import SchemaOptions
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.schema.schema_context import SchemaOptions
 
 # Per-mask work is bounded by llguidance's fuel: a step's lexer fuel at ~14k/ms and its Earley
 # items at ~20k/ms keep one mask under ~15 ms (past them the request fails, the batch goes on).

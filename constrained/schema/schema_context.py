@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 
 STRICT, LENIENT = "strict", "lenient"
 SCHEMA_MODES = (STRICT, LENIENT)

@@ -21,12 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from spruce.constrained.errors import ConstraintError
-from spruce.constrained.byte_nfa import parse_regex
-from spruce.constrained.limits import MAX_EXPANDED_SIZE, regex_size
-from spruce.constrained.schema_context import LOOSE, STRICT, Context, SchemaOptions
-from spruce.constrained.schema_regex import RegexBuilder, RegexTooLong
-from spruce.constrained.schema_size import (
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.automaton.byte_nfa import parse_regex
+from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_size
+from spruce.constrained.schema.schema_context import LOOSE, STRICT, Context, SchemaOptions
+from spruce.constrained.schema.schema_regex import RegexBuilder, RegexTooLong
+from spruce.constrained.schema.schema_size import (
     MAX_RELAX_ROUNDS,
     relax,
     relax_overflow,

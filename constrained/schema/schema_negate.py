@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from spruce.constrained.automata import regexes_disjoint
-from spruce.constrained.schema_context import Context
-from spruce.constrained.schema_merge import FLATS_KEY, combine, same_json
-from spruce.constrained.schema_merge import KINDS as _ANY
-from spruce.constrained.schema_refs import resolve_ref
-from spruce.constrained.schema_scalars import narrow_classes, pattern_search_regex
+from spruce.constrained.automaton.automata import regexes_disjoint
+from spruce.constrained.schema.schema_context import Context
+from spruce.constrained.schema.schema_merge import FLATS_KEY, combine, same_json
+from spruce.constrained.schema.schema_merge import KINDS as _ANY
+from spruce.constrained.schema.schema_refs import resolve_ref
+from spruce.constrained.schema.schema_scalars import narrow_classes, pattern_search_regex
 
 _OBJECT, _ARRAY, _STRING = {"object"}, {"array"}, {"string"}
 _NUMBER = {"integer", "fraction"}

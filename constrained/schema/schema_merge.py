@@ -6,9 +6,9 @@ from __future__ import annotations
 from itertools import product
 from typing import Any
 
-from spruce.constrained.errors import ConstraintError, TooLarge
-from spruce.constrained.schema_context import Context
-from spruce.constrained.schema_validator import pattern_search
+from spruce.constrained.core.errors import ConstraintError, TooLarge
+from spruce.constrained.schema.schema_context import Context
+from spruce.constrained.schema.schema_validator import pattern_search
 
 KINDS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
 MAX_ALTERNATIVES = 256

@@ -15,7 +15,7 @@ import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable
 
-from spruce.constrained.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError
 
 # Measured (tracemalloc, CPython 3.11): a tuple of two or three ints in a tuple or list,
 # the ints mostly past the small-int cache, costs about this much per element.

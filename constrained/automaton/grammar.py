@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from spruce.constrained.bitmask import pack_token_ids
-from spruce.constrained.byte_dfa import DEAD, MAX_BYTES, ByteDFA
-from spruce.constrained.byte_nfa import ByteNFA
-from spruce.constrained.cursor import GrammarCursor
-from spruce.constrained.memory import Budgeted, MaskTooExpensive, SharedBudget
-from spruce.constrained.vocab import TokenVocabulary
+from spruce.constrained.core.bitmask import pack_token_ids
+from spruce.constrained.automaton.byte_dfa import DEAD, MAX_BYTES, ByteDFA
+from spruce.constrained.automaton.byte_nfa import ByteNFA
+from spruce.constrained.automaton.cursor import GrammarCursor
+from spruce.constrained.core.memory import Budgeted, MaskTooExpensive, SharedBudget
+from spruce.constrained.automaton.vocab import TokenVocabulary
 
 if TYPE_CHECKING:
     from spruce.constrained.spec import ConstraintSpec

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
-from spruce.constrained.jump_forward import JumpForward, retokenize_tail
+from spruce.constrained.core.jump_forward import JumpForward, retokenize_tail
 
 if TYPE_CHECKING:
-    from spruce.constrained.grammar import CompiledGrammar
+    from spruce.constrained.automaton.grammar import CompiledGrammar
 
 FINISHED = -1  # state after EOS was accepted
 RETOKENIZE_WINDOW = 3  # output tokens re-tokenized together with a forced text
