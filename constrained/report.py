@@ -41,8 +41,9 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
 
 def violated_keywords(schema: Any, instance: Any) -> set[str] | None:
     """The keywords `instance` violates under `schema`, formats asserted (the errors inside
-    anyOf / oneOf branches included); empty when it is valid, None when jsonschema cannot
-    tell (a pattern Python cannot compile, a $ref to another document)."""
+    anyOf / oneOf branches included, and the applicators they sit under); empty when it is
+    valid, None when jsonschema cannot tell (a pattern Python cannot compile, a $ref to
+    another document)."""
     cls = validator_class(schema)
     try:
         todo = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance))
@@ -52,8 +53,14 @@ def violated_keywords(schema: Any, instance: Any) -> set[str] | None:
     while todo:
         error = todo.pop()
         found.add(str(error.validator))
+        found.update(p for p in error.relative_schema_path if p in _APPLICATORS)  # inside `then`: `then` too
         todo.extend(error.context or ())
     return found
+
+
+# Keywords whose subschemas' errors are theirs too: a keyword broken inside an unenforced
+# `then` breaks `then`.
+_APPLICATORS = frozenset({"if", "then", "else", "not", "oneOf", "anyOf", "allOf", "dependentSchemas", "dependencies", "propertyNames"})
 
 
 def excused(schema: Any, instance: Any, unenforced: tuple[str, ...] | list[str]) -> bool:

@@ -112,7 +112,7 @@ class LLGuidanceCursor(CursorBase):
     a sampled token is checked against that row before the matcher takes it (a token the
     matcher refused would leave it in its error state for good)."""
 
-    __slots__ = ("grammar", "_matcher", "_tokens", "_row", "_row_view", "_ready", "_finished")
+    __slots__ = ("grammar", "_matcher", "_tokens", "_row", "_row_view", "_row_ptr", "_ready", "_finished")
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher: llguidance.LLMatcher) -> None:
         self.grammar = grammar
@@ -120,6 +120,7 @@ class LLGuidanceCursor(CursorBase):
         self._tokens: list[int] = []
         self._row = np.zeros(grammar.vocab.num_words, dtype=np.int32)  # the current mask, once made
         self._row_view = torch.from_numpy(self._row)
+        self._row_ptr = self._row.ctypes.data  # asked once: the property costs a microsecond
         self._ready = False
         self._finished = False
 
@@ -145,19 +146,22 @@ class LLGuidanceCursor(CursorBase):
             if self._finished:
                 self._row[:] = self.grammar.vocab.eos_mask.numpy()
             else:
-                self._matcher.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
-                self._raise_error()
+                self._matcher.unsafe_compute_mask_ptr(self._row_ptr, self._row.nbytes)
+                if self._matcher.is_error():
+                    self._raise_error()
             self._ready = True
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.prepare_mask()
-        words = self._row.shape[0]
-        if bitmask.shape[-1] < words:
-            raise ValueError(f"bitmask rows have {bitmask.shape[-1]} words; this grammar needs {words}")
+        words, width = self._row.shape[0], bitmask.shape[-1]
+        if width == words:
+            bitmask[row].copy_(self._row_view)
+            return
+        if width < words:
+            raise ValueError(f"bitmask rows have {width} words; this grammar needs {words}")
         bitmask[row, :words].copy_(self._row_view)
-        if bitmask.shape[-1] > words:
-            bitmask[row, words:] = 0
+        bitmask[row, words:] = 0
 
     def can_end(self) -> bool:
         return self._finished or self._matcher.is_accepting()
