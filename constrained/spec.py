@@ -141,24 +141,13 @@ def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:
     if kind == STRUCTURAL_TAG:
         from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 
-        tag = _structural_tag(value)
-        return ConstraintSpec(kind, json.dumps(tag, ensure_ascii=False), "", backend="llguidance",
-                              grammar=llguidance_text.lark_grammar(structural_tag_to_lark(tag), STRUCTURAL_TAG))  # fmt: skip
+        lark = structural_tag_to_lark(value)  # a dict or its JSON text; errors name the field
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return ConstraintSpec(kind, text, "", backend="llguidance", grammar=llguidance_text.lark_grammar(lark, STRUCTURAL_TAG))
     if not isinstance(value, str):
         raise ConstraintError(f"{kind} must be a grammar text (a string)")
     grammar = llguidance_text.ebnf_grammar(value) if kind == EBNF else llguidance_text.lark_grammar(value)
     return ConstraintSpec(kind, value, "", backend="llguidance", grammar=grammar)
-
-
-def _structural_tag(value: Any) -> dict:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConstraintError(f"structural_tag is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConstraintError("structural_tag must be a JSON object")
-    return value
 
 
 def _variant(options: SchemaOptions) -> str:

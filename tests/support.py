@@ -134,3 +134,14 @@ def stream_ids(client, body: dict, started=None) -> list[int]:
                 if started is not None:
                     started.set()
     return ids
+
+
+def first_refused(grammar, tokenizer, text: str) -> tuple[int | None, bool, list[int]]:
+    """`text` tokenized and fed to a fresh cursor of `grammar`: (index of the first refused
+    token or None, whether it can end after all of them, the ids)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cursor = grammar.cursor()
+    for i, token in enumerate(ids):
+        if not cursor.accept_token(token):
+            return i, False, ids
+    return None, cursor.can_end(), ids

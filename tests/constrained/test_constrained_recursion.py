@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 from spruce.constrained import GrammarCompiler, make_spec
-from support import bundled_gguf_path
+from support import bundled_gguf_path, first_refused
 
 TREE = {
     "$defs": {
@@ -102,16 +102,6 @@ def compiler(tokenizer):
     compiler.close()
 
 
-def feed(grammar, tokenizer, text: str) -> tuple[int | None, bool, list[int]]:
-    """(index of the first refused token or None, can_end after all tokens, the ids)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    cursor = grammar.cursor()
-    for i, token in enumerate(ids):
-        if not cursor.accept_token(token):
-            return i, False, ids
-    return None, cursor.can_end(), ids
-
-
 def token_at(tokenizer, ids: list[int], offset: int) -> int:
     """The index of the token whose text covers character `offset` (ASCII text)."""
     end = 0
@@ -131,7 +121,7 @@ def compiled(compiler, schema: dict, backend: str):
 def assert_accepted(grammar, tokenizer, schema: dict, value: object) -> None:
     jsonschema.validate(value, schema)
     text = compact(value)
-    refused, can_end, _ = feed(grammar, tokenizer, text)
+    refused, can_end, _ = first_refused(grammar, tokenizer, text)
     assert refused is None and can_end, text
 
 
@@ -140,7 +130,7 @@ def assert_refused_at(grammar, tokenizer, schema: dict, text: str, offset: int) 
     the first one refused."""
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(json.loads(text), schema)
-    refused, _, ids = feed(grammar, tokenizer, text)
+    refused, _, ids = first_refused(grammar, tokenizer, text)
     assert refused == token_at(tokenizer, ids, offset), (text, offset, refused)
 
 
@@ -153,7 +143,7 @@ def test_a_depth_8_tree_is_accepted_to_its_end(compiler, tokenizer, backend):
     assert_accepted(
         grammar, tokenizer, TREE, {"value": -3, "children": [tree(DEPTH - 1), tree(2), tree(1)]}
     )
-    refused, can_end, _ = feed(grammar, tokenizer, compact(value)[:-1])
+    refused, can_end, _ = first_refused(grammar, tokenizer, compact(value)[:-1])
     assert refused is None and not can_end  # one bracket short: a prefix, not an end
 
 
@@ -205,7 +195,7 @@ def test_the_spruce_backend_still_unrolls_recursion(compiler, tokenizer):
     assert spec.backend == "spruce"
     grammar = compiler.compile(spec)
     assert_accepted(grammar, tokenizer, TREE, tree(4))
-    refused, _, _ = feed(grammar, tokenizer, compact(tree(DEPTH)))
+    refused, _, _ = first_refused(grammar, tokenizer, compact(tree(DEPTH)))
     assert refused is not None
 
 

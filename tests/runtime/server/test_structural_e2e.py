@@ -17,7 +17,7 @@ import pytest
 from spruce.constrained import GrammarCompiler, make_spec
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
-from support import bundled_gguf_path
+from support import bundled_gguf_path, first_refused
 from test_server import start_server, stop_server
 
 WEATHER = {
@@ -81,23 +81,13 @@ def strict_grammar():
     compiler.close()
 
 
-def first_refused(strict_grammar, text: str) -> tuple[int | None, bool, list[int]]:
-    grammar, tokenizer = strict_grammar
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    cursor = grammar.cursor()
-    for i, token in enumerate(ids):
-        if not cursor.accept_token(token):
-            return i, False, ids
-    return None, cursor.can_end(), ids
-
-
 def test_two_calls_in_a_row_with_text_around_them(strict_grammar):
     one = hermes_block("get_weather", {"city": "Oslo", "unit": "celsius", "days": 3})
     two = hermes_block("count", {"n": 2})
     for text in (f"Checking both.\n{one}\n{two}\nDone.", one + two, f"{one}\n{two}"):
         assert [check_call(block) for block in BLOCK.findall(text)]
-        assert first_refused(strict_grammar, text)[:2] == (None, True), text
-    assert first_refused(strict_grammar, "No call needed.")[:2] == (None, True)
+        assert first_refused(*strict_grammar, text)[:2] == (None, True), text
+    assert first_refused(*strict_grammar, "No call needed.")[:2] == (None, True)
 
 
 def test_a_broken_second_call_is_refused_at_its_token(strict_grammar):
@@ -107,7 +97,7 @@ def test_a_broken_second_call_is_refused_at_its_token(strict_grammar):
     text = f"{one}\n{two}"
     with pytest.raises(jsonschema.ValidationError):
         check_call(BLOCK.findall(text)[1])
-    refused, _, ids = first_refused(strict_grammar, text)
+    refused, _, ids = first_refused(*strict_grammar, text)
     offset, end = text.index("kelvin"), 0
     for i, token in enumerate(ids):  # the token holding the k of kelvin
         end += len(tokenizer.decode([token]))
