@@ -109,13 +109,14 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
         if name == "spruce":
             converted = convert_schema(schema, options)  # every check, before any compute
             return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
-        last = name == tried[-1]
-        made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT)
-        if made is not None:
-            return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
-        if last:
-            raise ConstraintError(f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)")
-    raise AssertionError("unreachable")
+        try:
+            made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT)
+        except ConstraintError:
+            if name == tried[-1]:
+                raise
+            continue
+        return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
+    raise AssertionError("the last backend raises or returns")
 
 
 class _Made(NamedTuple):
@@ -124,14 +125,15 @@ class _Made(NamedTuple):
     unenforced: tuple[str, ...]
 
 
-def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made | None:
+def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made:
     if name == "llguidance":
         from spruce.constrained.backends.llguidance_text import schema_grammar
 
-        made = schema_grammar(schema, options, lenient)
-        return None if made is None else _Made("", *made)
+        return _Made("", *schema_grammar(schema, options, lenient))
     regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
-    return None if regex is None else _Made(regex, "", ())
+    if regex is None:
+        raise ConstraintError(f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)")
+    return _Made(regex, "", ())
 
 
 def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:

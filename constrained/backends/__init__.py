@@ -1,5 +1,5 @@
-"""Grammar backends: what compiles a constraint spec, behind one protocol (the modules
-`*_backend.py`; the spruce automaton is grammar.py + cursor.py).
+"""Grammar backends: what compiles a constraint spec, behind one protocol (llguidance.py,
+outlines.py here; the spruce automaton is automaton/grammar.py + automaton/cursor.py).
 
     spruce      the byte automaton of this package (regex, choices, dtypes; JSON schemas
                 through the converter, recursion unrolled): cached per-state masks.
@@ -11,11 +11,12 @@
 A backend's compiled grammar is shared by the requests with the same spec and has `spec`,
 `vocab` (TokenVocabulary), `nbytes`, `exhausted`, `work` (mask work done so far: the
 scheduler's per-step budget counts it) and `cursor()`; its cursor has the methods of
-cursor.GrammarCursor (accept_token, fill_bitmask, prepare_mask, can_end, is_terminated,
+automaton/cursor.GrammarCursor (accept_token, fill_bitmask, prepare_mask, can_end, is_terminated,
 rollback, copy, num_accepted, forced_bytes, accepts; jump-forward comes from CursorBase).
 
 `--grammar-backend auto` picks per kind, by the figures in docs/grammar-bench.md: the first
-backend of AUTO[kind] that takes the constraint.
+backend of AUTO[kind] that takes the constraint (a JSON schema: llguidance, in lenient mode
+leaving out what it cannot enforce; the spruce converter where llguidance refuses it).
 """
 
 from __future__ import annotations

@@ -83,9 +83,9 @@ def regex_grammar(regex: str) -> str:
     return grammar
 
 
-def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]] | None:
-    """(the grammar, the keywords it leaves unenforced) of a JSON schema, or None when
-    llguidance cannot enforce all of it and `lenient` is False (a keyword it does not
+def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]]:
+    """(the grammar, the keywords it leaves unenforced) of a JSON schema; ConstraintError
+    with llguidance's reason when it cannot take it (or, `lenient` False, cannot enforce all of it (a keyword it does not
     implement, a `oneOf` it cannot prove exclusive, a `format` it does not know). As the
     spruce converter writes them: objects that say nothing of additionalProperties take no
     extra keys unless `options.open_objects` (or the schema intersects object schemas: then
@@ -106,7 +106,7 @@ def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[
         raise ConstraintError(f"json_schema: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
     if is_error:
-        return None
+        raise ConstraintError(f"json_schema: {readable_error(messages[0])} (the llguidance grammar backend)")
     return grammar, _unimplemented(messages)
 
 
