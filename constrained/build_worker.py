@@ -22,8 +22,9 @@ ConstraintSpec), ("error", message) or ("crash", message).
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
-crosses is objects our own code built (a regex or schema string, the NFA's lists of ints, a
-ConstraintSpec), so a user's constraint is only ever pickled as a string, never unpickled
+crosses is objects our own code built (a regex, schema or grammar string, the NFA's lists of ints, a
+ConstraintSpec, whose grammar is llguidance's text), so a user's constraint (a schema, a
+regex, a grammar, a structural tag) is only ever pickled as a string, never unpickled
 from bytes they chose.
 """
 

@@ -129,13 +129,12 @@ class GrammarCompiler:
         compile here, on this build thread (llguidance drops the GIL and bounds its work with
         its own limits, backends/llguidance_text.py)."""
         started.set()
-        if spec.backend != "spruce":
+        if spec.backend == "spruce":
+            nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
+            grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
+        else:
             grammar = backends.module(spec.backend).compile_grammar(spec, self.vocab, self.grammar_bytes, self.live)
-            grammar.warm()
-            return grammar
-        nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
-        grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
-        grammar.warm(grammar.initial_state)
+        grammar.warm()  # the first mask, off the scheduler thread
         return grammar
 
     def _finish(self, spec: ConstraintSpec, build: Future, ready: Future) -> None:

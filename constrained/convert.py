@@ -84,13 +84,16 @@ class SpecConverter:
         whitespace_pattern: str = "",
         schema_mode: str = "lenient",
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        **more: Any,
+        *,
+        ebnf: str | None = None,
+        lark: str | None = None,
+        structural_tag: Any = None,
+        backend: str = "auto",
     ) -> ConstraintSpec | None:
-        """As `spec.make_spec` (`more`: ebnf, lark, structural_tag, backend); a JSON schema,
-        a grammar, and a regex or choices longer than INLINE_CHARS are converted in a worker
-        within `timeout_s`."""
-        backend = more.pop("backend", "auto")
-        given = {"regex": regex, "json_schema": json_schema, "choices": choices, **more}
+        """As `spec.make_spec`; a JSON schema, a grammar, and a regex or choices longer than
+        INLINE_CHARS are converted in a worker within `timeout_s`."""
+        given = {"regex": regex, "json_schema": json_schema, "choices": choices, "ebnf": ebnf, "lark": lark,
+                 "structural_tag": structural_tag}  # fmt: skip
         given = {name: value for name, value in given.items() if value is not None}
         request = _worker_request(given, whitespace_pattern, schema_mode, backend)
         if request is None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
+from spruce.constrained.core.bitmask import write_row
 from spruce.constrained.core.jump_forward import JumpForward, retokenize_tail
 
 if TYPE_CHECKING:
@@ -120,15 +121,7 @@ class GrammarCursor(CursorBase):
         """Writes this cursor's allowed tokens into `bitmask[row]` (int32, packed; see
         bitmask.py). A finished cursor allows only EOS."""
         state = self._states[-1]
-        mask = self.grammar.vocab.eos_mask if state == FINISHED else self.grammar.mask(state)
-        words = mask.shape[0]
-        if bitmask.shape[-1] < words:
-            raise ValueError(
-                f"bitmask rows have {bitmask.shape[-1]} words; this grammar needs {words}"
-            )
-        bitmask[row, :words].copy_(mask)
-        if bitmask.shape[-1] > words:
-            bitmask[row, words:] = 0
+        write_row(bitmask, row, self.grammar.vocab.eos_mask if state == FINISHED else self.grammar.mask(state))
 
     def prepare_mask(self, max_new_states: int) -> bool:
         """Makes the current state's mask ahead of `fill_bitmask`, with at most

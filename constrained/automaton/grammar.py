@@ -32,7 +32,6 @@ MASK_OVERHEAD_BYTES = 600  # a mask's tensor object and its cache entry (measure
 
 
 class CompiledGrammar(Budgeted):
-    backend = "spruce"
     """States are the lazy DFA's (byte_dfa.py). A state's token mask is computed on first use
     by walking the vocabulary's byte trie from it (token_trie.py: a few ms for a state
     allowing most of a 49k vocabulary, far less elsewhere) and cached; the caches only grow,
@@ -43,6 +42,8 @@ class CompiledGrammar(Budgeted):
     budget for all live grammars): a request whose walk would pass it gets GrammarTooLarge
     (a ConstraintError) and the grammar stays usable for the states it has. `nbytes` is
     what it holds now (the compiler's cache counts it)."""
+
+    backend = "spruce"
 
     def __init__(
         self, spec: ConstraintSpec, nfa: ByteNFA, vocab: TokenVocabulary, max_bytes: int = MAX_BYTES,
@@ -106,9 +107,10 @@ class CompiledGrammar(Budgeted):
         """Whether `state`'s mask is made already (asking for it costs a lookup)."""
         return state in self._states
 
-    def warm(self, state: int) -> None:
-        """Makes `state`'s mask without the per-mask work bound (for the build thread)."""
-        self._state_info(state, None)
+    def warm(self, state: int | None = None) -> None:
+        """Makes `state`'s mask (default: the initial state's) without the per-mask work
+        bound (for the build thread)."""
+        self._state_info(self.initial_state if state is None else state, None)
 
     def prepare_mask(self, state: int, max_new_states: int) -> bool:
         """Makes `state`'s mask, making at most `max_new_states` new DFA states now; False

@@ -10,8 +10,8 @@ microseconds, bounded by the parser's fuel limits below), nothing per state is c
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 import weakref
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -21,6 +21,7 @@ import torch
 from spruce.constrained.backends.llguidance_text import lark_grammar, limits, readable_error
 from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 from spruce.constrained.automaton.cursor import CursorBase
+from spruce.constrained.core.bitmask import write_row
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import Budgeted, SharedBudget
 
@@ -148,20 +149,13 @@ class LLGuidanceCursor(CursorBase):
             else:
                 self._matcher.unsafe_compute_mask_ptr(self._row_ptr, self._row.nbytes)
                 if self._matcher.is_error():
-                    self._raise_error()
+                    raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")
             self._ready = True
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.prepare_mask()
-        words, width = self._row.shape[0], bitmask.shape[-1]
-        if width == words:
-            bitmask[row].copy_(self._row_view)
-            return
-        if width < words:
-            raise ValueError(f"bitmask rows have {width} words; this grammar needs {words}")
-        bitmask[row, :words].copy_(self._row_view)
-        bitmask[row, words:] = 0
+        write_row(bitmask, row, self._row_view)
 
     def can_end(self) -> bool:
         return self._finished or self._matcher.is_accepting()
@@ -209,7 +203,3 @@ class LLGuidanceCursor(CursorBase):
         if self._ready:
             return bool((int(self._row[token_id >> 5]) >> (token_id & 31)) & 1)
         return self._matcher.validate_tokens([token_id]) == 1
-
-    def _raise_error(self) -> None:
-        if self._matcher.is_error():
-            raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")

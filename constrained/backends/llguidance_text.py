@@ -3,7 +3,7 @@ and column). No torch here: the conversion workers import this module.
 
     grammar = lark_grammar('start: "yes" | "no"')
     grammar = ebnf_grammar('root ::= "Hello" | "Hi"')         # GBNF / XGrammar's EBNF
-    grammar, unenforced = schema_grammar(schema, options)      # None when llguidance refuses it
+    grammar, unenforced = schema_grammar(schema, options, lenient=True)  # ConstraintError if refused
 """
 
 from __future__ import annotations
@@ -77,6 +77,18 @@ def _gbnf_position(error: GbnfToLarkError) -> str:
     return f"line {line}, column {column}: "
 
 
+def nested_lark(grammar: str) -> str:
+    """llguidance's grammar text (Lark, or its JSON form holding one Lark grammar or JSON
+    schema: `ConstraintSpec.grammar`) as a Lark expression to embed in another grammar: a
+    `%lark {...}` block (its rules keep their own names) or `%json {...}`."""
+    if grammar.lstrip().startswith("{"):
+        (top,) = json.loads(grammar)["grammars"]
+        if top.get("json_schema") is not None:
+            return "%json " + json.dumps(top["json_schema"], ensure_ascii=False)
+        grammar = top["lark_grammar"]
+    return "%lark {\n" + grammar + "\n}"
+
+
 def regex_grammar(regex: str) -> str:
     grammar = llguidance.LLMatcher.grammar_from_regex(regex)
     check_grammar(grammar, "regex")
@@ -85,16 +97,15 @@ def regex_grammar(regex: str) -> str:
 
 def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]]:
     """(the grammar, the keywords it leaves unenforced) of a JSON schema; ConstraintError
-    with llguidance's reason when it cannot take it (or, `lenient` False, cannot enforce all of it (a keyword it does not
-    implement, a `oneOf` it cannot prove exclusive, a `format` it does not know). As the
-    spruce converter writes them: objects that say nothing of additionalProperties take no
-    extra keys unless `options.open_objects` (or the schema intersects object schemas: then
-    it keeps the specification's open objects, see _INTERSECTING), a number without bounds has at most 16 digits
-    before its point and 10 after it (a small model writes digits forever otherwise),
-    whitespace is `options.whitespace_pattern`."""
+    with llguidance's reason when it cannot take it, or (`lenient` False) cannot enforce all
+    of it: a keyword it does not implement, a `oneOf` it cannot prove exclusive, a `format`
+    it does not know. Written as the spruce converter writes JSON (see _prepared): objects
+    closed unless `options.open_objects` or the schema intersects object schemas
+    (_INTERSECTING), numbers bounded, whitespace `options.whitespace_pattern`."""
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
-    schema = _prepared(schema, close=not options.open_objects and not _intersects(schema))
+    close = not options.open_objects and not _intersects(schema)
+    schema = _prepared(schema, close, keep_open=frozenset(_refs_beside_object_keys(schema)) if close else frozenset())
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
@@ -104,10 +115,7 @@ def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     except ValueError as e:
         raise ConstraintError(f"json_schema: {e}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
-    if is_error:
-        raise ConstraintError(f"json_schema: {readable_error(messages[0])} (the llguidance grammar backend)")
-    return grammar, _unimplemented(messages)
+    return grammar, _unimplemented(check_grammar(grammar, "json_schema"))
 
 
 def _unimplemented(warnings: list[str]) -> tuple[str, ...]:
@@ -195,8 +203,6 @@ def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[st
         return [_prepared(item, close, here, keep_open) for item in node]
     if not isinstance(node, dict):
         return node
-    if close and not keep_open:
-        keep_open = frozenset(_refs_beside_object_keys(node)) or frozenset({""})
     owns_objects = bool(_OBJECT_KEYS & node.keys())
     out = {}
     for key, value in node.items():
@@ -212,10 +218,10 @@ def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[st
     closes = close and here and not _APPLICATORS & node.keys()
     if closes and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False
-    kinds = node.get("type")
-    if _numeric(kinds) and not any(b in node for b in _BOUNDS):
+    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
+    if any(t in ("integer", "number") for t in types) and not any(b in node for b in _BOUNDS):
         out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
-    if "number" in (kinds if isinstance(kinds, list) else [kinds]) and "multipleOf" not in node:
+    if "number" in types and "multipleOf" not in node:
         out["multipleOf"] = FRACTION_STEP
     return out
 
@@ -242,8 +248,3 @@ def _refs_beside_object_keys(node: Any) -> set[str]:
                 todo.append((value, owns and key in ("anyOf", "oneOf")))
     return found
 
-
-def _numeric(kinds: Any) -> bool:
-    """Whether a schema's `type` admits integers or numbers."""
-    names = kinds if isinstance(kinds, list) else [kinds]
-    return "integer" in names or "number" in names

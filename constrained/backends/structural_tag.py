@@ -47,7 +47,7 @@ from typing import Any
 
 import llguidance
 from spruce.constrained.core.errors import ConstraintError
-from spruce.constrained.backends.llguidance_text import check_grammar, ebnf_grammar
+from spruce.constrained.backends.llguidance_text import check_grammar, ebnf_grammar, nested_lark
 
 # A tool list of OpenAI's 128 functions is ~400 formats (tag, content, schema); nesting past
 # a dozen levels is never a real format. Both bound the walk and the grammar's size (the
@@ -66,10 +66,10 @@ TYPE_BY_KEY = (
     ("pattern", "regex"), ("grammar", "grammar"), ("triggers", "triggered_tags"),
     ("separator", "tags_with_separator"), ("elements", "sequence"),
 )  # fmt: skip
-UNBOUNDED = ("any_text", "triggered_tags")
+UNBOUNDED = ("any_text", "triggered_tags")  # run to the enclosing tag's end (or the output's)
 # JSON inside a tag: one space after `,` and `:` (as models write tool calls), no other white
 # space (flexible white space lets a small model pad forever); a schema's own x-guidance wins.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # run to the enclosing tag's end (or the output's)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def structural_tag_to_lark(tag: Any, special_tokens: Mapping[str, int] | None = None) -> str:
@@ -156,9 +156,7 @@ class _Writer:
             grammar = ebnf_grammar(text)  # converted to Lark and checked
         except ConstraintError as e:
             raise ConstraintError(f"{path}.grammar{str(e).removeprefix('ebnf')}") from None
-        if grammar.lstrip().startswith("{"):  # llguidance's JSON envelope, where it wraps the text
-            grammar = json.loads(grammar)["grammars"][0]["lark_grammar"]
-        return self.rule("%lark {\n" + grammar + "\n}")
+        return self.rule(nested_lark(grammar))
 
     def _regex(self, node: dict, path: str, ends: tuple, depth: int) -> str:
         body = _regex_body(_string(node, "pattern", path), f"{path}.pattern")
@@ -229,14 +227,7 @@ class _Writer:
         token cannot be in text, so it simply follows it."""
         if not ends:
             return text
-        options = []
-        for end in ends:
-            first, rest = self.split_first(end)
-            if first.startswith("<["):
-                options.append(f"{text} {first} {rest}")
-            else:
-                options.append(f"{self.rule(f'{text} {first}', '[lazy]')} {rest}")
-        return " | ".join(f"({o})" for o in options)
+        return " | ".join(f"({self.triggered(text, end)})" for end in ends)
 
     def _triggered_tags(self, node: dict, path: str, ends: tuple, depth: int) -> str:
         triggers = _strings(node.get("triggers"), f"{path}.triggers", non_empty=True)
@@ -267,7 +258,9 @@ class _Writer:
         return self.rule(f"{call}* ({tail})")
 
     def triggered(self, text: str, trigger: str) -> str:
-        """Free text up to and including `trigger`."""
+        """Free text (terminal `text`) up to and including `trigger`: a lazy lexeme ending
+        where the trigger first appears, or, for a special token (never in text), the token
+        after the text."""
         first, rest = self.split_first(trigger)
         if first.startswith("<["):
             return f"{text} {first} {rest}"

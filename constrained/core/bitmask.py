@@ -28,6 +28,19 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> to
     return torch.from_numpy(packed.astype(np.int32))
 
 
+def write_row(bitmask: torch.Tensor, row: int, mask: torch.Tensor) -> None:
+    """Copies one packed mask into `bitmask[row]`; words past the mask's are zeroed (a
+    bitmask sized for a larger vocabulary). ValueError when the row is too narrow."""
+    words, width = mask.shape[0], bitmask.shape[-1]
+    if width == words:
+        bitmask[row].copy_(mask)
+        return
+    if width < words:
+        raise ValueError(f"bitmask rows have {width} words; this grammar needs {words}")
+    bitmask[row, :words].copy_(mask)
+    bitmask[row, words:] = 0
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [..., vocab_size]: True where the token is allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

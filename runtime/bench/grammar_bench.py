@@ -327,7 +327,7 @@ def make_engines(tokenizer, names: list[str] | None = None) -> dict:
 
     makers = {
         f"spruce/{b}" if b != "spruce" else "spruce": (eng.SpruceEngine, b)
-        for b in eng.spruce_backends()
+        for b in eng.SPRUCE_BACKENDS
     }
     makers |= {"llguidance": (eng.LLGuidanceEngine, None), "xgrammar": (eng.XGrammarEngine, None)}
     unknown = set(names or ()) - set(makers)

@@ -11,7 +11,6 @@ unsafe_compute_mask_ptr, XGrammar's fill_next_token_bitmask, each into its own i
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 from importlib import metadata
@@ -27,13 +26,7 @@ LLG_OVERRIDES = {"whitespace_flexible": False, "item_separator": ",", "key_separ
 COMPILE_TIMEOUT_S = 30  # a compile past it counts as refused (the server's grammar timeout)
 
 
-def spruce_backends() -> tuple[str, ...]:
-    """Spruce's grammar backends the bench measures (only "spruce" before make_spec took one)."""
-    from spruce.constrained import make_spec
-
-    if "backend" in inspect.signature(make_spec).parameters:
-        return ("spruce", "llguidance", "auto")
-    return ("spruce",)
+SPRUCE_BACKENDS = ("spruce", "llguidance", "auto")  # the Spruce backends the bench measures
 
 
 def _allows(row: np.ndarray, token_id: int) -> bool:
@@ -70,10 +63,9 @@ class SpruceEngine:
         self.compiler = GrammarCompiler(
             tokenizer, cache_size=1, timeout_s=COMPILE_TIMEOUT_S, cache_bytes=1 << 40
         )
+        # workers started, vocabularies built: start-up is not a compile
         for kind, value in (("regex", "warm[0-9]"), ("json_schema", {"type": "integer"})):
-            self.compile(
-                kind, value
-            )  # workers started, vocabularies built: start-up is not a compile
+            self.compile(kind, value)
 
     @classmethod
     def create(cls, tokenizer, backend: str) -> SpruceEngine:
@@ -82,8 +74,7 @@ class SpruceEngine:
     def compile(self, kind: str, value) -> SpruceCompiled:
         from spruce.constrained import make_spec
 
-        options = {} if spruce_backends() == ("spruce",) else {"backend": self.backend}
-        spec = make_spec(**{kind: value}, **options)
+        spec = make_spec(**{kind: value}, backend=self.backend)
         return SpruceCompiled(self.compiler.compile(spec), kind, value)
 
     def close(self) -> None:
@@ -103,10 +94,7 @@ class SpruceCompiled:
     def text(self, instance) -> str | None:
         """The instance with its keys in the order Spruce's automaton writes them (the
         converter's recorded order); None where the grammar is not Spruce's automaton."""
-        if (
-            self._kind != "json_schema"
-            or getattr(self.grammar.spec, "backend", "spruce") != "spruce"
-        ):
+        if self._kind != "json_schema" or self.grammar.spec.backend != "spruce":
             return None
         from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
 
@@ -198,9 +186,7 @@ class LLGuidanceCursor:
         return _allows(self.row, token_id)
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.consume_token(
-            token_id
-        )  # a refused token leaves it in error: cursor done
+        return self.matcher.consume_token(token_id)  # a refused token leaves it in error: cursor done
 
     def can_end(self) -> bool:
         return self.matcher.is_accepting()

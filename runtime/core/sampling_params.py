@@ -21,7 +21,6 @@ MIN_REPETITION_PENALTY = 1e-5  # the same division
 # The constraint fields: a request sets at most one. All but choices are text.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "choices", "ebnf", "lark", "structural_tag")
 TEXT_CONSTRAINTS = tuple(name for name in CONSTRAINT_FIELDS if name != "choices")
-GRAMMAR_FIELDS = ("ebnf", "lark", "structural_tag")  # compiled by a grammar backend, not the regex path
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spruce.constrained.core import errors as constrained_errors
+from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.core.sampling_params import GRAMMAR_FIELDS, SamplingParams
+from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.values import is_int, is_number
 from spruce.runtime.errors import ConstraintError, InvalidRequestError, constraint_error
 from spruce.runtime.limits import INT64_MAX, RequestLimits
@@ -132,7 +133,7 @@ def logprob_entries(num_ids: int, sampling: SamplingParams, options: RequestOpti
 def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec | None:
     """The constraint converted to its spec, once. A JSON schema converts in a worker
     process that is stopped at the deadline (`constrained.convert`). A grammar's error
-    names its field (`ebnf: 3(7): ...`)."""
+    names its field (`ebnf: line 3, column 7: ...`)."""
     if not sampling.has_constraint:
         return None
     try:
@@ -144,10 +145,10 @@ def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec
 
 
 def named_error(error: constrained_errors.ConstraintError, name: str) -> ConstraintError:
-    """The runtime's ConstraintError, naming the grammar field it is about (`lark: 1(15):
-    Expected token ...`); regex / schema / choices messages name theirs already."""
+    """The runtime's ConstraintError, naming the grammar field it is about (`lark: line 1,
+    column 15: ...`); regex / schema / choices messages name theirs already."""
     message = str(error)
-    if name in GRAMMAR_FIELDS and not message.startswith(name):
+    if name in GRAMMAR_KINDS and not message.startswith(name):
         return ConstraintError(f"{name}: {message}")
     return constraint_error(error)
 

@@ -4,10 +4,11 @@ the scheduler loop; a failed or overdue build fails its own requests only.
 
 Masks: a running request's next token mask is made before its step (`prepare_masks`), all
 of them within MASK_STEP_NEW_STATES new DFA states a step (the spruce automaton; an
-llguidance mask is computed whole, within llguidance's fuel limits). A request whose mask needs more
-sits the step out (its walk's work is kept and resumed next step) while the others run, so
-one costly mask (a state of `.*a.{24}` makes thousands) never stalls the batch; a mask
-past its own bound, or a grammar past its memory budget, fails its request only."""
+llguidance mask is computed whole, within llguidance's fuel limits). A request whose mask
+needs more sits the step out (its walk's work is kept and resumed next step) while the
+others run, so one costly mask (a state of `.*a.{24}` makes thousands) never stalls the
+batch; a mask past its own bound, or a grammar past its memory budget, fails its request
+only."""
 
 from __future__ import annotations
 

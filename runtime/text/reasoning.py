@@ -65,7 +65,7 @@ class ReasoningFormat:
         """A Lark grammar (llguidance's dialect) for reasoning text then the constrained
         answer, for constraints that are not regular: the reasoning is one lazy lexeme that
         ends at the first closing tag, then up to 4 whitespace characters, then `answer`, a
-        Lark expression (`answer_lark`: `%json {...}` or `%lark {...}`). The
+        Lark expression (`backends.llguidance_text.nested_lark`: `%json {...}` or `%lark {...}`). The
         block is optional when the output does not start inside it."""
         block = "think SEPARATOR?"
         start = f"OPEN? {block} answer" if inside or self.starts_open else f"(OPEN {block})? answer"
@@ -176,18 +176,6 @@ def text_without_regex(word: str) -> str:
     loop = f"(?:{partial}{c})*"
     tail = f"(?:{c}{loop}{partial})?"
     return f"(?:{other(first)}|{c}{loop}(?:{fails}))*{tail}"
-
-
-def answer_lark(grammar: str) -> str:
-    """llguidance's grammar text (Lark, or its JSON form holding one JSON schema or Lark
-    grammar: `ConstraintSpec.grammar`) as a Lark expression for `constraint_lark`: a nested
-    `%lark {...}` block (its rules keep their own names) or `%json {...}`."""
-    if grammar.lstrip().startswith("{"):
-        (top,) = json.loads(grammar)["grammars"]
-        if top.get("json_schema") is not None:
-            return "%json " + json.dumps(top["json_schema"], ensure_ascii=False)
-        grammar = top["lark_grammar"]
-    return "%lark {\n" + grammar + "\n}"
 
 
 def lark_regex_literal(text: str) -> str:

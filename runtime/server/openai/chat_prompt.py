@@ -11,6 +11,7 @@ from typing import Any
 import jinja2
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.report import schema_report
+from spruce.constrained.backends.llguidance_text import nested_lark
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
@@ -30,7 +31,7 @@ from spruce.runtime.server.openai.schemas import (
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_format
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
-from spruce.runtime.text.reasoning import ReasoningFormat, answer_lark, reasoning_format
+from spruce.runtime.text.reasoning import ReasoningFormat, reasoning_format
 from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS
 
 
@@ -188,7 +189,7 @@ class ChatPrompt:
         if spec.regex and spec.backend != "llguidance":
             regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
             return sampling.replace(**{**cleared, "regex": regex}), spec
-        lark = self.reasoning.constraint_lark(answer_lark(spec.grammar), self.thinking)
+        lark = self.reasoning.constraint_lark(nested_lark(spec.grammar), self.thinking)
         return sampling.replace(**{**cleared, "lark": lark}), spec
 
 

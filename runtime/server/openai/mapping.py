@@ -13,7 +13,7 @@ from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParam
 from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
 from spruce.runtime.errors import ConstraintError, InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
-from spruce.runtime.server.openai.tool_parsers import ANY_OBJECT
+from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
 from spruce.runtime.server.openai.vllm_fields import vllm_constraints
 from spruce.runtime.server.openai.schemas import (
     MAX_TOP_LOGPROBS,

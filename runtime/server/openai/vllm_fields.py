@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from llguidance.gbnf_to_lark import is_lark_syntax
-from spruce.runtime.server.openai.tool_parsers import ANY_OBJECT
+from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
 
 # vLLM's names -> SamplingParams fields ("grammar": ebnf or lark, by its text)
 GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choices", "guided_grammar": "grammar"}

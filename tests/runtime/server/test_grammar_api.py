@@ -25,7 +25,8 @@ from spruce.runtime.server.openai.custom_tools import CustomCallStream
 from spruce.runtime.server.openai.mapping import request_error, sampling_params
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest
 from spruce.runtime.server.openai.vllm_fields import grammar_field
-from spruce.runtime.text.reasoning import REASONING_FORMATS, answer_lark
+from spruce.constrained.backends.llguidance_text import nested_lark
+from spruce.runtime.text.reasoning import REASONING_FORMATS
 from test_server import AUTH, start_server, stop_server
 
 GBNF = 'root ::= "Hello" | "Hi"'
@@ -167,7 +168,7 @@ def accepts(lark: str, text: str) -> bool:
 @pytest.mark.parametrize("inside", [True, False])
 def test_reasoning_before_a_grammar_is_one_lazy_lexeme(inside):
     fmt = REASONING_FORMATS["qwen3"]
-    grammar = fmt.constraint_lark(answer_lark(llguidance.LLMatcher.grammar_from_lark('start: "Hello" | "Hi" | "}"')), inside)
+    grammar = fmt.constraint_lark(nested_lark(llguidance.LLMatcher.grammar_from_lark('start: "Hello" | "Hi" | "}"')), inside)
     assert accepts(grammar, "<think>a < b, so...</think>\n\nHello")
     assert accepts(grammar, "<think></think>}")
     assert not accepts(grammar, "<think>x</think> Hey")  # the answer is still constrained
@@ -196,7 +197,7 @@ def test_a_regular_chat_constraint_after_reasoning_stays_a_regex():
 
 def test_reasoning_before_a_json_schema_in_llguidance_form():
     schema_grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "integer"})
-    grammar = REASONING_FORMATS["deepseek-r1"].constraint_lark(answer_lark(schema_grammar), False)
+    grammar = REASONING_FORMATS["deepseek-r1"].constraint_lark(nested_lark(schema_grammar), False)
     assert accepts(grammar, "2 + 2 is 4.</think>\n4") and not accepts(grammar, "2 + 2 is 4.</think>four")
 
 
