@@ -17,6 +17,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.schema.schema_context import SchemaOptions
+from spruce.constrained.schema.schema_refs import remote_refs
 
 # Per-mask work is bounded by llguidance's fuel: a step's lexer fuel at ~14k/ms and its Earley
 # items at ~20k/ms keep one mask under ~15 ms (past them the request fails, the batch goes on).
@@ -101,9 +102,13 @@ def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[
     of it: a keyword it does not implement, a `oneOf` it cannot prove exclusive, a `format`
     it does not know. Written as the spruce converter writes JSON (see _prepared): objects
     closed unless `options.open_objects` or the schema intersects object schemas
-    (_INTERSECTING), numbers bounded, whitespace `options.whitespace_pattern`."""
+    (_INTERSECTING), numbers bounded, whitespace `options.whitespace_pattern`; in lenient
+    mode a `$ref` to another document allows any value there (reported as `$ref`)."""
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
+    remote = frozenset(remote_refs(schema)) if lenient else frozenset()
+    if remote:
+        schema = _without_remote_refs(schema, remote)
     close = not options.open_objects and not _intersects(schema)
     schema = _prepared(schema, close, keep_open=frozenset(_refs_beside_object_keys(schema)) if close else frozenset())
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
@@ -115,7 +120,24 @@ def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     except ValueError as e:
         raise ConstraintError(f"json_schema: {e}") from None
-    return grammar, _unimplemented(check_grammar(grammar, "json_schema"))
+    unenforced = _unimplemented(check_grammar(grammar, "json_schema"))
+    return grammar, unenforced + ("$ref",) * bool(remote and "$ref" not in unenforced)
+
+
+def _without_remote_refs(node: Any, remote: frozenset[str]) -> Any:
+    """A copy of the schema where a `$ref` to another document (no network to fetch it)
+    allows any value, as the spruce converter reads it in lenient mode: the `$ref` becomes
+    `anyOf: [{}]` (an applicator, so an object beside it stays open)."""
+    if isinstance(node, list):
+        return [_without_remote_refs(item, remote) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYWORDS else _without_remote_refs(v, remote) for k, v in node.items()}
+    if isinstance(out.get("$ref"), str) and out["$ref"] in remote:
+        del out["$ref"]
+        if not _APPLICATORS & out.keys():
+            out["anyOf"] = [{}]
+    return out
 
 
 def _unimplemented(warnings: list[str]) -> tuple[str, ...]:
