@@ -98,13 +98,19 @@ class LLGuidanceGrammar(Budgeted):
         if matcher.is_error():
             raise ConstraintError(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
         self._matcher = matcher
+        self.initial_row: np.ndarray | None = None  # the first position's mask, once warm
 
     def cursor(self) -> LLGuidanceCursor:
         return LLGuidanceCursor(self, self._matcher.deep_copy())
 
     def warm(self) -> None:
-        """Computes the first mask once (builds the lexer's first states, which copies share)."""
-        self.cursor().prepare_mask(0)
+        """Computes the first mask once (it also builds the lexer's first states, which
+        copies share) and keeps it: a new cursor starts with it instead of computing it."""
+        if self.initial_row is None:
+            cursor = self.cursor()
+            cursor.prepare_mask(0)
+            self.budget.charge(cursor.row.nbytes)
+            self.initial_row = cursor.row.copy()
 
 
 class LLGuidanceCursor(CursorBase):
@@ -124,6 +130,11 @@ class LLGuidanceCursor(CursorBase):
         self._row_ptr = self._row.ctypes.data  # asked once: the property costs a microsecond
         self._ready = False
         self._finished = False
+
+    @property
+    def row(self) -> np.ndarray:
+        """The current mask (packed int32), valid once `prepare_mask` ran."""
+        return self._row
 
     def accept_token(self, token_id: int) -> bool:
         """EOS (where the grammar can end) finishes the cursor without reaching the matcher:
@@ -146,6 +157,8 @@ class LLGuidanceCursor(CursorBase):
         if not self._ready:
             if self._finished:
                 self._row[:] = self.grammar.vocab.eos_mask.numpy()
+            elif not self._tokens and self.grammar.initial_row is not None:
+                self._row[:] = self.grammar.initial_row  # made once for every request (warm)
             else:
                 self._matcher.unsafe_compute_mask_ptr(self._row_ptr, self._row.nbytes)
                 if self._matcher.is_error():

@@ -454,3 +454,28 @@ def test_the_bundled_model_writes_parseable_json_and_arithmetic():
         assert _arithmetic(text), text
     else:
         assert "\n" in text and _arithmetic(text[: text.index("\n") + 1]), text
+
+
+def test_every_cursor_starts_from_the_first_mask_made_once(compiler):
+    """The first position's mask is computed at build time and copied by every cursor (and
+    again after a rollback to the start): it equals the mask the matcher computes there."""
+    grammar = compiler.compile(make_spec(lark='start: "yes" | "no" | "maybe"'))
+    kept = grammar.initial_row
+    assert kept is not None
+    grammar.initial_row = None  # a cursor that computes its first mask itself
+    try:
+        fresh = grammar.cursor()
+        fresh.prepare_mask()
+        expected = fresh.row.copy()
+    finally:
+        grammar.initial_row = kept
+    cursor = grammar.cursor()
+    cursor.prepare_mask()
+    assert (cursor.row == expected).all() and expected.any()
+    token = allowed_ids(cursor, grammar.vocab)[0]
+    assert cursor.accept_token(token)
+    cursor.prepare_mask()
+    assert not (cursor.row == expected).all()
+    cursor.rollback(1)
+    cursor.prepare_mask()
+    assert (cursor.row == expected).all()
