@@ -11,15 +11,24 @@ What the DFA holds (its table, the NFA state sets naming its states, the forced-
 cache) is charged to a MemoryBudget as it grows: a walk that would pass the budget raises
 GrammarTooLarge and leaves the DFA as it was (the state it was computing stays unknown).
 `.*a.{24}` needs a new state for nearly every byte read, so its token masks' walks would
-otherwise grow it by hundreds of MB."""
+otherwise grow it by hundreds of MB.
+
+Two implementations behind one interface: `ByteDFA(nfa)` is a NativeByteDFA (the table, the
+state sets and the determinization in C, automaton.c via native.py) when the C library loads,
+else the Python one below (no C compiler, or SPRUCE_AUTOMATON=python). Both make the same
+states for the same walks and give the same answers; the C one counts the bytes it really
+allocates instead of the Python objects' estimates."""
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import sys
 import threading
+import weakref
 
 import numpy as np
-
+from spruce.constrained.automaton import native
 from spruce.constrained.automaton.byte_nfa import ByteNFA
 from spruce.constrained.core.memory import MaskTooExpensive, MemoryBudget
 
@@ -31,6 +40,11 @@ ENTRY_BYTES = 100  # a dict entry or list slot with its small objects (measured,
 
 
 class ByteDFA:
+    def __new__(cls, nfa: ByteNFA, budget: MemoryBudget | None = None):
+        """A NativeByteDFA when the C library is available (see the module's docstring)."""
+        native_dfa = cls is ByteDFA and native.library() is not None
+        return super().__new__(NativeByteDFA if native_dfa else cls)
+
     def __init__(self, nfa: ByteNFA, budget: MemoryBudget | None = None) -> None:
         self._nfa, self._final = nfa, nfa.final
         self.budget = budget or MemoryBudget(MAX_BYTES)
@@ -157,8 +171,137 @@ class ByteDFA:
         row = np.full(256, DEAD, dtype=np.int32)
         if edges:
             cuts = sorted({low for low, _, _ in edges} | {high + 1 for _, high, _ in edges})
-            for a, b in zip(cuts, cuts[1:]):
+            for a, b in itertools.pairwise(cuts):
                 targets = frozenset(t for low, high, t in edges if low <= a <= high)
                 if targets:
                     row[a:b] = self._intern(targets)
         self.table[state] = row
+
+
+_SINGLE_BYTES = [bytes((i,)) for i in range(256)]
+
+
+class NativeByteDFA(ByteDFA):
+    """The same DFA with its table, state sets and rows in C (automaton.c). Every C call runs
+    under the DFA's lock (ctypes releases the GIL, and a call may move the table). A call is
+    given the memory it may still allocate (what the budget has room for); after it, what C
+    allocated is charged to the budget. When C stops at that limit, the amount it needed is
+    charged, which raises GrammarTooLarge (the DFA keeps the states made, as in Python)."""
+
+    def __init__(self, nfa: ByteNFA, budget: MemoryBudget | None = None) -> None:
+        self._lib = lib = native.library()
+        self.budget = budget or MemoryBudget(MAX_BYTES)
+        self._forced: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+        self._charged = 0  # the bytes of C memory charged to the budget so far
+        arrays = [np.asarray(getattr(nfa, name), dtype=np.int32) for name in _NFA_ARRAYS]
+        self._nfa_arrays = arrays  # alive during the call that copies them
+        counts = (nfa.num_states, arrays[1].size, arrays[5].size, nfa.start, nfa.final)
+        self._ptr = lib.spruce_dfa_new(*counts, *(a.ctypes.data for a in arrays), self._room())
+        del self._nfa_arrays
+        if not self._ptr:  # past the budget (GrammarTooLarge) or out of memory
+            self.budget.charge(sum(a.nbytes for a in arrays) + 64 * 256 * 4)
+            raise MemoryError("the automaton's C library could not allocate its memory")
+        weakref.finalize(self, lib.spruce_dfa_free, self._ptr)
+        with self._lock:
+            self._settle(0)
+        self.initial = 0
+
+    @property
+    def num_states(self) -> int:
+        return self._lib.spruce_dfa_num_states(self._ptr)
+
+    @property
+    def table(self) -> _NativeTable:
+        """The rows made so far (a view that copies a row out of C when indexed)."""
+        return _NativeTable(self)
+
+    def is_accepting(self, state: int) -> bool:
+        with self._lock:
+            return bool(self._lib.spruce_dfa_is_accepting(self._ptr, state))
+
+    def step(self, state: int, byte: int) -> int:
+        return self.walk(state, _SINGLE_BYTES[byte])
+
+    def walk(self, state: int, data: bytes) -> int:
+        if state == DEAD:
+            return DEAD
+        data = bytes(data)
+        return self._call(self._lib.spruce_dfa_walk, state, data, len(data))
+
+    def ensure_rows(self, states, state_limit: int | None = None) -> _NativeTable:
+        wanted = np.ascontiguousarray(np.asarray(states, dtype=np.int32).reshape(-1))
+        limit = -1 if state_limit is None else state_limit
+        self._call(self._lib.spruce_dfa_ensure_rows, wanted.ctypes.data, wanted.size, limit)
+        return self.table
+
+    def token_mask(self, trie_arrays: tuple, num_nodes: int, state: int, limit: int) -> np.ndarray:
+        """bool [num tokens]: TokenTrie.allowed walked in C (`trie_arrays`: TokenTrie.native)."""
+        child_start, child_count, byte, token_node, max_depth = trie_arrays
+        out = np.empty(token_node.size, dtype=bool)
+        alive = np.zeros(num_nodes + 1, dtype=np.uint8)
+        pointers = (a.ctypes.data for a in (child_start, child_count, byte, token_node))
+        args = (*pointers, token_node.size, max_depth, alive.ctypes.data, out.ctypes.data)
+        self._call(self._lib.spruce_dfa_mask, state, limit, *args)  # a rerun only marks more
+        return out
+
+    def _forced_chain(self, state: int) -> bytes:
+        out = ctypes.create_string_buffer(MAX_FORCED_BYTES)
+        length = self._call(self._lib.spruce_dfa_forced, state, out, MAX_FORCED_BYTES)
+        return out.raw[:length]
+
+    def _room(self) -> int:
+        """The C memory this DFA may hold in all: what it has charged plus the budget's room."""
+        budget, room = self.budget, self.budget.max_bytes - self.budget.used
+        if budget.shared is not None:
+            room = min(room, budget.shared.max_bytes - budget.shared.used)
+        return self._charged + max(room, 0)
+
+    def _call(self, fn, *args):
+        """fn(dfa, *args, memory limit) under the lock; its result, after charging what it
+        allocated. MaskTooExpensive on ERR_LIMIT; on ERR_MEMORY the need is charged (raising
+        GrammarTooLarge when it does not fit) and the call retried once (a rerun redoes
+        nothing: the rows made are kept)."""
+        with self._lock:
+            for _ in range(2):
+                result = fn(self._ptr, *args, self._room())
+                if self._settle(result):
+                    return result
+            raise MemoryError("the automaton's C library could not allocate its memory")
+
+    def _settle(self, result: int) -> bool:
+        """Charges what C allocated since the last call; False when `result` is ERR_MEMORY
+        (after charging what it needed, which raises GrammarTooLarge past the budget)."""
+        allocated = self._lib.spruce_dfa_allocated(self._ptr)
+        if allocated > self._charged:
+            self.budget.charge(allocated - self._charged)
+            self._charged = allocated
+        if result == native.ERR_LIMIT:
+            raise MaskTooExpensive
+        if result == native.ERR_MEMORY:
+            needed = self._lib.spruce_dfa_needed(self._ptr)
+            self.budget.charge(needed)
+            self._charged += needed  # paid ahead: the retry may allocate it
+            return False
+        return True
+
+
+_NFA_ARRAYS = ("edge_at", "edge_low", "edge_high", "edge_to", "eps_at", "eps_to")
+
+
+class _NativeTable:
+    """The rows of a NativeByteDFA, as `ensure_rows` returns them: `table[state]` is a copy of
+    that row (int32 [256]); `nbytes` what the allocated rows hold."""
+
+    def __init__(self, dfa: NativeByteDFA) -> None:
+        self._dfa = dfa
+
+    @property
+    def nbytes(self) -> int:
+        return self._dfa.num_states * 256 * 4
+
+    def __getitem__(self, state: int) -> np.ndarray:
+        row = np.empty(256, dtype=np.int32)
+        with self._dfa._lock:
+            self._dfa._lib.spruce_dfa_copy_rows(self._dfa._ptr, int(state), 1, row.ctypes.data)
+        return row

@@ -6,15 +6,16 @@ walks most of the trie: a few milliseconds for 49k tokens.
 The walk's cost is the DFA rows it has to make: a state of `.*a.{24}` meets a new DFA
 state at nearly every trie node (5,000 of them, 0.45 s, for one mask of SmolLM2's
 vocabulary). `max_new_states` bounds that work: past it the walk stops with
-MaskTooExpensive, before it makes more."""
+MaskTooExpensive, before it makes more.
+
+With a NativeByteDFA (byte_dfa.py) the whole walk runs in C, depth first (automaton.c): the
+same tokens, the same rows made, a fraction of the time."""
 
 from __future__ import annotations
 
 import numpy as np
-
-from spruce.constrained.automaton.byte_dfa import UNKNOWN, ByteDFA
+from spruce.constrained.automaton.byte_dfa import UNKNOWN, ByteDFA, NativeByteDFA
 from spruce.constrained.core.memory import MaskTooExpensive
-
 
 SMALL_FRONTIER = 64  # past depth 8, this few (node, state) pairs are walked on in plain Python
 
@@ -64,11 +65,19 @@ class TokenTrie:
         self._lists = (self.child_start.tolist(), self.child_count.tolist(), self.byte.tolist())
         # token -> its node; never-allowed tokens point at an extra node that is never alive
         self.token_node = np.array([node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64)
+        max_depth = max((len(d) for d in token_bytes), default=0)
+        # what the C walk reads (NativeByteDFA.token_mask)
+        self.native = (
+            self.child_start.astype(np.int32), self.child_count.astype(np.int32), self.byte.astype(np.uint8),
+            self.token_node.astype(np.int32), max_depth,
+        )  # fmt: skip
 
     def allowed(self, dfa: ByteDFA, state: int, max_new_states: int | None = None) -> np.ndarray:
         """bool [num tokens]: the tokens whose bytes the DFA reads from `state`;
         MaskTooExpensive once the walk has made more than `max_new_states` DFA states."""
         limit = None if max_new_states is None else dfa.num_states + max_new_states
+        if isinstance(dfa, NativeByteDFA):
+            return dfa.token_mask(self.native, self.num_nodes, state, -1 if limit is None else limit)
         alive = np.zeros(self.num_nodes + 1, dtype=bool)
         nodes = np.zeros(1, dtype=np.int64)
         states = np.array([state], dtype=np.int64)
