@@ -381,44 +381,53 @@ int64_t spruce_dfa_forced(DFA *d, int32_t state, uint8_t *out, int64_t max, int6
 }
 
 /* The token mask of `state`: out[i] = 1 when the DFA reads token i's bytes from `state`.
- * A depth-first walk of the trie (nodes breadth first, a node's children consecutive,
- * `byte` the byte into a node, `token_node` a token's node, num_nodes for none), cut where
- * the DFA has no transition; rows are made on the way. `alive` (num_nodes + 1 bytes) must
- * be zeros (a rerun may reuse it: it marks only what is reached); `max_depth` is the
- * longest token. 0, ERR_LIMIT when a row would be made with
- * more than `limit` states (>= 0), or ERR_MEMORY; the rows made are kept either way. */
+ * The trie (nodes breadth first, a node's children consecutive, `byte` the byte into a
+ * node, `token_node` a token's node, num_nodes for none) is walked level by level, cut where
+ * the DFA has no transition, making rows on the way: each level's (node, state) pairs are in
+ * node order, so the arrays are read front to back, and a node's children are read in one
+ * branch-free loop that keeps those to descend into. `alive` (num_nodes + 1 bytes, the
+ * last 0) may hold a stopped walk's marks (they are the same on a rerun). `max_depth` (the
+ * longest token) is unused: kept for the interface. 0, ERR_LIMIT when a row would be made
+ * with more than `limit` states (>= 0), or ERR_MEMORY; the rows made are kept either way. */
 int32_t spruce_dfa_mask(DFA *d, int32_t state, int64_t limit, const int32_t *child_start,
                         const int32_t *child_count, const uint8_t *byte, const int32_t *token_node,
                         int64_t num_tokens, int64_t max_depth, uint8_t *alive, uint8_t *out, int64_t mem_limit) {
+    (void)max_depth;
     d->mem_limit = mem_limit;
-    int64_t frame_bytes = (max_depth + 2) * 16;
-    int32_t *frames = NULL; /* per depth: node's state, next child, end of children */
-    if (resize(d, (void **)&frames, 0, frame_bytes)) return ERR_MEMORY;
-    int32_t result = 0;
-    int64_t top = 0;
-    if (child_count[0] > 0) {
-        result = ensure_row(d, state, limit);
-        frames[0] = state, frames[1] = child_start[0], frames[2] = child_start[0] + child_count[0];
-        top = result ? 0 : 1;
-    }
-    while (top > 0) {
-        int32_t *f = frames + 3 * (top - 1);
-        if (f[1] == f[2]) {
-            top--;
-            continue;
+    int64_t caps[2] = {1024, 1024}, size = 0; /* two levels of (node, its state) pairs */
+    int32_t *levels[2] = {NULL, NULL}, result = 0;
+    if (resize(d, (void **)&levels[0], 0, caps[0] * 8)) return ERR_MEMORY;
+    if (resize(d, (void **)&levels[1], 0, caps[1] * 8)) result = ERR_MEMORY;
+    if (child_count[0] > 0) levels[0][0] = 0, levels[0][1] = state, size = 1;
+    for (int cur = 0; size > 0 && result == 0; cur ^= 1) {
+        int32_t *from = levels[cur];
+        int64_t kept = 0;
+        for (int64_t i = 0; i < size && result == 0; i++) {
+            int32_t node = from[2 * i], at = from[2 * i + 1];
+            int32_t first = child_start[node], count = child_count[node];
+            result = ensure_row(d, at, limit);
+            if (result == 0 && kept + count > caps[cur ^ 1]) {
+                int64_t more = grown(caps[cur ^ 1], kept + count);
+                result = resize(d, (void **)&levels[cur ^ 1], caps[cur ^ 1] * 8, more * 8) ? ERR_MEMORY : 0;
+                if (result == 0) caps[cur ^ 1] = more;
+            }
+            if (result) break;
+            int32_t *to = levels[cur ^ 1];
+            const int32_t *row = d->table + (int64_t)at * 256;
+            for (int32_t child = first; child < first + count; child++) {
+                int32_t next = row[byte[child]];
+                int live = next >= 0;
+                alive[child] = (uint8_t)live;
+                to[2 * kept] = child, to[2 * kept + 1] = next;
+                kept += live & (child_count[child] > 0);
+            }
         }
-        int32_t child = f[1]++;
-        int32_t next = d->table[(int64_t)f[0] * 256 + byte[child]];
-        if (next < 0) continue;
-        alive[child] = 1;
-        if (child_count[child] == 0) continue;
-        result = ensure_row(d, next, limit);
-        if (result) break;
-        int32_t *g = frames + 3 * top++;
-        g[0] = next, g[1] = child_start[child], g[2] = child_start[child] + child_count[child];
+        size = kept;
     }
-    free(frames);
-    d->allocated -= frame_bytes;
+    for (int i = 0; i < 2; i++) {
+        free(levels[i]);
+        d->allocated -= levels[i] ? caps[i] * 8 : 0;
+    }
     if (result == 0)
         for (int64_t i = 0; i < num_tokens; i++) out[i] = alive[token_node[i]];
     return result;

@@ -8,7 +8,7 @@ state at nearly every trie node (5,000 of them, 0.45 s, for one mask of SmolLM2'
 vocabulary). `max_new_states` bounds that work: past it the walk stops with
 MaskTooExpensive, before it makes more.
 
-With a NativeByteDFA (byte_dfa.py) the whole walk runs in C, depth first (automaton.c): the
+With a NativeByteDFA (byte_dfa.py) the whole walk runs in C, also level by level (automaton.c): the
 same tokens, the same rows made, a fraction of the time."""
 
 from __future__ import annotations
