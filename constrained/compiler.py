@@ -5,9 +5,9 @@ bounded in bytes."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 from spruce.constrained import backends
@@ -29,8 +29,21 @@ MIN_GRAMMAR_BYTES = 32 * 2**20
 LIVE_SHARE_OF_CACHE = 2
 
 
+class _Start:
+    """When a build left the queue: its deadline counts from there."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None  # None while queued
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+
+
 class _InFlight(NamedTuple):
-    started: threading.Event  # the build left the queue (its deadline counts from here)
+    started: _Start
     ready: Future  # the grammar, once built and cached (or the build's error)
     build: Future  # CompiledGrammar
 
@@ -76,6 +89,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="spruce-grammar")
         self._workers = WorkerPool(memory_mb, NUM_WORKERS)
+        self._deadlines = _Deadlines()
 
     @property
     def vocab_size(self) -> int:
@@ -102,17 +116,13 @@ class GrammarCompiler:
                 return result
             entry, fresh = self._builds.get(spec), False
             if entry is None:
-                started, ready = threading.Event(), Future()
+                started, ready = _Start(), Future()
                 build = self._executor.submit(self._build, spec, started)
                 entry = self._builds[spec] = _InFlight(started, ready, build)
                 fresh = True
         if fresh:  # outside the lock: a build that already failed runs _finish right here
             entry.build.add_done_callback(lambda done: self._finish(spec, done, entry.ready))
-        deadline = threading.Thread(
-            target=_watch, args=(result, entry.started, spec, self.timeout_s), daemon=True,
-            name="spruce-grammar-deadline",
-        )  # fmt: skip
-        deadline.start()
+        self._deadlines.watch(result, entry.started, spec, self.timeout_s)
         entry.ready.add_done_callback(lambda done: _resolve(result, *_outcome(done)))
         return result
 
@@ -123,8 +133,9 @@ class GrammarCompiler:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._workers.close()
+        self._deadlines.close()
 
-    def _build(self, spec: ConstraintSpec, started: threading.Event) -> CompiledGrammar:
+    def _build(self, spec: ConstraintSpec, started: _Start) -> CompiledGrammar:
         """The spruce automaton's NFA is built in a worker process; the other backends
         compile here, on this build thread (llguidance drops the GIL and bounds its work with
         its own limits, backends/llguidance_text.py)."""
@@ -173,15 +184,58 @@ class GrammarCompiler:
         return sum(grammar.nbytes for grammar in self._cache.values())
 
 
-def _watch(result: Future, started: threading.Event, spec: ConstraintSpec, timeout_s: float) -> None:
-    """Fails `result` `timeout_s` after its build started: time spent queued behind other
-    builds does not count against a request (only its own build's cost does)."""
-    while not started.wait(1.0):
-        if result.done():
-            return
-    futures_wait([result], timeout_s)
-    if not result.done():
-        _expire(result, spec, timeout_s)
+class _Deadlines:
+    """Fails each watched future `timeout_s` after its build started: time spent queued
+    behind other builds does not count against a request (only its own build's cost does).
+    One thread for all of them, started with the first."""
+
+    POLL_S = 1.0  # how often builds still queued are looked at
+
+    def __init__(self) -> None:
+        self._watched: list[tuple[Future, _Start, ConstraintSpec, float]] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def watch(self, result: Future, started: _Start, spec: ConstraintSpec, timeout_s: float) -> None:
+        with self._wake:
+            self._watched.append((result, started, spec, timeout_s))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="spruce-grammar-deadline")
+                self._thread.start()
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if self._closed:
+                    return
+                due, wait = self._take_due()
+                if not due:
+                    self._wake.wait(wait)
+            for result, spec, timeout_s in due:  # outside the lock: failing runs callbacks
+                _expire(result, spec, timeout_s)
+
+    def _take_due(self) -> tuple[list[tuple[Future, ConstraintSpec, float]], float]:
+        """(what is due now, leaving the watch; the seconds until the next look)."""
+        now, wait, kept, due = time.monotonic(), self.POLL_S, [], []
+        for item in self._watched:
+            result, started, spec, timeout_s = item
+            if result.done():
+                continue
+            if started.at is not None and now >= started.at + timeout_s:
+                due.append((result, spec, timeout_s))
+                continue
+            kept.append(item)
+            if started.at is not None:
+                wait = min(wait, started.at + timeout_s - now)
+        self._watched = kept
+        return due, max(wait, 0.001)
 
 
 def _expire(result: Future, spec: ConstraintSpec, timeout_s: float) -> None:
