@@ -4,8 +4,8 @@
  * A DFA state is an epsilon-closed set of NFA states, named by its sorted members; its row of
  * 256 int32 transitions is made the first time a walk needs it. Every byte this file holds is
  * counted in `allocated`; an allocation that would pass `mem_limit` (set by the caller from
- * the grammar's MemoryBudget) fails with ERR_MEMORY and `needed` says how much it wanted,
- * leaving the DFA as it was (a row is written only once complete). */
+ * the grammar's MemoryBudget) fails with ERR_MEMORY and `needed` says how much it wanted
+ * (-1: malloc failed), leaving the DFA as it was (a row is written only once complete). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,7 +60,7 @@ static int resize(DFA *d, void **ptr, int64_t old, int64_t new) {
     }
     void *p = realloc(*ptr, (size_t)(new > 0 ? new : 1));
     if (p == NULL) {
-        d->needed = new - old;
+        d->needed = -1; /* malloc failed: no budget would help */
         return -1;
     }
     *ptr = p;
@@ -380,25 +380,51 @@ int64_t spruce_dfa_forced(DFA *d, int32_t state, uint8_t *out, int64_t max, int6
     return result ? result : len;
 }
 
-/* The token mask of `state`: out[i] = 1 when the DFA reads token i's bytes from `state`.
- * The trie (nodes breadth first, a node's children consecutive, `byte` the byte into a
- * node, `token_node` a token's node, num_nodes for none) is walked level by level, cut where
- * the DFA has no transition, making rows on the way: each level's (node, state) pairs are in
- * node order, so the arrays are read front to back, and a node's children are read in one
- * branch-free loop that keeps those to descend into. `alive` (num_nodes + 1 bytes, the
- * last 0) may hold a stopped walk's marks (they are the same on a rerun). `max_depth` (the
- * longest token) is unused: kept for the interface. 0, ERR_LIMIT when a row would be made
- * with more than `limit` states (>= 0), or ERR_MEMORY; the rows made are kept either way. */
+/* out[t] = 1 for the tokens t of the nodes marked in `alive`, 0 for the others: the nodes
+ * found by scanning `alive` 32 bytes at a time when few are marked (`marked`), else each
+ * token's node looked up. */
+static void set_tokens(const uint8_t *alive, int64_t num_nodes, int64_t marked, const int32_t *token_node,
+                       const int32_t *node_token_at, const int32_t *node_tokens, int64_t num_tokens, uint8_t *out) {
+    if (marked > num_tokens / 16) {
+        for (int64_t i = 0; i < num_tokens; i++) out[i] = token_node[i] < num_nodes && alive[token_node[i]];
+        return;
+    }
+    memset(out, 0, (size_t)num_tokens);
+    for (int64_t at = 0; at < num_nodes; at += 32) {
+        if (at + 32 <= num_nodes) {
+            uint64_t words[4];
+            memcpy(words, alive + at, 32);
+            if ((words[0] | words[1] | words[2] | words[3]) == 0) continue;
+        }
+        for (int64_t node = at; node < at + 32 && node < num_nodes; node++) {
+            if (!alive[node]) continue;
+            for (int32_t k = node_token_at[node], end = node_token_at[node + 1]; k < end; k++) out[node_tokens[k]] = 1;
+        }
+    }
+}
+
+/* The token mask of `state`: out[t] = 1 when the DFA reads token t's bytes from `state`.
+ * The trie (`num_nodes` nodes numbered breadth first, a node's children consecutive, `byte`
+ * the byte into a node; token t's node is token_node[t], num_nodes for none; node n's tokens
+ * are node_tokens[node_token_at[n]:node_token_at[n + 1]]) is walked level by level, cut
+ * where the DFA has no transition, making rows on the way: each level's (node, state) pairs
+ * are in node order, so the arrays are read front to back, and a node's children are read in
+ * one branch-free loop that keeps those to descend into; then the tokens of the nodes
+ * reached are set (set_tokens). 0, ERR_LIMIT when a row would be made with more than
+ * `limit` states (>= 0), or ERR_MEMORY; the rows made are kept either way. */
 int32_t spruce_dfa_mask(DFA *d, int32_t state, int64_t limit, const int32_t *child_start,
-                        const int32_t *child_count, const uint8_t *byte, const int32_t *token_node,
-                        int64_t num_tokens, int64_t max_depth, uint8_t *alive, uint8_t *out, int64_t mem_limit) {
-    (void)max_depth;
+                        const int32_t *child_count, const uint8_t *byte, int64_t num_nodes,
+                        const int32_t *token_node, const int32_t *node_token_at, const int32_t *node_tokens,
+                        int64_t num_tokens, uint8_t *out, int64_t mem_limit) {
     d->mem_limit = mem_limit;
-    int64_t caps[2] = {1024, 1024}, size = 0; /* two levels of (node, its state) pairs */
+    int64_t caps[2] = {1024, 1024}, size = 0, marked = 0; /* two levels of (node, its state) pairs */
     int32_t *levels[2] = {NULL, NULL}, result = 0;
-    if (resize(d, (void **)&levels[0], 0, caps[0] * 8)) return ERR_MEMORY;
+    uint8_t *alive = NULL; /* per node: reached */
+    if (resize(d, (void **)&alive, 0, num_nodes)) return ERR_MEMORY;
+    memset(alive, 0, (size_t)num_nodes);
+    if (resize(d, (void **)&levels[0], 0, caps[0] * 8)) result = ERR_MEMORY;
     if (resize(d, (void **)&levels[1], 0, caps[1] * 8)) result = ERR_MEMORY;
-    if (child_count[0] > 0) levels[0][0] = 0, levels[0][1] = state, size = 1;
+    if (result == 0 && child_count[0] > 0) levels[0][0] = 0, levels[0][1] = state, size = 1;
     for (int cur = 0; size > 0 && result == 0; cur ^= 1) {
         int32_t *from = levels[cur];
         int64_t kept = 0;
@@ -418,6 +444,7 @@ int32_t spruce_dfa_mask(DFA *d, int32_t state, int64_t limit, const int32_t *chi
                 int32_t next = row[byte[child]];
                 int live = next >= 0;
                 alive[child] = (uint8_t)live;
+                marked += live;
                 to[2 * kept] = child, to[2 * kept + 1] = next;
                 kept += live & (child_count[child] > 0);
             }
@@ -428,7 +455,8 @@ int32_t spruce_dfa_mask(DFA *d, int32_t state, int64_t limit, const int32_t *chi
         free(levels[i]);
         d->allocated -= levels[i] ? caps[i] * 8 : 0;
     }
-    if (result == 0)
-        for (int64_t i = 0; i < num_tokens; i++) out[i] = alive[token_node[i]];
+    if (result == 0) set_tokens(alive, num_nodes, marked, token_node, node_token_at, node_tokens, num_tokens, out);
+    free(alive);
+    d->allocated -= num_nodes;
     return result;
 }

@@ -235,14 +235,11 @@ class NativeByteDFA(ByteDFA):
         self._call(self._lib.spruce_dfa_ensure_rows, wanted.ctypes.data, wanted.size, limit)
         return self.table
 
-    def token_mask(self, trie_arrays: tuple, num_nodes: int, state: int, limit: int) -> np.ndarray:
-        """bool [num tokens]: TokenTrie.allowed walked in C (`trie_arrays`: TokenTrie.native)."""
-        child_start, child_count, byte, token_node, max_depth = trie_arrays
-        out = np.empty(token_node.size, dtype=bool)
-        alive = np.zeros(num_nodes + 1, dtype=np.uint8)
-        pointers = (a.ctypes.data for a in (child_start, child_count, byte, token_node))
-        args = (*pointers, token_node.size, max_depth, alive.ctypes.data, out.ctypes.data)
-        self._call(self._lib.spruce_dfa_mask, state, limit, *args)  # a rerun only marks more
+    def token_mask(self, trie_args: tuple, state: int, limit: int) -> np.ndarray:
+        """bool [num tokens]: TokenTrie.allowed walked in C (`trie_args`: TokenTrie.native_args,
+        the trie's arrays' addresses and sizes, its last item the number of tokens)."""
+        out = np.empty(trie_args[-1], dtype=bool)
+        self._call(self._lib.spruce_dfa_mask, state, limit, *trie_args, out.ctypes.data)
         return out
 
     def _forced_chain(self, state: int) -> bytes:
@@ -260,14 +257,14 @@ class NativeByteDFA(ByteDFA):
     def _call(self, fn, *args):
         """fn(dfa, *args, memory limit) under the lock; its result, after charging what it
         allocated. MaskTooExpensive on ERR_LIMIT; on ERR_MEMORY the need is charged (raising
-        GrammarTooLarge when it does not fit) and the call retried once (a rerun redoes
-        nothing: the rows made are kept)."""
+        GrammarTooLarge when it does not fit) and the call run again with that much more room
+        (a rerun redoes nothing: the rows made are kept; a call may need several, its scratch
+        being allocated piece by piece)."""
         with self._lock:
-            for _ in range(2):
+            while True:
                 result = fn(self._ptr, *args, self._room())
                 if self._settle(result):
                     return result
-            raise MemoryError("the automaton's C library could not allocate its memory")
 
     def _settle(self, result: int) -> bool:
         """Charges what C allocated since the last call; False when `result` is ERR_MEMORY
@@ -280,6 +277,8 @@ class NativeByteDFA(ByteDFA):
             raise MaskTooExpensive
         if result == native.ERR_MEMORY:
             needed = self._lib.spruce_dfa_needed(self._ptr)
+            if needed < 0:
+                raise MemoryError("the automaton's C library could not allocate its memory")
             self.budget.charge(needed)
             self._charged += needed  # paid ahead: the retry may allocate it
             return False

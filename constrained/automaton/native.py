@@ -42,8 +42,9 @@ SIGNATURES = {  # name: (result, arguments)
     "spruce_dfa_ensure_rows": (_I32, [_P, _P, _I64, _I64, _I64]),  # dfa, states, count, limit, mem_limit
     "spruce_dfa_walk": (_I32, [_P, _I32, ctypes.c_char_p, _I64, _I64]),  # dfa, state, data, len, mem_limit
     "spruce_dfa_forced": (_I64, [_P, _I32, _P, _I64, _I64]),  # dfa, state, out, max, mem_limit
-    # dfa, state, limit, child_start, child_count, byte, token_node, num_tokens, max_depth, alive, out, mem_limit
-    "spruce_dfa_mask": (_I32, [_P, _I32, _I64] + [_P] * 4 + [_I64, _I64, _P, _P, _I64]),
+    # dfa, state, limit, child_start, child_count, byte, num_nodes, token_node, node_token_at, node_tokens,
+    # num_tokens, out, mem_limit
+    "spruce_dfa_mask": (_I32, [_P, _I32, _I64, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _I64]),
 }
 
 _library: ctypes.CDLL | None = None

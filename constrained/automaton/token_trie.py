@@ -65,19 +65,25 @@ class TokenTrie:
         self._lists = (self.child_start.tolist(), self.child_count.tolist(), self.byte.tolist())
         # token -> its node; never-allowed tokens point at an extra node that is never alive
         self.token_node = np.array([node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64)
-        max_depth = max((len(d) for d in token_bytes), default=0)
-        # what the C walk reads (NativeByteDFA.token_mask)
-        self.native = (
-            self.child_start.astype(np.int32), self.child_count.astype(np.int32), self.byte.astype(np.uint8),
-            self.token_node.astype(np.int32), max_depth,
-        )  # fmt: skip
+        self._native = self._native_arrays()  # what the C walk reads (NativeByteDFA.token_mask)
+        addresses = [a.ctypes.data for a in self._native]
+        self.native_args = (*addresses[:3], self.num_nodes, *addresses[3:], len(token_bytes))
+
+    def _native_arrays(self) -> tuple[np.ndarray, ...]:
+        """The trie, each token's node and each node's tokens (node n's are
+        node_tokens[node_token_at[n]:node_token_at[n + 1]]), as the C walk reads them."""
+        node_tokens = np.argsort(self.token_node, kind="stable").astype(np.int32)
+        per_node = np.bincount(self.token_node, minlength=self.num_nodes + 1)[: self.num_nodes]
+        node_token_at = np.concatenate([[0], np.cumsum(per_node)]).astype(np.int32)
+        trie = (self.child_start.astype(np.int32), self.child_count.astype(np.int32), self.byte.astype(np.uint8))
+        return (*trie, self.token_node.astype(np.int32), node_token_at, node_tokens)
 
     def allowed(self, dfa: ByteDFA, state: int, max_new_states: int | None = None) -> np.ndarray:
         """bool [num tokens]: the tokens whose bytes the DFA reads from `state`;
         MaskTooExpensive once the walk has made more than `max_new_states` DFA states."""
         limit = None if max_new_states is None else dfa.num_states + max_new_states
         if isinstance(dfa, NativeByteDFA):
-            return dfa.token_mask(self.native, self.num_nodes, state, -1 if limit is None else limit)
+            return dfa.token_mask(self.native_args, state, -1 if limit is None else limit)
         alive = np.zeros(self.num_nodes + 1, dtype=bool)
         nodes = np.zeros(1, dtype=np.int64)
         states = np.array([state], dtype=np.int64)
