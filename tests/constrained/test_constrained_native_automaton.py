@@ -177,6 +177,19 @@ def test_a_walk_past_a_tiny_budget_is_refused_and_the_dfa_stays_usable():
             assert dfa._lib.spruce_dfa_allocated(dfa._ptr) <= dfa.budget.used
 
 
+def test_a_mask_walk_past_a_tiny_budget_is_refused_and_the_dfa_stays_usable():
+    """The C walk's scratch and rows are charged as it goes (a call may stop at the limit
+    several times, each time charging what it needs, until the budget refuses)."""
+    rng = random.Random(2)
+    trie = TokenTrie([b""] + [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 12))) for _ in range(5000)])
+    for dfa in _both_paths(build_nfa(".*a.{24}"), budget_bytes=400_000):
+        known = dfa.walk(dfa.initial, b"ba")
+        with pytest.raises(GrammarTooLarge):
+            trie.allowed(dfa, dfa.initial)
+        assert dfa.budget.used <= 400_000 and dfa.num_states > 3, type(dfa)
+        assert dfa.walk(dfa.initial, b"ba") == known != DEAD  # the states it has stay usable
+
+
 def test_a_budget_too_small_for_the_automaton_refuses_it():
     nfa = build_nfa("[a-z]{40}")
     with pytest.raises(GrammarTooLarge):
