@@ -15,6 +15,10 @@
 #define UNKNOWN (-2)
 #define ERR_LIMIT (-3)  /* more new states than the caller's bound */
 #define ERR_MEMORY (-4) /* the memory limit (or malloc) refused an allocation */
+#define ERR_STATE (-5)  /* a state the DFA does not have */
+
+#define CHECK_STATE(d, state) \
+    if ((state) < 0 || (state) >= (d)->num_states) return ERR_STATE
 
 typedef struct {
     int64_t off; /* in keys */
@@ -287,11 +291,14 @@ void spruce_dfa_free(DFA *d) {
 }
 
 /* A DFA of the NFA's arrays (copied), with its initial state (0) made; NULL when the arrays
- * and first rows need more than `mem_limit` bytes (or malloc fails). */
+ * and first rows need more than `mem_limit` bytes, `*need` then the bytes it would have held
+ * (-1: malloc failed). */
 DFA *spruce_dfa_new(int32_t num_nfa, int32_t num_edges, int32_t num_eps, int32_t start, int32_t final,
                     const int32_t *edge_at, const int32_t *edge_low, const int32_t *edge_high,
-                    const int32_t *edge_to, const int32_t *eps_at, const int32_t *eps_to, int64_t mem_limit) {
+                    const int32_t *edge_to, const int32_t *eps_at, const int32_t *eps_to, int64_t mem_limit,
+                    int64_t *need) {
     DFA *d = calloc(1, sizeof(DFA));
+    *need = -1;
     if (d == NULL) return NULL;
     d->allocated = sizeof(DFA);
     d->mem_limit = mem_limit;
@@ -309,6 +316,7 @@ DFA *spruce_dfa_new(int32_t num_nfa, int32_t num_edges, int32_t num_eps, int32_t
         failed = intern(d, &d->start, 1) != 0;
     }
     if (failed) {
+        *need = d->needed < 0 ? -1 : d->allocated + d->needed;
         spruce_dfa_free(d);
         return NULL;
     }
@@ -318,17 +326,23 @@ DFA *spruce_dfa_new(int32_t num_nfa, int32_t num_edges, int32_t num_eps, int32_t
 int64_t spruce_dfa_allocated(const DFA *d) { return d->allocated; }
 int64_t spruce_dfa_needed(const DFA *d) { return d->needed; }
 int32_t spruce_dfa_num_states(const DFA *d) { return d->num_states; }
-int32_t spruce_dfa_is_accepting(const DFA *d, int32_t state) { return d->accepting[state]; }
+int32_t spruce_dfa_is_accepting(const DFA *d, int32_t state) {
+    CHECK_STATE(d, state);
+    return d->accepting[state];
+}
 
-/* Copies the `rows` x 256 table's first `count` rows into `out`. */
-void spruce_dfa_copy_rows(const DFA *d, int32_t first, int32_t count, int32_t *out) {
-    memcpy(out, d->table + (int64_t)first * 256, (size_t)count * 1024);
+/* Copies row `state` of the table into `out` (256 ints); 0 or ERR_STATE. */
+int32_t spruce_dfa_copy_row(const DFA *d, int32_t state, int32_t *out) {
+    CHECK_STATE(d, state);
+    memcpy(out, d->table + (int64_t)state * 256, 1024);
+    return 0;
 }
 
 /* Makes the missing rows of `states`; 0, ERR_LIMIT or ERR_MEMORY. */
 int32_t spruce_dfa_ensure_rows(DFA *d, const int32_t *states, int64_t count, int64_t limit, int64_t mem_limit) {
     d->mem_limit = mem_limit;
     for (int64_t i = 0; i < count; i++) {
+        CHECK_STATE(d, states[i]);
         int32_t result = ensure_row(d, states[i], limit);
         if (result) return result;
     }
@@ -338,6 +352,8 @@ int32_t spruce_dfa_ensure_rows(DFA *d, const int32_t *states, int64_t count, int
 /* The state after reading `data` from `state` (DEAD once a byte has no transition), or
  * ERR_MEMORY. */
 int32_t spruce_dfa_walk(DFA *d, int32_t state, const uint8_t *data, int64_t len, int64_t mem_limit) {
+    if (state == DEAD) return DEAD;
+    CHECK_STATE(d, state);
     d->mem_limit = mem_limit;
     for (int64_t i = 0; i < len && state >= 0; i++) {
         int32_t result = ensure_row(d, state, -1);
@@ -350,6 +366,7 @@ int32_t spruce_dfa_walk(DFA *d, int32_t state, const uint8_t *data, int64_t len,
 /* The forced bytes of `state` into `out` (at most `max`, see ByteDFA.forced_bytes): their
  * count, or ERR_MEMORY. A state seen twice ends the chain. */
 int64_t spruce_dfa_forced(DFA *d, int32_t state, uint8_t *out, int64_t max, int64_t mem_limit) {
+    CHECK_STATE(d, state);
     d->mem_limit = mem_limit;
     int32_t *seen = NULL; /* the DFA states seen */
     int64_t seen_bytes = (int64_t)(max + 1) * 4, len = 0;
@@ -416,6 +433,7 @@ int32_t spruce_dfa_mask(DFA *d, int32_t state, int64_t limit, const int32_t *chi
                         const int32_t *child_count, const uint8_t *byte, int64_t num_nodes,
                         const int32_t *token_node, const int32_t *node_token_at, const int32_t *node_tokens,
                         int64_t num_tokens, uint8_t *out, int64_t mem_limit) {
+    CHECK_STATE(d, state);
     d->mem_limit = mem_limit;
     int64_t caps[2] = {1024, 1024}, size = 0, marked = 0; /* two levels of (node, its state) pairs */
     int32_t *levels[2] = {NULL, NULL}, result = 0;

@@ -197,10 +197,12 @@ class NativeByteDFA(ByteDFA):
         arrays = [np.asarray(getattr(nfa, name), dtype=np.int32) for name in _NFA_ARRAYS]
         self._nfa_arrays = arrays  # alive during the call that copies them
         counts = (nfa.num_states, arrays[1].size, arrays[5].size, nfa.start, nfa.final)
-        self._ptr = lib.spruce_dfa_new(*counts, *(a.ctypes.data for a in arrays), self._room())
+        need = ctypes.c_int64()
+        self._ptr = lib.spruce_dfa_new(*counts, *(a.ctypes.data for a in arrays), self._room(), ctypes.byref(need))
         del self._nfa_arrays
-        if not self._ptr:  # past the budget (GrammarTooLarge) or out of memory
-            self.budget.charge(sum(a.nbytes for a in arrays) + 64 * 256 * 4)
+        if not self._ptr:  # past the budget (the charge raises GrammarTooLarge) or out of memory
+            if need.value >= 0:
+                self.budget.charge(need.value)
             raise MemoryError("the automaton's C library could not allocate its memory")
         weakref.finalize(self, lib.spruce_dfa_free, self._ptr)
         with self._lock:
@@ -218,7 +220,7 @@ class NativeByteDFA(ByteDFA):
 
     def is_accepting(self, state: int) -> bool:
         with self._lock:
-            return bool(self._lib.spruce_dfa_is_accepting(self._ptr, state))
+            return bool(_checked(self._lib.spruce_dfa_is_accepting(self._ptr, state)))
 
     def step(self, state: int, byte: int) -> int:
         return self.walk(state, _SINGLE_BYTES[byte])
@@ -231,7 +233,7 @@ class NativeByteDFA(ByteDFA):
 
     def ensure_rows(self, states, state_limit: int | None = None) -> _NativeTable:
         wanted = np.ascontiguousarray(np.asarray(states, dtype=np.int32).reshape(-1))
-        limit = -1 if state_limit is None else state_limit
+        limit = -1 if state_limit is None else max(state_limit, 0)  # -1: no bound
         self._call(self._lib.spruce_dfa_ensure_rows, wanted.ctypes.data, wanted.size, limit)
         return self.table
 
@@ -273,6 +275,7 @@ class NativeByteDFA(ByteDFA):
         if allocated > self._charged:
             self.budget.charge(allocated - self._charged)
             self._charged = allocated
+        _checked(result)
         if result == native.ERR_LIMIT:
             raise MaskTooExpensive
         if result == native.ERR_MEMORY:
@@ -283,6 +286,13 @@ class NativeByteDFA(ByteDFA):
             self._charged += needed  # paid ahead: the retry may allocate it
             return False
         return True
+
+
+def _checked(result: int) -> int:
+    """`result` of a C call, IndexError when it names a state the DFA does not have."""
+    if result == native.ERR_STATE:
+        raise IndexError("not a state of this DFA")
+    return result
 
 
 _NFA_ARRAYS = ("edge_at", "edge_low", "edge_high", "edge_to", "eps_at", "eps_to")
@@ -302,5 +312,5 @@ class _NativeTable:
     def __getitem__(self, state: int) -> np.ndarray:
         row = np.empty(256, dtype=np.int32)
         with self._dfa._lock:
-            self._dfa._lib.spruce_dfa_copy_rows(self._dfa._ptr, int(state), 1, row.ctypes.data)
+            _checked(self._dfa._lib.spruce_dfa_copy_row(self._dfa._ptr, int(state), row.ctypes.data))
         return row

@@ -28,17 +28,19 @@ SOURCE = Path(__file__).with_name("automaton.c")
 FLAGS = ["-O2", "-shared", "-fPIC"]
 ERR_LIMIT = -3  # automaton.c: more new states than the caller's bound
 ERR_MEMORY = -4  # automaton.c: an allocation past the memory limit (or malloc failed)
+ERR_STATE = -5  # automaton.c: a state the DFA does not have
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 SIGNATURES = {  # name: (result, arguments)
-    # num_nfa, num_edges, num_eps, start, final, edge_at, edge_low, edge_high, edge_to, eps_at, eps_to, mem_limit
-    "spruce_dfa_new": (_P, [_I32] * 5 + [_P] * 6 + [_I64]),
+    # num_nfa, num_edges, num_eps, start, final, edge_at, edge_low, edge_high, edge_to, eps_at, eps_to, mem_limit,
+    # need (out)
+    "spruce_dfa_new": (_P, [_I32] * 5 + [_P] * 6 + [_I64, _P]),
     "spruce_dfa_free": (None, [_P]),
     "spruce_dfa_allocated": (_I64, [_P]),
     "spruce_dfa_needed": (_I64, [_P]),
     "spruce_dfa_num_states": (_I32, [_P]),
     "spruce_dfa_is_accepting": (_I32, [_P, _I32]),
-    "spruce_dfa_copy_rows": (None, [_P, _I32, _I32, _P]),  # dfa, first, count, out
+    "spruce_dfa_copy_row": (_I32, [_P, _I32, _P]),  # dfa, state, out
     "spruce_dfa_ensure_rows": (_I32, [_P, _P, _I64, _I64, _I64]),  # dfa, states, count, limit, mem_limit
     "spruce_dfa_walk": (_I32, [_P, _I32, ctypes.c_char_p, _I64, _I64]),  # dfa, state, data, len, mem_limit
     "spruce_dfa_forced": (_I64, [_P, _I32, _P, _I64, _I64]),  # dfa, state, out, max, mem_limit

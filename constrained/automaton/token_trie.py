@@ -83,7 +83,7 @@ class TokenTrie:
         MaskTooExpensive once the walk has made more than `max_new_states` DFA states."""
         limit = None if max_new_states is None else dfa.num_states + max_new_states
         if isinstance(dfa, NativeByteDFA):
-            return dfa.token_mask(self.native_args, state, -1 if limit is None else limit)
+            return dfa.token_mask(self.native_args, state, -1 if limit is None else max(limit, 0))
         alive = np.zeros(self.num_nodes + 1, dtype=bool)
         nodes = np.zeros(1, dtype=np.int64)
         states = np.array([state], dtype=np.int64)
