@@ -200,6 +200,19 @@ def test_a_budget_too_small_for_the_automaton_refuses_it():
 
 
 @requires_native
+def test_a_state_the_native_dfa_does_not_have_is_refused():
+    dfa, trie = NativeByteDFA(build_nfa("ab")), TokenTrie([b"a", b"b"])
+    for call in [
+        lambda: dfa.step(5, 97), lambda: dfa.walk(-3, b"a"), lambda: dfa.is_accepting(1),
+        lambda: dfa.forced_bytes(9), lambda: dfa.ensure_rows([7]), lambda: dfa.table[4],
+        lambda: trie.allowed(dfa, 3),
+    ]:  # fmt: skip
+        with pytest.raises(IndexError):
+            call()
+    assert dfa.walk(DEAD, b"a") == DEAD and dfa.forced_bytes(dfa.initial) == b"ab"
+
+
+@requires_native
 def test_threads_sharing_a_native_dfa_get_the_same_masks():
     trie, nfa = TokenTrie(_small_vocab()), build_nfa("(?:a|b|é)*c(?:[abc]){6}")
     dfa, expected = NativeByteDFA(nfa), trie.allowed(_python_dfa(nfa), 0)
