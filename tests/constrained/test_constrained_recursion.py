@@ -3,7 +3,8 @@ enforced"): a tree and an expression AST (anyOf over recursive $refs) through ba
 and "llguidance", fed token by token on the bundled SmolLM2 tokenizer in compact JSON. Valid
 instances (checked with jsonschema) are accepted to the end, broken ones are refused at the
 token that holds the first wrong character; free values `{}` nest 6 deep. Backend "spruce"
-still unrolls recursion (SchemaOptions.recursion_depth), so it refuses the depth-8 tree."""
+still unrolls recursion (SchemaOptions.recursion_depth), so it refuses the depth-8 tree.
+Also here: a `$ref` to another document, under every backend."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 
 import jsonschema
 import pytest
-from spruce.constrained import GrammarCompiler, make_spec
+from spruce.constrained import ConstraintError, GrammarCompiler, make_spec
 from support import bundled_gguf_path, first_refused
 
 TREE = {
@@ -227,3 +228,48 @@ def test_the_bundled_model_writes_a_tree_that_validates(compiler):
     assert spec.backend == "llguidance"
     cursor = compiler.compile(spec).cursor()
     assert all(cursor.accept_token(t) for t in out["output_ids"]), out["text"]
+
+
+# -- a $ref to another document (no network to fetch it) -------------------------------------
+# Lenient mode allows any value there and reports `$ref`; an object beside it stays open (the
+# spruce converter's reading, which the llguidance path shares).
+
+REMOTE = "https://example.com/schemas/part.json"
+SCHEMA = {
+    "type": "object",
+    "properties": {"part": {"$ref": REMOTE}, "count": {"type": "integer"}},
+    "required": ["part", "count"],
+}
+BESIDE = {"type": "object", "$ref": REMOTE, "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+
+
+def accepts_value(grammar, tokenizer, value) -> bool:
+    refused, can_end, _ = first_refused(grammar, tokenizer, json.dumps(value, separators=(",", ":")))
+    return refused is None and can_end
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance", "spruce"])
+def test_a_remote_ref_allows_any_value_and_is_reported(compiler, tokenizer, backend):
+    spec = make_spec(json_schema=SCHEMA, backend=backend)
+    assert spec.backend == ("spruce" if backend == "spruce" else "llguidance")
+    assert "$ref" in spec.unenforced
+    grammar = compiler.compile(spec)
+    parts = [1, "x", [1, {"y": None}], {"deep": [True]}]
+    if backend != "spruce":  # the converter unrolls free values to depth 2
+        parts.append({"deep": {"er": [{"est": True}]}})
+    for part in parts:
+        assert accepts_value(grammar, tokenizer, {"part": part, "count": 3}), part
+    assert not accepts_value(grammar, tokenizer, {"part": 1, "count": "3"})  # the rest is enforced
+    assert not accepts_value(grammar, tokenizer, {"count": 3})  # `part` is still required
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "spruce"])
+def test_an_object_beside_a_remote_ref_stays_open(compiler, tokenizer, backend):
+    grammar = compiler.compile(make_spec(json_schema=BESIDE, backend=backend))
+    assert accepts_value(grammar, tokenizer, {"count": 1, "other": [2]})  # the remote part may add it
+    assert not accepts_value(grammar, tokenizer, {"count": "1"})
+
+
+def test_strict_mode_refuses_a_remote_ref():
+    with pytest.raises(ConstraintError, match="another document"):
+        make_spec(json_schema=SCHEMA, schema_mode="strict")
