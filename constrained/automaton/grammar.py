@@ -7,10 +7,9 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 
-from spruce.constrained.core.bitmask import pack_token_ids
+from spruce.constrained.core.bitmask import pack_allowed
 from spruce.constrained.automaton.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.automaton.byte_nfa import ByteNFA
 from spruce.constrained.automaton.cursor import GrammarCursor
@@ -22,9 +21,9 @@ if TYPE_CHECKING:
 
 
 # A token mask asked for while requests run (on the scheduler thread) may make at most this
-# many new DFA states in all (a state took 86 us for SmolLM2's vocabulary; the scheduler
-# spreads the work over steps, see `prepare_mask`); a JSON schema's masks make tens to a
-# few hundred. The initial state's mask is made at build time, off the scheduler thread,
+# many new DFA states in all (a state took up to 86 us for SmolLM2's vocabulary on the Python
+# path, 1-45 us in C; the scheduler spreads the work over steps, see `prepare_mask`); a JSON
+# schema's masks make tens to a few hundred. The initial state's mask is made at build time, off the scheduler thread,
 # without this bound.
 MAX_MASK_NEW_STATES = 4096
 QUICK_MASK_NEW_STATES = 64  # what `may_continue` may spend on a mask (the scheduler makes the rest)
@@ -139,11 +138,11 @@ class CompiledGrammar(Budgeted):
         states (None: no bound)."""
         info = self._states.get(state)
         if info is None:
-            allowed = np.flatnonzero(self.vocab.trie.allowed(self.dfa, state, max_new_states))
-            has_continuation = allowed.size > 0
+            allowed = self.vocab.trie.allowed(self.dfa, state, max_new_states)  # bool [vocab]
+            has_continuation = bool(allowed.any())
             if self.dfa.is_accepting(state):
-                allowed = np.concatenate([allowed, sorted(self.vocab.eos_token_ids)])
-            mask = pack_token_ids(allowed, self.vocab.vocab_size)
+                allowed[sorted(self.vocab.eos_token_ids)] = True
+            mask = pack_allowed(allowed)
             self.budget.charge(mask.numel() * mask.element_size() + MASK_OVERHEAD_BYTES)
             info = self._states[state] = _StateInfo(mask, has_continuation)
             self._mask_work.pop(state, None)

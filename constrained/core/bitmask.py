@@ -24,7 +24,14 @@ def pack_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int) -> to
     """The packed int32 [ceil(vocab / 32)] row allowing exactly `token_ids`."""
     allowed = np.zeros(num_words(vocab_size) * 32, dtype=bool)
     allowed[np.asarray(token_ids, dtype=np.int64)] = True
-    packed = np.packbits(allowed, bitorder="little").view("<i4")
+    return pack_allowed(allowed)
+
+
+def pack_allowed(allowed: np.ndarray) -> torch.Tensor:
+    """The packed int32 row of a bool array (token id -> allowed), zero-padded to whole words."""
+    padded = np.zeros(num_words(allowed.size) * 32, dtype=bool)
+    padded[: allowed.size] = allowed
+    packed = np.packbits(padded, bitorder="little").view("<i4")
     return torch.from_numpy(packed.astype(np.int32))
 
 
