@@ -130,6 +130,11 @@ class GrammarCompiler:
         with self._lock:
             return self._cache.get(spec)
 
+    def clear(self) -> None:
+        """Drops every cached grammar (requests that hold one keep it until they end)."""
+        with self._lock:
+            self._cache.clear()
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._workers.close()

@@ -137,6 +137,8 @@ def measure(engine, kind: str, entry: dict, texts: dict, tokenizer) -> dict:
             record["passed"] = _walk_examples(compiled, entry, texts, tokenizer, record)
         except Exception as e:  # noqa: BLE001 - a mask past its bound, the deadline: not passed
             record["error"] = _short(e)
+    if hasattr(engine, "release"):
+        engine.release()
     return record
 
 

@@ -77,6 +77,11 @@ class SpruceEngine:
         spec = make_spec(**{kind: value}, backend=self.backend)
         return SpruceCompiled(self.compiler.compile(spec), kind, value)
 
+    def release(self) -> None:
+        """Drops the last compiled grammar (done with its walks): freeing it is not the next
+        constraint's compile (the peers' compiled objects go when `measure` returns)."""
+        self.compiler.clear()
+
     def close(self) -> None:
         self.compiler.close()
 
