@@ -8,8 +8,12 @@ function (a function-level import is still a dependency); imports under
 `server/openai`, ...) or one of the other packages (`lang`, `constrained`, `radix`); modules
 directly in `runtime/` are one node each (`runtime/cli.py`, ...), since the root holds only
 entry points. Also checked: the layer rules
-that `constrained/` and `radix/` import nothing from `runtime/` or `lang/`, and no module
-imports a private (`_name`) attribute of another module.
+that `constrained/` and `radix/` import nothing from `runtime/` or `lang/`, no module
+imports a private (`_name`) attribute of another module, and no module imports a submodule
+through a package whose `__init__` imports that module back, directly or through other
+modules (`from pkg import sub` in a module that `pkg/__init__.py` leads to: it works only
+while `pkg` happens to be imported first; `from pkg.sub import name` or
+`import pkg.sub as sub` does not depend on the order).
 
     python scripts/import_graph.py           # the graph, then "no cycles"
 """
@@ -22,24 +26,29 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"runtime": "spruce.runtime", "lang": "spruce.lang", "radix": "spruce.radix", "constrained": "spruce.constrained"}
+PACKAGES = {
+    "runtime": "spruce.runtime",
+    "lang": "spruce.lang",
+    "radix": "spruce.radix",
+    "constrained": "spruce.constrained",
+}
 LEAVES = ("constrained", "radix")  # may import nothing from the other packages but each other
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join([PACKAGES[parts[0]], *parts[1:]])
 
 
-def node_of(module: str, modules: dict[str, Path]) -> str | None:
+def node_of(module: str, modules: dict[str, Path], root: Path = ROOT) -> str | None:
     """The folder node of a spruce module (or of the module a name in it belongs to)."""
     module = _module_of(module, modules)
     if module is None:
         return None
-    path = modules[module].relative_to(ROOT)
+    path = modules[module].relative_to(root)
     if path.parent == Path("runtime") and path.name != "__init__.py":
         return str(path)  # an entry-point module of the runtime root
     return "/".join(path.parent.parts[:2])  # runtime/<layer>, or the package
@@ -67,14 +76,16 @@ def imports_of(tree: ast.AST, module: str, is_package: bool):
             yield base, [a.name for a in node.names]
 
 
-def main() -> int:
-    files = [p for folder in PACKAGES for p in (ROOT / folder).rglob("*.py")]
-    modules = {module_name(p): p for p in files}
+def main(root: Path = ROOT) -> int:
+    """Checks the packages under root (the repository by default); 1 on any problem."""
+    files = [p for folder in PACKAGES for p in (root / folder).rglob("*.py")]
+    modules = {module_name(p, root): p for p in files}
     edges: dict[str, set[str]] = defaultdict(set)
     file_edges: dict[str, set[str]] = defaultdict(set)  # between modules
+    through: list[tuple[str, str, str]] = []  # (importer, pkg, sub) of `from pkg import sub`
     problems = []
     for module, path in sorted(modules.items()):
-        source = node_of(module, modules)
+        source = node_of(module, modules, root)
         tree = ast.parse(path.read_text(), str(path))
         for target_module, names in imports_of(tree, module, path.name == "__init__.py"):
             if not target_module.startswith("spruce."):
@@ -82,13 +93,18 @@ def main() -> int:
             for name in names:
                 full = f"{target_module}.{name}"
                 if name.startswith("_") and full not in modules and not name.startswith("__"):
-                    problems.append(f"{path.relative_to(ROOT)} imports the private name {full}")
-            targets = {f"{target_module}.{n}" for n in names if f"{target_module}.{n}" in modules} or {target_module}
+                    problems.append(f"{path.relative_to(root)} imports the private name {full}")
+            targets = {
+                f"{target_module}.{n}" for n in names if f"{target_module}.{n}" in modules
+            } or {target_module}
+            if target_module in modules and modules[target_module].name == "__init__.py":
+                through += [(module, target_module, t) for t in targets if t != target_module]
             for target in targets:
                 file_edges[module].add(_module_of(target, modules))
-                node = node_of(target, modules)
+                node = node_of(target, modules, root)
                 if node is not None and node != source:
                     edges[source].add(node)
+    problems += through_package_problems(through, file_edges, modules, root)
     for leaf in LEAVES:
         for target in edges.get(leaf, ()):
             if not target.startswith(LEAVES):
@@ -105,8 +121,56 @@ def main() -> int:
     for problem in problems:
         print("ERROR:", problem)
     if not problems:
-        print("no cycles, no private imports, leaves stay leaves")
+        print("no cycles, no private imports, leaves stay leaves,")
+        print("no submodule through its importer's package")
     return 1 if problems else 0
+
+
+def through_package_problems(through, file_edges, modules, root: Path) -> list[str]:
+    """`from pkg import sub` in a module that pkg's __init__ leads to (an import cycle that
+    works only by the order of imports). An import also runs the __init__ of every package
+    above its target, so those count as edges too (all but the importer's own packages, which
+    are already importing when it runs)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, targets in file_edges.items():
+        own = set(_packages_above(module))
+        for target in targets:
+            if target and target != module:
+                graph[module].add(target)
+                above = _packages_above(target)
+                graph[module].update(p for p in above if p in modules and p not in own)
+    problems = []
+    for module, package, submodule in through:
+        chain = find_path(graph, package, module)
+        if chain:
+            problems.append(
+                f"{modules[module].relative_to(root)} imports {submodule} through the package "
+                f"{package}, whose __init__ imports it back ({' -> '.join(chain)}): "
+                f"import {submodule} itself"
+            )
+    return problems
+
+
+def _packages_above(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def find_path(edges: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """The shortest chain of imports from start to goal, or None."""
+    came_from: dict[str, str | None] = {start: None}
+    queue = [start]
+    for node in queue:
+        if node == goal:
+            chain = [node]
+            while came_from[chain[-1]] is not None:
+                chain.append(came_from[chain[-1]])
+            return chain[::-1]
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in came_from:
+                came_from[nxt] = node
+                queue.append(nxt)
+    return None
 
 
 def _module_of(name: str, modules: dict[str, Path]) -> str | None:

@@ -21,7 +21,7 @@ from spruce.runtime.executor.attention.base import (
     ForwardContext,
 )
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_quant_ops
-from spruce.runtime.models import decode_plan
+from spruce.runtime.models.decode_plan import PlainKinds, build as build_decode_plan
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.loading.quantize import QuantizedTensor
 from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
@@ -357,7 +357,7 @@ class DecoderModel(nn.Module):
         """The C-only decode path for this step (models/decode_plan.py), or None."""
         plan = self.__dict__.get("_plan")
         if plan is None or (plan and not plan.holds_weights_of(self)):  # first step, new weights
-            plan = self.__dict__["_plan"] = decode_plan.build(self, PLAIN_KINDS) or False
+            plan = self.__dict__["_plan"] = build_decode_plan(self, PLAIN_KINDS) or False
         return plan if plan and plan.applies(backend, ctx, x) else None
 
     def use_quantized_weights(self, weights: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
@@ -377,4 +377,4 @@ class DecoderModel(nn.Module):
         load_hf_state_dict(self, state_dict)
 
 
-PLAIN_KINDS = decode_plan.PlainKinds(DecoderLayer, Attention, Rotary, MLP, RMSNorm, QuantizedLinear)
+PLAIN_KINDS = PlainKinds(DecoderLayer, Attention, Rotary, MLP, RMSNorm, QuantizedLinear)
