@@ -47,6 +47,11 @@ class TokenLogprobs:
     top: list[tuple[float, int]]
 
 
+# One prompt position's logprob (None for the very first token), its token id, and the top-k
+# alternatives as (logprob, token id).
+PromptLogprob = tuple[float | None, int, list[tuple[float, int]]]
+
+
 @dataclass(slots=True, eq=False)
 class Req:
     rid: str

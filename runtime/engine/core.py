@@ -32,7 +32,7 @@ from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.core.request import Req
 from spruce.runtime.executor.sampler import Sampler, prompt_logprobs
 from spruce.runtime.scheduler.cache import CacheManager
-from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.scheduler import Scheduler
 from spruce.runtime.text.stop import StopChecker
 
@@ -220,55 +220,53 @@ class EngineCore:
             self._wait_for_grammars()
             return changed
         try:
-            result = self._run(out)
+            self._run(out)
         except Exception as e:  # the pass as a whole: no request named yet
             if self.tp is not None:  # a broken group does not heal: no retry
                 logger.exception("a tensor-parallel forward pass failed")
                 self._lose_rank("a tensor-parallel step failed (a rank is gone or stopped answering)")
                 self.scheduler.step_failed(out, e)  # rolls the step back; the caller fails what is left
                 self.check_ranks()
-            logger.exception("a forward pass over %d request(s) failed; rolling the step back", len(out.reqs))
+            logger.exception("a forward pass over %d request(s) failed; rolling the step back", len(out))
             return changed + self.scheduler.step_failed(out, e)
-        changed += self.scheduler.update(out, result)
+        changed += self.scheduler.update(out)
         if self.step_log is not None:
-            all_decode = all(n == 1 for n in out.extend_lens)
-            self.step_log.append(StepInfo(time.perf_counter() - start, len(out.reqs), out.num_tokens, all_decode))
+            all_decode = all(item.num_tokens == 1 for item in out.scheduled)
+            self.step_log.append(StepInfo(time.perf_counter() - start, len(out), out.num_tokens, all_decode))
         return changed
 
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
-    def _run(self, out: ScheduleOutput) -> StepResult:
-        items = [self._forward_item(r, n, s) for r, n, s in zip(out.reqs, out.extend_lens, out.new_slots)]
+    def _run(self, out: ScheduleOutput) -> None:
+        """Runs the step's forward pass and sampling; sets each scheduled request's `result`."""
+        items = [self._forward_item(s) for s in out.scheduled]
         with self.tp.lock if self.tp is not None else nullcontext():  # --tp: no keepalive amid the step's collectives
             forward = self.runner.forward(items)
-        errors: list[str | None] = [None] * len(out.reqs)
-        # prompt logprobs first: the sampler below changes the logits in place
-        prompt_lps = [
-            self._prompt_logprobs(r, forward, i, errors) if items[i].all_logits else None
-            for i, r in enumerate(out.reqs)
-        ]
-        samples = [s and errors[i] is None for i, s in enumerate(out.samples)]
-        last_rows = [forward.offsets[i + 1] - 1 for i, s in enumerate(samples) if s]
-        sampling_reqs = [r for r, s in zip(out.reqs, samples) if s]
-        next_ids: list[int | None] = [None] * len(out.reqs)
-        token_lps: list = [None] * len(out.reqs)
-        if sampling_reqs:
+        sampling: list[Scheduled] = []  # the requests that sample, and their last logits rows
+        last_rows: list[int] = []
+        for i, (scheduled, item) in enumerate(zip(out.scheduled, items)):
+            result = scheduled.result = Sampled()
+            if item.all_logits:  # prompt logprobs first: the sampler below changes the logits in place
+                self._prompt_logprobs(scheduled, forward.logits[forward.offsets[i] : forward.offsets[i + 1]])
+            if scheduled.samples and result.error is None:
+                sampling.append(scheduled)
+                last_rows.append(forward.offsets[i + 1] - 1)
+        if sampling:
             every_row = len(last_rows) == forward.logits.shape[0]  # a decode batch: no gather (12 MB copy)
             logits = forward.logits if every_row else forward.logits[last_rows]
-            sampled = self.sampler.sample(logits, sampling_reqs, self.grammar_mask)
-            sampled_at = [i for i, s in enumerate(samples) if s]
-            for j, i in enumerate(sampled_at):
-                next_ids[i], token_lps[i] = sampled.ids[j], sampled.logprobs[j]
-                errors[i] = sampled.errors.get(j)
-        return StepResult(next_ids, token_lps, prompt_lps, errors)
+            sampled = self.sampler.sample(logits, [s.req for s in sampling], self.grammar_mask)
+            for j, scheduled in enumerate(sampling):
+                result = scheduled.result
+                result.token_id, result.logprobs = sampled.ids[j], sampled.logprobs[j]
+                result.error = sampled.errors.get(j)
 
-    def _prompt_logprobs(self, req: Req, forward, i: int, errors: list[str | None]):
+    def _prompt_logprobs(self, scheduled: Scheduled, rows: torch.Tensor) -> None:
+        """Sets the request's prompt logprobs of this step, or its error (its row only)."""
+        req, result = scheduled.req, scheduled.result
         try:
-            rows = forward.logits[forward.offsets[i] : forward.offsets[i + 1]]
-            return prompt_logprobs(req, rows, req.computed_len)
+            result.prompt_logprobs = prompt_logprobs(req, rows, req.computed_len)
         except Exception:  # this request's row only
             logger.exception("prompt logprobs of request %s failed", req.rid)
-            errors[i] = "computing prompt logprobs failed (see the server log)"
-            return None
+            result.error = "computing prompt logprobs failed (see the server log)"
 
     def _wait_for_grammars(self) -> None:
         """Nothing to compute but grammars compiling: wait for one instead of spinning."""
@@ -276,12 +274,13 @@ class EngineCore:
         if futures:
             wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
 
-    def _forward_item(self, req: Req, n: int, slots: torch.Tensor) -> ForwardItem:
+    def _forward_item(self, scheduled: Scheduled) -> ForwardItem:
+        req, n = scheduled.req, scheduled.num_tokens
         start = req.computed_len
         lp_start = req.prompt_logprob_start
         # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
         all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
-        return ForwardItem(req.row, start, req.token_ids(start, start + n), slots, all_logits)
+        return ForwardItem(req.row, start, req.token_ids(start, start + n), scheduled.slots, all_logits)
 
     # -- observability ------------------------------------------------------------------------
 

@@ -27,6 +27,6 @@ class DecodeManager:
             retracted.append(victim)
             if victim in decoding:
                 decoding.remove(victim)
-            elif victim in out.reqs:
-                self.cache.free_slots(out.remove(victim))
+            elif (slots := out.remove(victim)) is not None:
+                self.cache.free_slots(slots)
         return retracted

@@ -1,4 +1,6 @@
-"""What the scheduler hands the model runner, and what comes back."""
+"""What the scheduler hands the model runner, and what comes back: one record per
+scheduled request (`Scheduled`), which carries that request's result once the step ran
+(`Sampled`). Code walks the records; nothing is kept in step by index."""
 
 from __future__ import annotations
 
@@ -6,55 +8,67 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spruce.runtime.core.request import Req, TokenLogprobs
+from spruce.runtime.core.request import PromptLogprob, Req, TokenLogprobs
+
+
+@dataclass(slots=True)
+class Sampled:
+    """One scheduled request's result of a step: the sampled token (None when it did not
+    sample this step), its logprobs when asked, the prompt logprobs computed this step, and
+    the error of a request whose own row failed (it is aborted alone)."""
+
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Scheduled:
+    """A request that advances this step by `num_tokens` tokens, whose K/V go into `slots`
+    (new KV slots, one per token). `result` is filled by the step that ran it."""
+
+    req: Req
+    num_tokens: int
+    slots: torch.Tensor
+    result: Sampled | None = None
+
+    @property
+    def samples(self) -> bool:
+        """True when the advance reaches the end of the request's tokens and it still wants
+        a token: its next token is sampled after this step."""
+        req = self.req
+        return req.computed_len + self.num_tokens == req.total_len and req.wants_sample
 
 
 @dataclass(slots=True)
 class ScheduleOutput:
-    """Which requests advance this step, by how many tokens, into which new KV slots.
+    """The requests that advance this step, in batch order (the order of the model's rows)."""
 
-    A request samples its next token after the step when the advance reaches the end of
-    its tokens (`samples[i]`)."""
-
-    reqs: list[Req] = field(default_factory=list)
-    extend_lens: list[int] = field(default_factory=list)
-    new_slots: list[torch.Tensor] = field(default_factory=list)
+    scheduled: list[Scheduled] = field(default_factory=list)
 
     def add(self, req: Req, num_tokens: int, slots: torch.Tensor) -> None:
         assert slots.numel() == num_tokens > 0
-        self.reqs.append(req)
-        self.extend_lens.append(num_tokens)
-        self.new_slots.append(slots)
+        self.scheduled.append(Scheduled(req, num_tokens, slots))
 
-    def remove(self, req: Req) -> torch.Tensor:
-        """Takes a request out again (retraction); returns its new slots to free."""
-        i = self.reqs.index(req)
-        self.reqs.pop(i)
-        self.extend_lens.pop(i)
-        return self.new_slots.pop(i)
+    def remove(self, req: Req) -> torch.Tensor | None:
+        """Takes a request out again (retraction); returns its new slots to free, or None
+        when it is not in this step."""
+        for i, item in enumerate(self.scheduled):
+            if item.req is req:
+                return self.scheduled.pop(i).slots
+        return None
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [item.req for item in self.scheduled]
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.extend_lens)
+        return sum(item.num_tokens for item in self.scheduled)
 
-    @property
-    def samples(self) -> list[bool]:
-        return [
-            r.computed_len + n == r.total_len and r.wants_sample
-            for r, n in zip(self.reqs, self.extend_lens)
-        ]
+    def __len__(self) -> int:
+        return len(self.scheduled)
 
     def __bool__(self) -> bool:
-        return bool(self.reqs)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Aligned with ScheduleOutput.reqs: the sampled token (None when the request did not
-    sample this step), its logprobs when asked, prompt logprobs computed this step, and the
-    error of a request whose own row failed (it is aborted alone; None: no errors)."""
-
-    next_token_ids: list[int | None]
-    token_logprobs: list[TokenLogprobs | None]
-    prompt_logprobs: list[list[tuple[float, int, list[tuple[float, int]]]] | None]
-    errors: list[str | None] | None = None
+        return bool(self.scheduled)

@@ -85,7 +85,7 @@ class PrefillManager:
     def _outstanding(self, running: list[Req], out: ScheduleOutput) -> int:
         """Slots the running requests will still need beyond this step: the rest of their
         prompts (or jump-forward text) and a share of their future output."""
-        this_step = {id(r): n for r, n in zip(out.reqs, out.extend_lens)}
+        this_step = {id(item.req): item.num_tokens for item in out.scheduled}
         return sum(r.remaining - this_step.get(id(r), 0) + self._future_tokens(r) for r in running)
 
     def _future_tokens(self, req: Req) -> int:

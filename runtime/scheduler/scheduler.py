@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 from spruce.constrained.core import errors as constrained_errors
 from spruce.runtime.config import ConstraintOptions, SchedulerOptions
-from spruce.runtime.core.request import FinishReason, Req
+from spruce.runtime.core.request import FinishReason, PromptLogprob, Req, TokenLogprobs
 from spruce.runtime.errors import ConstraintError, constraint_error
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
 from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks
-from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.output import Sampled, ScheduleOutput
 from spruce.runtime.scheduler.prefill import PrefillManager
 from spruce.runtime.text.stop import StopChecker
 
@@ -173,33 +173,34 @@ class Scheduler:
 
     # -- update -------------------------------------------------------------------------
 
-    def update(self, out: ScheduleOutput, result: StepResult) -> list[Req]:
-        """Applies a step's results; returns the requests with news (new tokens or finished).
-        A request whose row failed (`result.errors`), or whose output processing raises, is
-        aborted alone; the others are updated as usual."""
+    def update(self, out: ScheduleOutput) -> list[Req]:
+        """Applies a step's results (each `Scheduled.result`); returns the requests with
+        news (new tokens or finished). A request whose row failed (`Sampled.error`), or
+        whose output processing raises, is aborted alone; the others are updated as usual."""
         self.faults.step_succeeded(out.reqs)
         changed = []
-        for i, req in enumerate(out.reqs):
-            req.computed_len += out.extend_lens[i]  # the forward pass wrote these K/V
-            error = result.errors[i] if result.errors else None
+        for item in out.scheduled:
+            req, result = item.req, item.result
+            assert result is not None, "update() of a step that did not run"
+            req.computed_len += item.num_tokens  # the forward pass wrote these K/V
+            error = result.error
             if error is None:
-                error = self._update_one(req, out.extend_lens[i], result, i)
+                error = self._update_one(req, item.num_tokens, result)
             if error is not None:
                 self.fail_request(req, error)
-            if result.next_token_ids[i] is not None or req.finished:
+            if result.token_id is not None or req.finished:
                 changed.append(req)
         return changed
 
-    def _update_one(self, req: Req, extend_len: int, result: StepResult, i: int) -> str | None:
+    def _update_one(self, req: Req, num_tokens: int, result: Sampled) -> str | None:
         """One request's part of update(); the error message if it raised."""
         try:
-            self._record_prompt_logprobs(req, result.prompt_logprobs[i])
-            if extend_len > 1:
+            self._record_prompt_logprobs(req, result.prompt_logprobs)
+            if num_tokens > 1:
                 # a prompt chunk or jump-forward text: share it now, not when the request ends
                 self.cache.cache_partial(req)
-            token = result.next_token_ids[i]
-            if token is not None:
-                self._append(req, token, result.token_logprobs[i])
+            if result.token_id is not None:
+                self._append(req, result.token_id, result.logprobs)
             elif req.remaining == 0:  # max_new_tokens == 0: the prompt is now cached
                 self._finish(req, FinishReason("length"))
         except constrained_errors.ConstraintError as e:  # its grammar outgrew a budget
@@ -231,8 +232,8 @@ class Scheduler:
         is unchanged (requests admitted by the step stay admitted, with their cached
         prefix). The requests become suspects (see faults.py); returns the ones aborted."""
         self.stats.failed_steps += 1
-        for req, slots in zip(out.reqs, out.new_slots):
-            self.cache.undo_step(req, slots)
+        for item in out.scheduled:
+            self.cache.undo_step(item.req, item.slots)
         aborted = self.faults.step_failed(out.reqs)
         for req in aborted:
             self.fail_request(req, f"the forward pass failed each time this request ran alone: {error!r}")
@@ -246,7 +247,7 @@ class Scheduler:
         assert all(r.row is None for r in [*self.waiting, *self.grammars.pending]), "a queued request holds a row"
         self.cache.check_integrity(self.running)
 
-    def _append(self, req: Req, token: int, logprobs) -> None:
+    def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         req.output_ids.append(token)
@@ -279,7 +280,7 @@ class Scheduler:
         req.jump_forward_tokens += len(new_ids)
         return self.stops.check(req, len(new_ids)) if new_ids else None
 
-    def _record_prompt_logprobs(self, req: Req, entries) -> None:
+    def _record_prompt_logprobs(self, req: Req, entries: list[PromptLogprob] | None) -> None:
         if not entries:
             return
         for logprob, token, top in entries:

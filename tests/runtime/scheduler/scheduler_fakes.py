@@ -14,7 +14,7 @@ from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.executor.kv_pool import ReqToTokenTable, SlotAllocator
 from spruce.runtime.scheduler.cache import CacheManager
-from spruce.runtime.scheduler.output import ScheduleOutput, StepResult
+from spruce.runtime.scheduler.output import Sampled, ScheduleOutput
 from spruce.runtime.scheduler.scheduler import Scheduler
 from spruce.runtime.text.stop import StopChecker
 
@@ -55,18 +55,18 @@ def next_token(req: Req) -> int:
 def fake_forward(scheduler: Scheduler, out: ScheduleOutput) -> None:
     """What the model runner does to the bookkeeping: the new tokens' slots go into their
     rows of the request-to-token table (before the pass runs, so also when it fails)."""
-    for req, slots in zip(out.reqs, out.new_slots):
-        scheduler.cache.table.write(req.row, req.computed_len, slots)
+    for item in out.scheduled:
+        scheduler.cache.table.write(item.req.row, item.req.computed_len, item.slots)
 
 
-def fake_result(out: ScheduleOutput, errors: dict[int, str] | None = None) -> StepResult:
-    """The tokens a model would sample for `out` (rows in `errors` failed)."""
-    ids = [next_token(r) if s else None for r, s in zip(out.reqs, out.samples)]
+def fake_sample(out: ScheduleOutput, errors: dict[Req, str] | None = None) -> None:
+    """Sets each scheduled request's result to what a model would sample (the requests in
+    `errors` failed: their row's error, no token)."""
     errors = errors or {}
-    row_errors = [errors.get(i) for i in range(len(out.reqs))]
-    for i in errors:
-        ids[i] = None
-    return StepResult(ids, [None] * len(ids), [None] * len(ids), row_errors)
+    for item in out.scheduled:
+        error = errors.get(item.req)
+        token = next_token(item.req) if item.samples and error is None else None
+        item.result = Sampled(token_id=token, error=error)
 
 
 def fail_step(scheduler: Scheduler, error: Exception) -> list[Req]:
@@ -83,7 +83,8 @@ def step(scheduler: Scheduler) -> ScheduleOutput:
     scheduler.pop_finished_outside_step()
     if out:
         fake_forward(scheduler, out)
-        scheduler.update(out, fake_result(out))
+        fake_sample(out)
+        scheduler.update(out)
     scheduler.check_integrity()
     return out
 

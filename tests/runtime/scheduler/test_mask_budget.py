@@ -5,7 +5,7 @@ and its mask, resumed step after step, equals one made in one go."""
 from __future__ import annotations
 
 import torch
-from scheduler_fakes import fake_forward, fake_result, make_req, make_scheduler, step
+from scheduler_fakes import fake_forward, fake_sample, make_req, make_scheduler, step
 
 from spruce.constrained import make_spec
 from spruce.constrained.automaton.byte_nfa import build_nfa
@@ -41,7 +41,8 @@ def test_a_request_whose_mask_is_not_ready_waits_while_the_others_decode(tiny_to
             break
         assert not grammar.has_mask(state) and any(r is plain for r in out.reqs)  # the batch goes on
         fake_forward(scheduler, out)
-        scheduler.update(out, fake_result(out))
+        fake_sample(out)
+        scheduler.update(out)
         held_steps += 1
         assert held_steps < 10_000
     assert held_steps >= 2 and grammar.has_mask(state) and not costly.finished
@@ -65,7 +66,8 @@ def test_a_mask_past_its_own_bound_aborts_its_request_only(tiny_tokenizer):
     assert "too costly" in costly.finish_reason.message
     assert out.reqs == [plain]
     fake_forward(scheduler, out)
-    scheduler.update(out, fake_result(out))
+    fake_sample(out)
+    scheduler.update(out)
     scheduler.check_integrity()
 
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from scheduler_fakes import (
     fail_step,
     fake_forward,
-    fake_result,
+    fake_sample,
     make_req,
     make_scheduler,
     next_token,
@@ -21,6 +22,7 @@ from scheduler_fakes import (
 )
 
 from spruce.runtime.scheduler.faults import MAX_FAILURES_ALONE, RequestFault
+from spruce.runtime.scheduler.output import ScheduleOutput
 
 # -- budget and chunked prefill ------------------------------------------------------------------
 
@@ -32,8 +34,8 @@ def test_one_step_stays_within_the_token_budget_and_chunks_the_last_prompt():
         scheduler.add(req)
     out = scheduler.schedule()
     assert out.num_tokens == 16
-    assert out.reqs == reqs[:2] and out.extend_lens == [10, 6]
-    assert out.samples == [True, False]  # only a prompt computed to its end samples
+    assert [(s.req, s.num_tokens) for s in out.scheduled] == [(reqs[0], 10), (reqs[1], 6)]
+    assert [s.samples for s in out.scheduled] == [True, False]  # a prompt computed to its end samples
     assert reqs[2] in scheduler.waiting
 
 
@@ -41,7 +43,7 @@ def test_a_long_prompt_is_computed_in_chunks_then_decoded():
     scheduler = make_scheduler(chunked_prefill_size=16)
     req = make_req(40, max_new_tokens=3)
     scheduler.add(req)
-    lens = [step(scheduler).extend_lens for _ in range(5)]
+    lens = [[s.num_tokens for s in step(scheduler).scheduled] for _ in range(5)]
     assert lens == [[16], [16], [8], [1], [1]]
     assert req.finished and req.finish_reason.type == "length"
     assert len(req.output_ids) == 3
@@ -55,7 +57,7 @@ def test_decode_and_a_prefill_chunk_share_a_step_and_decode_is_outside_the_prefi
     second = make_req(20)
     scheduler.add(second)
     out = step(scheduler)
-    assert out.reqs == [first, second] and out.extend_lens == [1, 8]
+    assert [(s.req, s.num_tokens) for s in out.scheduled] == [(first, 1), (second, 8)]
 
 
 def test_prefill_first_runs_no_decode_while_prompts_wait():
@@ -76,6 +78,16 @@ def test_max_running_requests_caps_admission():
 
 
 # -- memory: retraction ------------------------------------------------------------------------
+
+
+def test_a_request_taken_out_of_a_step_leaves_with_its_slots():
+    out = ScheduleOutput()
+    first, second = make_req(4), make_req(4)
+    out.add(first, 4, torch.arange(4))
+    out.add(second, 2, torch.arange(4, 6))
+    assert out.remove(make_req(1)) is None  # not in this step: nothing to free
+    assert out.remove(first).tolist() == [0, 1, 2, 3]
+    assert out.reqs == [second] and out.num_tokens == 2 and len(out) == 1
 
 
 def test_decode_retracts_the_newest_request_when_slots_run_out_and_all_finish():
@@ -121,13 +133,13 @@ def test_a_failed_step_is_rolled_back_exactly():
     out = scheduler.schedule()
     computed = {r.rid: r.computed_len for r in (warm, newcomer)}
     assert out.reqs == [warm, newcomer]
-    freed = list(out.new_slots)
     fake_forward(scheduler, out)
     assert scheduler.step_failed(out, RuntimeError("injected")) == []
     scheduler.check_integrity()
     assert used_slots(scheduler) == used_before  # the step's slots are back
     assert {r.rid: r.computed_len for r in (warm, newcomer)} == computed
-    for req, slots in zip(out.reqs, freed):  # no row position refers to a freed slot
+    for item in out.scheduled:  # no row position refers to a freed slot
+        req, slots = item.req, item.slots
         stale = row_slots(scheduler, req, req.computed_len, req.computed_len + slots.numel())
         assert not set(stale.tolist()) & set(slots.tolist())
     assert (
@@ -173,7 +185,8 @@ def test_a_request_that_fails_twice_alone_is_aborted_and_the_others_finish():
             failures += 1
             aborted = scheduler.step_failed(out, RuntimeError("boom"))
         elif out:
-            scheduler.update(out, fake_result(out))
+            fake_sample(out)
+            scheduler.update(out)
         scheduler.check_integrity()
     assert failures == 1 + MAX_FAILURES_ALONE and aborted == [bad]
     assert bad.finish_reason.type == "abort" and "boom" in bad.finish_reason.message
@@ -189,7 +202,8 @@ def test_a_failing_row_aborts_its_request_only():
         scheduler.add(req)
     out = scheduler.schedule()
     fake_forward(scheduler, out)
-    changed = scheduler.update(out, fake_result(out, errors={1: "sampling failed: NaN"}))
+    fake_sample(out, errors={reqs[1]: "sampling failed: NaN"})
+    changed = scheduler.update(out)
     scheduler.check_integrity()
     assert reqs[1] in changed and reqs[1].finish_reason.message == "sampling failed: NaN"
     assert isinstance(reqs[1].error, RequestFault) and reqs[1].row is None
@@ -269,7 +283,8 @@ def test_random_step_failures_under_memory_pressure_keep_accounting_exact(seed):
         if out and rng.random() < 0.2:
             scheduler.step_failed(out, RuntimeError("chaos"))
         elif out:
-            scheduler.update(out, fake_result(out))
+            fake_sample(out)
+            scheduler.update(out)
         scheduler.check_integrity()
     assert not scheduler.has_work()
     for req in reqs:
