@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the request module stays light
+    from concurrent.futures import Future
+
+    from spruce.constrained.automaton.cursor import CursorBase
+    from spruce.constrained.spec import ConstraintSpec
+    from spruce.radix.radix_cache import RadixNode
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,19 +64,19 @@ class Req:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    options: RequestOptions = RequestOptions()
+    options: RequestOptions = field(default_factory=RequestOptions)
     output_ids: list[int] = field(default_factory=list)
     # KV progress
     computed_len: int = 0  # tokens of prompt + output whose K/V are in the pool
     cache_owned_len: int = 0  # leading positions whose slots belong to the prefix cache
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     row: int | None = None  # row in the request-to-token table while admitted
-    last_node: Any = None  # locked prefix-cache node while admitted
+    last_node: RadixNode | None = None  # locked prefix-cache node while admitted (None: no cache)
     admit_order: int = 0
     # constrained decoding
-    constraint: Any = None  # a spruce.constrained ConstraintSpec, validated
-    grammar_future: Any = None  # the compile in flight (the request waits in the grammar queue)
-    cursor: Any = None  # the request's spruce.constrained GrammarCursor, once compiled
+    constraint: ConstraintSpec | None = None  # validated at the front door
+    grammar_future: Future | None = None  # the compile in flight (the request waits in the grammar queue)
+    cursor: CursorBase | None = None  # the request's grammar cursor (any backend's), once compiled
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
     # results
     finish_reason: FinishReason | None = None
