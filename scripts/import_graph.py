@@ -141,6 +141,8 @@ def through_package_problems(through, file_edges, modules, root: Path) -> list[s
                 graph[module].update(p for p in above if p in modules and p not in own)
     problems = []
     for module, package, submodule in through:
+        if module == package:
+            continue  # a package's __init__ taking its own submodules is the usual order
         chain = find_path(graph, package, module)
         if chain:
             problems.append(

@@ -85,3 +85,13 @@ def test_a_package_above_the_target_counts_as_imported(import_graph, tmp_path, c
     assert code == 1
     chain = "spruce.runtime.models.llama -> spruce.runtime.kernels -> spruce.runtime.models.layers"
     assert chain in out
+
+
+def test_a_package_taking_its_own_submodule_passes(import_graph, tmp_path, capsys):
+    files = models_tree("from spruce.runtime.models.plan import build")
+    files["runtime/models/__init__.py"] += (
+        "from spruce.runtime.models import plan\nfrom . import rope\n"
+    )
+    files["runtime/models/rope.py"] = ""
+    code, out = check(import_graph, write_tree(tmp_path, files), capsys)
+    assert code == 0, out
