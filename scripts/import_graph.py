@@ -12,8 +12,8 @@ that `constrained/` and `radix/` import nothing from `runtime/` or `lang/`, no m
 imports a private (`_name`) attribute of another module, and no module imports a submodule
 through a package whose `__init__` imports that module back, directly or through other
 modules (`from pkg import sub` in a module that `pkg/__init__.py` leads to: it works only
-while `pkg` happens to be imported first; `from pkg.sub import name` or
-`import pkg.sub as sub` does not depend on the order).
+while `pkg` happens to be imported first; `from pkg.sub import name` does not depend on the
+order).
 
     python scripts/import_graph.py           # the graph, then "no cycles"
 """
