@@ -20,6 +20,7 @@ from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.engine import core as core_module
 from spruce.runtime.executor.sampler import Sampler
 from spruce.runtime.scheduler.faults import MAX_FAILURES_ALONE, RequestFault
 from support import stream_ids
@@ -203,6 +204,32 @@ def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(engine
     assert victim["req"].finish_reason.message == "the grammar mask failed (see the server log)"
     assert fine.finish_reason.type in ("stop", "length") and fine.error is None
     assert plain.output_ids == clean[2]
+    assert_idle_and_exact(engine)
+
+
+def test_prompt_logprobs_that_raise_abort_that_request_alone(engine, batch, clean, monkeypatch):
+    real = core_module.prompt_logprobs
+    victim = {}
+
+    def broken_for_victim(req, rows, first_pos):
+        if req is victim.get("req"):
+            raise RuntimeError("injected prompt-logprob failure")
+        return real(req, rows, first_pos)
+
+    monkeypatch.setattr(core_module, "prompt_logprobs", broken_for_victim)
+    core = engine.core
+    wants = RequestOptions(return_logprob=True, logprob_start_len=0)
+    greedy = SamplingParams(**GREEDY)
+    good = [core.add_request(ValidRequest(p, greedy, RequestOptions(), None)) for p in batch[:3]]
+    scored = core.add_request(ValidRequest(batch[3], greedy, wants, None))
+    bad = victim["req"] = core.add_request(ValidRequest(batch[4], greedy, wants, None))
+    while core.has_work():
+        core.step()
+    assert bad.finish_reason.type == "abort"
+    assert bad.finish_reason.message == "computing prompt logprobs failed (see the server log)"
+    assert bad.output_ids == [] and isinstance(bad.error, RequestFault)
+    assert [r.output_ids for r in good] == clean[:3] and scored.output_ids == clean[3]
+    assert len(scored.logprobs.input_token_logprobs) == len(batch[3])
     assert_idle_and_exact(engine)
 
 
