@@ -75,7 +75,7 @@ class Req:
     admit_order: int = 0
     # constrained decoding
     constraint: ConstraintSpec | None = None  # validated at the front door
-    grammar_future: Future | None = None  # the compile in flight (the request waits in the grammar queue)
+    grammar_future: Future | None = None  # its compile in flight (it waits in the grammar queue)
     cursor: CursorBase | None = None  # the request's grammar cursor (any backend's), once compiled
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
     # results

@@ -227,12 +227,15 @@ class EngineCore:
                 self._lose_rank("a tensor-parallel step failed (a rank is gone or stopped answering)")
                 self.scheduler.step_failed(out, e)  # rolls the step back; the caller fails what is left
                 self.check_ranks()
-            logger.exception("a forward pass over %d request(s) failed; rolling the step back", len(out))
+            logger.exception(
+                "a forward pass over %d request(s) failed; rolling the step back", len(out)
+            )
             return changed + self.scheduler.step_failed(out, e)
         changed += self.scheduler.update(out)
         if self.step_log is not None:
             all_decode = all(item.num_tokens == 1 for item in out.scheduled)
-            self.step_log.append(StepInfo(time.perf_counter() - start, len(out), out.num_tokens, all_decode))
+            seconds = time.perf_counter() - start
+            self.step_log.append(StepInfo(seconds, len(out), out.num_tokens, all_decode))
         return changed
 
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
@@ -241,23 +244,28 @@ class EngineCore:
         items = [self._forward_item(s) for s in out.scheduled]
         with self.tp.lock if self.tp is not None else nullcontext():  # --tp: no keepalive amid the step's collectives
             forward = self.runner.forward(items)
-        sampling: list[Scheduled] = []  # the requests that sample, and their last logits rows
-        last_rows: list[int] = []
+        sampling: list[tuple[Scheduled, int]] = []  # who samples, from which logits row
         for i, (scheduled, item) in enumerate(zip(out.scheduled, items)):
-            result = scheduled.result = Sampled()
-            if item.all_logits:  # prompt logprobs first: the sampler below changes the logits in place
-                self._prompt_logprobs(scheduled, forward.logits[forward.offsets[i] : forward.offsets[i + 1]])
-            if scheduled.samples and result.error is None:
-                sampling.append(scheduled)
-                last_rows.append(forward.offsets[i + 1] - 1)
+            first, end = forward.offsets[i], forward.offsets[i + 1]
+            scheduled.result = Sampled()
+            if item.all_logits:  # prompt logprobs first: the sampler changes the logits in place
+                self._prompt_logprobs(scheduled, forward.logits[first:end])
+            if scheduled.samples and scheduled.result.error is None:
+                sampling.append((scheduled, end - 1))
         if sampling:
-            every_row = len(last_rows) == forward.logits.shape[0]  # a decode batch: no gather (12 MB copy)
-            logits = forward.logits if every_row else forward.logits[last_rows]
-            sampled = self.sampler.sample(logits, [s.req for s in sampling], self.grammar_mask)
-            for j, scheduled in enumerate(sampling):
-                result = scheduled.result
-                result.token_id, result.logprobs = sampled.ids[j], sampled.logprobs[j]
-                result.error = sampled.errors.get(j)
+            self._sample(forward.logits, sampling)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Scheduled, int]]) -> None:
+        """Samples each request's next token from its logits row; sets its result's token,
+        logprobs and row error."""
+        rows = [row for _, row in sampling]
+        if len(rows) < logits.shape[0]:  # a decode batch samples every row: no gather (12 MB copy)
+            logits = logits[rows]
+        sampled = self.sampler.sample(logits, [s.req for s, _ in sampling], self.grammar_mask)
+        for j, (scheduled, _) in enumerate(sampling):
+            result = scheduled.result
+            result.token_id, result.logprobs = sampled.ids[j], sampled.logprobs[j]
+            result.error = sampled.errors.get(j)
 
     def _prompt_logprobs(self, scheduled: Scheduled, rows: torch.Tensor) -> None:
         """Sets the request's prompt logprobs of this step, or its error (its row only)."""
@@ -280,7 +288,8 @@ class EngineCore:
         lp_start = req.prompt_logprob_start
         # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
         all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
-        return ForwardItem(req.row, start, req.token_ids(start, start + n), scheduled.slots, all_logits)
+        new_ids = req.token_ids(start, start + n)
+        return ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits)
 
     # -- observability ------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def test_one_step_stays_within_the_token_budget_and_chunks_the_last_prompt():
     out = scheduler.schedule()
     assert out.num_tokens == 16
     assert [(s.req, s.num_tokens) for s in out.scheduled] == [(reqs[0], 10), (reqs[1], 6)]
-    assert [s.samples for s in out.scheduled] == [True, False]  # a prompt computed to its end samples
+    assert [s.samples for s in out.scheduled] == [True, False]  # a whole prompt samples
     assert reqs[2] in scheduler.waiting
 
 
