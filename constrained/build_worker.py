@@ -71,6 +71,8 @@ class ConvertRequest:
     whitespace_pattern: str = ""
     schema_mode: str = "lenient"  # lenient | strict
     backend: str = "auto"  # the grammar backend (constrained/backends/__init__.py)
+    check: bool = False  # make_spec's `check`
+    schema_options: dict | None = None  # a SchemaOptions as a dict (its mode and whitespace: above)
 
     @property
     def describe(self) -> str:
@@ -278,13 +280,15 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
 
 
 def _convert(request: ConvertRequest) -> tuple[str, object]:
+    from spruce.constrained.schema.schema_context import SchemaOptions
     from spruce.constrained.spec import make_spec
 
     value = json.loads(request.text) if request.kind == "choices" else request.text
     try:
+        options = SchemaOptions(**request.schema_options) if request.schema_options else None
         spec = make_spec(
             **{request.kind: value}, whitespace_pattern=request.whitespace_pattern, schema_mode=request.schema_mode,
-            backend=request.backend,
+            schema_options=options, backend=request.backend, check=request.check,
         )
     except ConstraintError as e:
         return "error", str(e)

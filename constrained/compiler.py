@@ -11,11 +11,12 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import NamedTuple
 
 from spruce.constrained import backends
-from spruce.constrained.build_worker import BuildRequest, WorkerPool
-from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.build_worker import BuildRequest, ConvertRequest, WorkerPool
+from spruce.constrained.core.errors import ConstraintError, GrammarRefused
 from spruce.constrained.automaton.grammar import CompiledGrammar
 from spruce.constrained.core.memory import SharedBudget
-from spruce.constrained.spec import ConstraintSpec
+from spruce.constrained.schema.schema_context import LENIENT
+from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 from spruce.constrained.automaton.vocab import TokenVocabulary
 
 NUM_WORKERS = 2  # a slow build does not hold up every other constraint
@@ -141,17 +142,35 @@ class GrammarCompiler:
         self._deadlines.close()
 
     def _build(self, spec: ConstraintSpec, started: _Start) -> CompiledGrammar:
+        """Compiles the spec; a schema llguidance refuses now goes to the spruce converter
+        where auto left that decision to the compile (`ConstraintSpec.fallback`)."""
+        started.set()
+        try:
+            grammar = self._compile(spec)
+        except GrammarRefused:
+            if spec.fallback is None:
+                raise
+            grammar = self._compile(self._fallback(spec))
+        grammar.warm()  # the first mask, off the scheduler thread
+        return grammar
+
+    def _compile(self, spec: ConstraintSpec) -> CompiledGrammar:
         """The spruce automaton's NFA is built in a worker process; the other backends
         compile here, on this build thread (llguidance drops the GIL and bounds its work with
         its own limits, backends/llguidance_text.py)."""
-        started.set()
         if spec.backend == "spruce":
             nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
-            grammar = CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
-        else:
-            grammar = backends.module(spec.backend).compile_grammar(spec, self.vocab, self.grammar_bytes, self.live)
-        grammar.warm()  # the first mask, off the scheduler thread
-        return grammar
+            return CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
+        return backends.module(spec.backend).compile_grammar(spec, self.vocab, self.grammar_bytes, self.live)
+
+    def _fallback(self, spec: ConstraintSpec) -> ConstraintSpec:
+        """The spruce converter's spec of the schema (in a worker, as the front door converts)."""
+        options = spec.fallback or {}
+        request = ConvertRequest(
+            JSON_SCHEMA, spec.value, options.get("whitespace_pattern", ""), LENIENT, "spruce",
+            schema_options=options,
+        )  # fmt: skip
+        return self._workers.run(request, self.timeout_s)
 
     def _finish(self, spec: ConstraintSpec, build: Future, ready: Future) -> None:
         """Caches the finished grammar and resolves `ready`."""

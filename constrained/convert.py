@@ -55,12 +55,13 @@ class Conversion:
     def spec(
         self, regex: str | None = None, json_schema: Any = None, choices: list[str] | None = None,
         schema_mode: str = "lenient", *, ebnf: str | None = None, lark: str | None = None,
-        structural_tag: Any = None,
+        structural_tag: Any = None, check: bool = False,
     ) -> ConstraintSpec | None:  # fmt: skip
-        """The constraint (at most one) as a spec; ConstraintError if bad."""
+        """The constraint (at most one) as a spec; ConstraintError if bad. `check`: as
+        make_spec's (decide the backend here, for a spec embedded in a larger grammar)."""
         return shared_converter(self.memory_mb).make_spec(
             regex, json_schema, choices, self.whitespace_pattern, schema_mode, self.timeout_s,
-            ebnf=ebnf, lark=lark, structural_tag=structural_tag, backend=self.backend,
+            ebnf=ebnf, lark=lark, structural_tag=structural_tag, backend=self.backend, check=check,
         )  # fmt: skip
 
     def schema_regex(self, schema: Any) -> str:
@@ -89,16 +90,17 @@ class SpecConverter:
         lark: str | None = None,
         structural_tag: Any = None,
         backend: str = "auto",
+        check: bool = False,
     ) -> ConstraintSpec | None:
         """As `spec.make_spec`; a JSON schema, a grammar, and a regex or choices longer than
         INLINE_CHARS are converted in a worker within `timeout_s`."""
         given = {"regex": regex, "json_schema": json_schema, "choices": choices, "ebnf": ebnf, "lark": lark,
                  "structural_tag": structural_tag}  # fmt: skip
         given = {name: value for name, value in given.items() if value is not None}
-        request = _worker_request(given, whitespace_pattern, schema_mode, backend)
+        request = _worker_request(given, whitespace_pattern, schema_mode, backend, check)
         if request is None:
             return make_spec(**given, backend=backend)  # checks "at most one"
-        key = (request.text, request.kind, whitespace_pattern, schema_mode, backend)
+        key = (request.text, request.kind, whitespace_pattern, schema_mode, backend, check)
         spec = self._cache.get(key)
         if spec is None:
             with self._slots:
@@ -116,7 +118,7 @@ class SpecConverter:
 
 
 def _worker_request(
-    given: dict[str, Any], whitespace_pattern: str, schema_mode: str, backend: str
+    given: dict[str, Any], whitespace_pattern: str, schema_mode: str, backend: str, check: bool
 ) -> ConvertRequest | None:
     """What a worker should convert, or None when the calling thread checks it (a short
     regex or list of choices, or more than one constraint: make_spec refuses that)."""
@@ -124,7 +126,7 @@ def _worker_request(
         return None
     (kind, value), = given.items()
     if kind == "json_schema":
-        return ConvertRequest(kind, load_schema_text(value), whitespace_pattern, schema_mode, backend)
+        return ConvertRequest(kind, load_schema_text(value), whitespace_pattern, schema_mode, backend, check)
     if kind in GRAMMAR_KINDS and isinstance(value, (str, dict)):
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         return ConvertRequest(kind, text, backend=backend)

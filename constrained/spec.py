@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 from spruce.constrained import backends
@@ -32,6 +32,11 @@ class ConstraintSpec:
     `variant`: the conversion options that differ from the defaults (they change the regex).
     `unenforced`: the schema keywords the regex does not enforce (lenient mode): the output
     is validated against the schema once finished (see `schema_report`).
+    `fallback`: set on a JSON schema that auto gives llguidance in lenient mode without its
+    check at the front door (building the grammar checks it, and a check alone costs as
+    much as the build): the schema options the spruce converter takes it with if llguidance
+    refuses it when compiled. The compiled grammar's spec is the decided one (backend,
+    `unenforced` from llguidance's warnings, no `fallback`); None once decided.
     Hashable on (kind, value, variant, backend): the compiled-grammar cache key."""
 
     kind: str
@@ -41,11 +46,13 @@ class ConstraintSpec:
     unenforced: tuple[str, ...] = field(default=(), compare=False)
     backend: str = "spruce"
     grammar: str = field(default="", compare=False)
+    fallback: dict[str, Any] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         return {
             "kind": self.kind, "value": self.value, "regex": self.regex, "variant": self.variant,
             "unenforced": list(self.unenforced), "backend": self.backend, "grammar": self.grammar,
+            "fallback": self.fallback,
         }  # fmt: skip
 
 
@@ -62,6 +69,7 @@ def make_spec(
     lark: str | None = None,
     structural_tag: Any = None,
     backend: str = "auto",
+    check: bool = False,
 ) -> ConstraintSpec | None:
     """Validates a constraint (at most one) and returns its spec, or None when none is
     given. Raises ConstraintError for anything invalid or unsupported.
@@ -75,7 +83,9 @@ def make_spec(
     schema_mode: "lenient" (default: a keyword that cannot be enforced is left out of the
     grammar and listed in `unenforced`) or "strict" (refused, naming it).
     schema_options: recursion_depth, any_json_depth, property order (see SchemaOptions);
-    its mode and whitespace_pattern are replaced by the two arguments above."""
+    its mode and whitespace_pattern are replaced by the two arguments above.
+    check: decide the backend of a JSON schema here even where auto could leave llguidance's
+    check to the compile (`ConstraintSpec.fallback`): for a spec embedded in a larger grammar."""
     candidates = {
         "regex": regex, "json_schema": json_schema, "choices": choices, "dtype": dtype,
         EBNF: ebnf, LARK: lark, STRUCTURAL_TAG: structural_tag,
@@ -88,7 +98,7 @@ def make_spec(
     name = given[0]
     if name == "json_schema":
         options = replace(schema_options or SchemaOptions(), mode=schema_mode, whitespace_pattern=whitespace_pattern)
-        return _schema_spec(json_schema, options, backend)
+        return _schema_spec(json_schema, options, backend, check)
     if name in GRAMMAR_KINDS:
         return _grammar_spec(name, candidates[name], backend)
     if name == "choices":
@@ -98,9 +108,11 @@ def make_spec(
     return _regex_spec(regex, backend)
 
 
-def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> ConstraintSpec:
+def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str, check: bool) -> ConstraintSpec:
     """The first backend that takes the schema (in lenient mode, leaving out what it cannot
-    enforce: `unenforced`, checked on the finished output); one that refuses it passes it on."""
+    enforce: `unenforced`, checked on the finished output); one that refuses it passes it on.
+    Unless `check`, llguidance's check of a lenient schema with a backend after it is left to
+    the compile (`ConstraintSpec.fallback`)."""
     schema = load_schema(json_schema)
     validator_class(schema)  # the finished output is validated with it (report.py)
     text = json.dumps(schema, ensure_ascii=False)
@@ -109,13 +121,15 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str) -> Cons
         if name == "spruce":
             converted = convert_schema(schema, options)  # every check, before any compute
             return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
+        defer = not check and options.mode == LENIENT and name == "llguidance" and name != tried[-1]
         try:
-            made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT)
+            made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT, check=not defer)
         except ConstraintError:
             if name == tried[-1]:
                 raise
             continue
-        return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar)
+        fallback = asdict(options) if defer else None
+        return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar, fallback)
     raise AssertionError("the last backend raises or returns")
 
 
@@ -125,11 +139,11 @@ class _Made(NamedTuple):
     unenforced: tuple[str, ...]
 
 
-def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool) -> _Made:
+def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool, check: bool) -> _Made:
     if name == "llguidance":
         from spruce.constrained.backends.llguidance_text import schema_grammar
 
-        return _Made("", *schema_grammar(schema, options, lenient))
+        return _Made("", *schema_grammar(schema, options, lenient, check))
     regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
     if regex is None:
         raise ConstraintError(f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)")

@@ -18,11 +18,11 @@ import llguidance
 import numpy as np
 import torch
 
-from spruce.constrained.backends.llguidance_text import lark_grammar, limits, readable_error
+from spruce.constrained.backends.llguidance_text import lark_grammar, limits, readable_error, unenforced_of
 from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 from spruce.constrained.automaton.cursor import CursorBase
 from spruce.constrained.core.bitmask import write_row
-from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError, GrammarRefused
 from spruce.constrained.core.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
@@ -96,7 +96,9 @@ class LLGuidanceGrammar(Budgeted):
         self.budget.charge(MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value))
         matcher = llguidance.LLMatcher(llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits())
         if matcher.is_error():
-            raise ConstraintError(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
+            raise GrammarRefused(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
+        if spec.fallback is not None:  # checked by this build: decided now
+            self.spec = replace(spec, unenforced=unenforced_of(matcher.get_grammar_warnings(), spec.unenforced), fallback=None)
         self._matcher = matcher
         self.initial_row: np.ndarray | None = None  # the first position's mask, once warm
 

@@ -96,14 +96,18 @@ def regex_grammar(regex: str) -> str:
     return grammar
 
 
-def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[str, tuple[str, ...]]:
+def schema_grammar(
+    schema: Any, options: SchemaOptions, lenient: bool, check: bool = True
+) -> tuple[str, tuple[str, ...]]:
     """(the grammar, the keywords it leaves unenforced) of a JSON schema; ConstraintError
     with llguidance's reason when it cannot take it, or (`lenient` False) cannot enforce all
     of it: a keyword it does not implement, a `oneOf` it cannot prove exclusive, a `format`
     it does not know. Written as the spruce converter writes JSON (see _prepared): objects
     closed unless `options.open_objects` or the schema intersects object schemas
     (_INTERSECTING), numbers bounded, whitespace `options.whitespace_pattern`; in lenient
-    mode a `$ref` to another document allows any value there (reported as `$ref`)."""
+    mode a `$ref` to another document allows any value there (reported as `$ref`).
+    Unchecked (`check` False), the grammar is not built here: what it leaves unenforced but
+    that `$ref` comes from the compile (`unenforced_of`), which also says if it is refused."""
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
     remote = frozenset(remote_refs(schema)) if lenient else frozenset()
@@ -120,8 +124,14 @@ def schema_grammar(schema: Any, options: SchemaOptions, lenient: bool) -> tuple[
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     except ValueError as e:
         raise ConstraintError(f"json_schema: {e}") from None
-    unenforced = _unimplemented(check_grammar(grammar, "json_schema"))
-    return grammar, unenforced + ("$ref",) * bool(remote and "$ref" not in unenforced)
+    return grammar, unenforced_of(check_grammar(grammar, "json_schema") if check else [], ("$ref",) * bool(remote))
+
+
+def unenforced_of(warnings: list[str], known: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The keywords a lenient schema grammar leaves out: those llguidance's warnings name,
+    then those already `known` (a `$ref` to another document)."""
+    unenforced = _unimplemented(warnings)
+    return unenforced + tuple(name for name in known if name not in unenforced)
 
 
 def _without_remote_refs(node: Any, remote: frozenset[str]) -> Any:

@@ -11,3 +11,7 @@ class ConstraintError(ValueError):
 class TooLarge(ConstraintError):
     """A size cap was hit while converting (alternatives, automaton states, regex text):
     lenient mode may relax the part of the schema that hit it instead."""
+
+
+class GrammarRefused(ConstraintError):
+    """A backend cannot compile this constraint (auto may give it to the next backend)."""

@@ -153,11 +153,12 @@ def named_error(error: constrained_errors.ConstraintError, name: str) -> Constra
     return constraint_error(error)
 
 
-def constraint_spec(sampling: SamplingParams, conversion: Conversion) -> ConstraintSpec | None:
-    """The spec of the one constraint `sampling` holds (ConstraintError if bad or several)."""
+def constraint_spec(sampling: SamplingParams, conversion: Conversion, check: bool = False) -> ConstraintSpec | None:
+    """The spec of the one constraint `sampling` holds (ConstraintError if bad or several);
+    `check`: its backend decided now (see make_spec)."""
     return conversion.spec(
         sampling.regex, sampling.json_schema, sampling.choices, sampling.schema_mode or "lenient",
-        ebnf=sampling.ebnf, lark=sampling.lark, structural_tag=sampling.structural_tag,
+        ebnf=sampling.ebnf, lark=sampling.lark, structural_tag=sampling.structural_tag, check=check,
     )  # fmt: skip
 
 

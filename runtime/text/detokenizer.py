@@ -126,7 +126,7 @@ def _schema_report(req: Req) -> dict[str, Any] | None:
         return None
     token_bytes = req.cursor.grammar.vocab.token_bytes
     data = b"".join(token_bytes[i] for i in req.output_ids if i < len(token_bytes))
-    return schema_report(req.constraint, data.decode("utf-8", errors="replace"))
+    return schema_report(req.cursor.grammar.spec, data.decode("utf-8", errors="replace"))  # the compiled spec: decided
 
 
 def _pairs(top):

@@ -182,7 +182,7 @@ class ChatPrompt:
         if self.reasoning is None or not sampling.has_constraint:
             return sampling, None
         try:
-            spec = constraint_spec(sampling, conversion)
+            spec = constraint_spec(sampling, conversion, check=True)  # its grammar is embedded
         except ConstraintError as e:
             raise named_error(e, sampling.constraint_names[0]) from None
         cleared = dict.fromkeys(CONSTRAINT_FIELDS)
