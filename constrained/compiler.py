@@ -227,7 +227,8 @@ class _Deadlines:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="spruce-grammar-deadline")
                 self._thread.start()
-            self._wake.notify()
+            elif timeout_s < self.POLL_S:  # else its next look (within POLL_S) comes first: no wake-up
+                self._wake.notify()
 
     def close(self) -> None:
         with self._wake:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
@@ -114,7 +114,11 @@ def schema_grammar(
     if remote:
         schema = _without_remote_refs(schema, remote)
     close = not options.open_objects and not _intersects(schema)
-    schema = _prepared(schema, close, keep_open=frozenset(_refs_beside_object_keys(schema)) if close else frozenset())
+    keep_open = frozenset(_refs_beside_object_keys(schema)) if close else frozenset()
+    share = isinstance(schema, dict) and not _SHARED_NUMBERS.keys() & schema.get("$defs", {}).keys() and not _has_inner_id(schema)
+    schema = _prepared(schema, _How(close, keep_open, share))
+    if share:
+        schema["$defs"] = {**schema.get("$defs", {}), **_SHARED_NUMBERS}
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
@@ -224,15 +228,24 @@ _OBJECT_KEYS = frozenset({"properties", "patternProperties", "additionalProperti
 _APPLICATORS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "if", "then", "else", "not", "dependentSchemas", "dependencies"})
 
 
-def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[str] = frozenset()) -> Any:
+class _How(NamedTuple):
+    """How _prepared writes a schema: `close` objects (but the definitions in `keep_open`);
+    `share` bounded numbers as `$ref`s to one definition each (_SHARED_NUMBERS)."""
+
+    close: bool
+    keep_open: frozenset[str]
+    share: bool
+
+
+def _prepared(node: Any, how: _How, here: bool = True) -> Any:
     """A copy of the schema with numbers without bounds bounded to INTEGER_BOUND and their
-    fractions to FRACTION_STEP, and objects closed (`close`): an object schema with
+    fractions to FRACTION_STEP, and objects closed (`how.close`): an object schema with
     `properties` and no `additionalProperties` says `additionalProperties: false`, unless it
     is combined with another schema that may add properties (it has applicators beside its
     properties; it is an anyOf / oneOf branch of a schema with object keywords of its own; it
     is a definition some such schema `$ref`s: `keep_open`). `here`: this node may be closed."""
     if isinstance(node, list):
-        return [_prepared(item, close, here, keep_open) for item in node]
+        return [_prepared(item, how, here) for item in node]
     if not isinstance(node, dict):
         return node
     owns_objects = bool(_OBJECT_KEYS & node.keys())
@@ -240,22 +253,55 @@ def _prepared(node: Any, close: bool, here: bool = True, keep_open: frozenset[st
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             prefix = f"#/{key}/"
-            out[key] = {name: _prepared(sub, close, prefix + name not in keep_open, keep_open) for name, sub in value.items()}
+            out[key] = {name: _prepared(sub, how, prefix + name not in how.keep_open) for name, sub in value.items()}
         elif key in ("anyOf", "oneOf"):
-            out[key] = _prepared(value, close, not owns_objects, keep_open)
+            out[key] = _prepared(value, how, not owns_objects)
         else:
-            out[key] = value if key in _DATA_KEYWORDS else _prepared(value, close, True, keep_open)
-    if close and here and _plain_all_of(node):
-        out["allOf"] = _prepared(_closed_all_of(node), close, False, keep_open)
-    closes = close and here and not _APPLICATORS & node.keys()
+            out[key] = value if key in _DATA_KEYWORDS else _prepared(value, how)
+    if how.close and here and _plain_all_of(node):
+        out["allOf"] = _prepared(_closed_all_of(node), how, False)
+    closes = how.close and here and not _APPLICATORS & node.keys()
     if closes and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False
+    return _bounded(node, out, how.share)
+
+
+def _bounded(node: dict, out: dict, share: bool) -> dict:
+    """`out` with the bounds of a number without any: a `$ref` to the shared definition
+    where the node is one numeric type with annotations only (llguidance builds a range's
+    lexeme per occurrence, ~0.5 ms each; once per definition), else inline."""
     types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
-    if any(t in ("integer", "number") for t in types) and not any(b in node for b in _BOUNDS):
-        out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
+    if not any(t in ("integer", "number") for t in types) or any(b in node for b in _BOUNDS):
+        return out
+    if share and len(types) == 1 and node.keys() - {"type"} <= _ANNOTATIONS and "multipleOf" not in node:
+        return {"$ref": f"#/$defs/{_SHARED_NAMES[types[0]]}", **{k: v for k, v in out.items() if k != "type"}}
+    out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
     if "number" in types and "multipleOf" not in node:
         out["multipleOf"] = FRACTION_STEP
     return out
+
+
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
+_SHARED_NAMES = {"integer": "spruce_bounded_integer", "number": "spruce_bounded_number"}
+_SHARED_NUMBERS = {
+    _SHARED_NAMES["integer"]: {"type": "integer", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND},
+    _SHARED_NAMES["number"]: {"type": "number", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND, "multipleOf": FRACTION_STEP},
+}
+
+
+def _has_inner_id(schema: dict) -> bool:
+    """Whether a subschema sets its own base URI (`$id`, draft-4 `id`): a `#/$defs/...`
+    inside it would not reach the root's definitions."""
+    todo = [v for k, v in schema.items() if k not in _DATA_KEYWORDS]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$id"), str) or isinstance(node.get("id"), str):
+                return True
+            todo += [v for k, v in node.items() if k not in _DATA_KEYWORDS]
+        elif isinstance(node, list):
+            todo += node
+    return False
 
 
 def _refs_beside_object_keys(node: Any) -> set[str]:
