@@ -14,7 +14,7 @@ from spruce.constrained.automaton.byte_nfa import parse_regex
 from spruce.constrained.automaton.limits import check_regex_size
 from spruce.constrained.core.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
 from spruce.constrained.schema.schema_context import LENIENT, SchemaOptions
-from spruce.constrained.schema.schema_validator import validator_class
+from spruce.constrained.schema.schema_validator import check_root_ids
 
 REGEX, JSON_SCHEMA = "regex", "json_schema"
 EBNF, LARK, STRUCTURAL_TAG = GRAMMAR_KINDS
@@ -114,7 +114,7 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str, check: 
     Unless `check`, llguidance's check of a lenient schema with a backend after it is left to
     the compile (`ConstraintSpec.fallback`)."""
     schema = load_schema(json_schema)
-    validator_class(schema)  # the finished output is validated with it (report.py)
+    check_root_ids(schema)  # the finished output is validated against it (report.py)
     text = json.dumps(schema, ensure_ascii=False)
     tried = backends.candidates(JSON_SCHEMA, backend)
     for name in tried:

@@ -108,11 +108,13 @@ class LLGuidanceGrammar(Budgeted):
     def warm(self) -> None:
         """Computes the first mask once (it also builds the lexer's first states, which
         copies share) and keeps it: a new cursor starts with it instead of computing it."""
-        if self.initial_row is None:
-            cursor = self.cursor()
-            cursor.prepare_mask(0)
-            self.budget.charge(cursor.row.nbytes)
-            self.initial_row = cursor.row.copy()
+        if self.initial_row is None:  # on the compiled matcher itself: a mask takes no token
+            row = np.zeros(self.vocab.num_words, dtype=np.int32)
+            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if self._matcher.is_error():
+                raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")
+            self.budget.charge(row.nbytes)
+            self.initial_row = row
 
 
 class LLGuidanceCursor(CursorBase):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
@@ -115,10 +116,7 @@ def schema_grammar(
         schema = _without_remote_refs(schema, remote)
     close = not options.open_objects and not _intersects(schema)
     keep_open = frozenset(_refs_beside_object_keys(schema)) if close else frozenset()
-    share = isinstance(schema, dict) and not _SHARED_NUMBERS.keys() & schema.get("$defs", {}).keys() and not _has_inner_id(schema)
-    schema = _prepared(schema, _How(close, keep_open, share))
-    if share:
-        schema["$defs"] = {**schema.get("$defs", {}), **_SHARED_NUMBERS}
+    schema = _with_bounds(schema, close, keep_open)
     overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
@@ -228,13 +226,35 @@ _OBJECT_KEYS = frozenset({"properties", "patternProperties", "additionalProperti
 _APPLICATORS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "if", "then", "else", "not", "dependentSchemas", "dependencies"})
 
 
-class _How(NamedTuple):
+@dataclass(slots=True)
+class _How:
     """How _prepared writes a schema: `close` objects (but the definitions in `keep_open`);
-    `share` bounded numbers as `$ref`s to one definition each (_SHARED_NUMBERS)."""
+    `share` bounded numbers as `$ref`s to one definition each (_SHARED_NUMBERS). `ids`:
+    the schemas with their own `$id` it met (the walk counts them)."""
 
     close: bool
     keep_open: frozenset[str]
     share: bool
+    ids: int = 0
+
+
+def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:
+    """_prepared's copy, with the shared number definitions at the root where every `$ref`
+    to them reaches it (no subschema sets its own base URI, the names are free)."""
+    defs = schema.get("$defs") if isinstance(schema, dict) else None
+    share = isinstance(schema, dict) and not (isinstance(defs, dict) and _SHARED_NUMBERS.keys() & defs.keys())
+    how = _How(close, keep_open, share)
+    out = _prepared(schema, how)
+    if not share:
+        return out
+    if how.ids > _own_id(schema):  # a `#/$defs/...` inside would not reach the root: inline
+        return _prepared(schema, _How(close, keep_open, False))
+    out["$defs"] = {**(defs if isinstance(defs, dict) else {}), **_SHARED_NUMBERS}
+    return out
+
+
+def _own_id(node: dict) -> bool:
+    return isinstance(node.get("$id"), str) or isinstance(node.get("id"), str)
 
 
 def _prepared(node: Any, how: _How, here: bool = True) -> Any:
@@ -248,6 +268,7 @@ def _prepared(node: Any, how: _How, here: bool = True) -> Any:
         return [_prepared(item, how, here) for item in node]
     if not isinstance(node, dict):
         return node
+    how.ids += _own_id(node)
     owns_objects = bool(_OBJECT_KEYS & node.keys())
     out = {}
     for key, value in node.items():
@@ -270,7 +291,10 @@ def _bounded(node: dict, out: dict, share: bool) -> dict:
     """`out` with the bounds of a number without any: a `$ref` to the shared definition
     where the node is one numeric type with annotations only (llguidance builds a range's
     lexeme per occurrence, ~0.5 ms each; once per definition), else inline."""
-    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type")]
+    kind = node.get("type")
+    if kind not in ("integer", "number") and not isinstance(kind, list):
+        return out
+    types = kind if isinstance(kind, list) else [kind]
     if not any(t in ("integer", "number") for t in types) or any(b in node for b in _BOUNDS):
         return out
     if share and len(types) == 1 and node.keys() - {"type"} <= _ANNOTATIONS and "multipleOf" not in node:
@@ -287,21 +311,6 @@ _SHARED_NUMBERS = {
     _SHARED_NAMES["integer"]: {"type": "integer", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND},
     _SHARED_NAMES["number"]: {"type": "number", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND, "multipleOf": FRACTION_STEP},
 }
-
-
-def _has_inner_id(schema: dict) -> bool:
-    """Whether a subschema sets its own base URI (`$id`, draft-4 `id`): a `#/$defs/...`
-    inside it would not reach the root's definitions."""
-    todo = [v for k, v in schema.items() if k not in _DATA_KEYWORDS]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("$id"), str) or isinstance(node.get("id"), str):
-                return True
-            todo += [v for k, v in node.items() if k not in _DATA_KEYWORDS]
-        elif isinstance(node, list):
-            todo += node
-    return False
 
 
 def _refs_beside_object_keys(node: Any) -> set[str]:

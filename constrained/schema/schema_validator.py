@@ -31,10 +31,18 @@ _OLD_DRAFTS = (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
 
 def validator_class(schema: Any) -> type:
     """ConstraintError naming the keyword when the root's `$schema` or `$id` is not a string."""
+    base = check_root_ids(schema)
+    return _extended(base, _has_key(schema, "patternProperties") and _has_key(schema, "unevaluatedProperties"))
+
+
+def check_root_ids(schema: Any) -> type:
+    """The draft's validator class (jsonschema's, by `$schema`); ConstraintError naming the
+    keyword when the root's `$schema` or `$id` is not a string (what validator_class refuses,
+    checked at the front door without walking the schema)."""
     _check_string(schema, "$schema")
     base = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {}, default=jsonschema.Draft202012Validator)
     _check_string(schema, "id" if base in _OLD_DRAFTS else "$id")
-    return _extended(base, _has_key(schema, "patternProperties") and _has_key(schema, "unevaluatedProperties"))
+    return base
 
 
 def python_pattern(pattern: str) -> str:
