@@ -101,7 +101,9 @@ class BuildWorker:
         fds = (str(to_child_r), str(from_child_w))
         cmd = [sys.executable, "-m", "spruce.constrained.build_worker", *fds, str(memory_mb)]
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL
+            )
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
@@ -117,7 +119,9 @@ class BuildWorker:
         if self.jobs >= MAX_JOBS_PER_WORKER:
             return True
         size = address_space_mb(self.proc.pid)
-        return self.memory_mb > 0 and size is not None and size > RECYCLE_SHARE_OF_CAP * self.memory_mb
+        return (
+            self.memory_mb > 0 and size is not None and size > RECYCLE_SHARE_OF_CAP * self.memory_mb
+        )
 
     @property
     def alive(self) -> bool:
@@ -140,7 +144,9 @@ class BuildWorker:
             raise RuntimeError(f"the grammar worker failed: {payload}")
         return payload
 
-    def _receive(self, request: BuildRequest | ConvertRequest, start: float, timeout_s: float) -> tuple[str, object]:
+    def _receive(
+        self, request: BuildRequest | ConvertRequest, start: float, timeout_s: float
+    ) -> tuple[str, object]:
         """The worker's next message, within `timeout_s` of `start` (else it is killed)."""
         if not self._recv.poll(max(0.0, start + timeout_s - time.monotonic())):
             self.kill()
@@ -217,7 +223,12 @@ class WorkerPool:
 
     def _give_back(self, worker: BuildWorker) -> None:
         with self._lock:
-            if worker.alive and not self._closed and len(self._idle) < self.size and not worker.worn:
+            if (
+                worker.alive
+                and not self._closed
+                and len(self._idle) < self.size
+                and not worker.worn
+            ):
                 self._idle.append(worker)
                 return
         worker.kill()
@@ -287,8 +298,12 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
     try:
         options = SchemaOptions(**request.schema_options) if request.schema_options else None
         spec = make_spec(
-            **{request.kind: value}, whitespace_pattern=request.whitespace_pattern, schema_mode=request.schema_mode,
-            schema_options=options, backend=request.backend, check=request.check,
+            **{request.kind: value},
+            whitespace_pattern=request.whitespace_pattern,
+            schema_mode=request.schema_mode,
+            schema_options=options,
+            backend=request.backend,
+            check=request.check,
         )
     except ConstraintError as e:
         return "error", str(e)
@@ -297,7 +312,10 @@ def _convert(request: ConvertRequest) -> tuple[str, object]:
             "; flatten it or use $defs" if request.kind == "json_schema" else ""
         )
     except MemoryError:
-        return "error", f"converting the {request.kind} ran out of the worker's memory cap; simplify it"
+        return (
+            "error",
+            f"converting the {request.kind} ran out of the worker's memory cap; simplify it",
+        )
     except Exception as e:  # a bug in the converter: reported as such, the worker lives on
         return "crash", f"{type(e).__name__}: {e}"
     return "ok", spec

@@ -11,13 +11,13 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import NamedTuple
 
 from spruce.constrained import backends
+from spruce.constrained.automaton.grammar import CompiledGrammar
+from spruce.constrained.automaton.vocab import TokenVocabulary
 from spruce.constrained.build_worker import BuildRequest, ConvertRequest, WorkerPool
 from spruce.constrained.core.errors import ConstraintError, GrammarRefused
-from spruce.constrained.automaton.grammar import CompiledGrammar
 from spruce.constrained.core.memory import SharedBudget
 from spruce.constrained.schema.schema_context import LENIENT
 from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
-from spruce.constrained.automaton.vocab import TokenVocabulary
 
 NUM_WORKERS = 2  # a slow build does not hold up every other constraint
 # One grammar may hold this share of the cache's bytes (its NFA, and the DFA rows and masks
@@ -82,7 +82,9 @@ class GrammarCompiler:
         self.vocab = TokenVocabulary(tokenizer, vocab_size)
         self.cache_size = cache_size
         self.cache_bytes = cache_bytes
-        self.grammar_bytes = grammar_bytes or max(int(GRAMMAR_SHARE_OF_CACHE * cache_bytes), MIN_GRAMMAR_BYTES)
+        self.grammar_bytes = grammar_bytes or max(
+            int(GRAMMAR_SHARE_OF_CACHE * cache_bytes), MIN_GRAMMAR_BYTES
+        )
         self.live = SharedBudget(max(LIVE_SHARE_OF_CACHE * cache_bytes, self.grammar_bytes))
         self.timeout_s = timeout_s
         self._cache: OrderedDict[ConstraintSpec, CompiledGrammar] = OrderedDict()
@@ -161,7 +163,9 @@ class GrammarCompiler:
         if spec.backend == "spruce":
             nfa = self._workers.run(BuildRequest(spec.regex), self.timeout_s)
             return CompiledGrammar(spec, nfa, self.vocab, self.grammar_bytes, self.live)
-        return backends.module(spec.backend).compile_grammar(spec, self.vocab, self.grammar_bytes, self.live)
+        return backends.module(spec.backend).compile_grammar(
+            spec, self.vocab, self.grammar_bytes, self.live
+        )
 
     def _fallback(self, spec: ConstraintSpec) -> ConstraintSpec:
         """The spruce converter's spec of the schema (in a worker, as the front door converts)."""
@@ -221,13 +225,19 @@ class _Deadlines:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def watch(self, result: Future, started: _Start, spec: ConstraintSpec, timeout_s: float) -> None:
+    def watch(
+        self, result: Future, started: _Start, spec: ConstraintSpec, timeout_s: float
+    ) -> None:
         with self._wake:
             self._watched.append((result, started, spec, timeout_s))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="spruce-grammar-deadline")
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name="spruce-grammar-deadline"
+                )
                 self._thread.start()
-            elif timeout_s < self.POLL_S:  # else its next look (within POLL_S) comes first: no wake-up
+            elif (
+                timeout_s < self.POLL_S
+            ):  # else its next look (within POLL_S) comes first: no wake-up
                 self._wake.notify()
 
     def close(self) -> None:

@@ -29,8 +29,8 @@ from typing import Any
 
 from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.build_worker import ConvertRequest, WorkerPool
-from spruce.constrained.schema.json_schema import load_schema
 from spruce.constrained.core.memory import BoundedCache, text_bytes
+from spruce.constrained.schema.json_schema import load_schema
 from spruce.constrained.spec import ConstraintSpec, make_spec
 
 DEFAULT_TIMEOUT_S = 30.0  # the grammar timeout's default (--grammar-timeout-s)
@@ -124,15 +124,22 @@ def _worker_request(
     regex or list of choices, or more than one constraint: make_spec refuses that)."""
     if len(given) != 1:
         return None
-    (kind, value), = given.items()
+    ((kind, value),) = given.items()
     if kind == "json_schema":
-        return ConvertRequest(kind, load_schema_text(value), whitespace_pattern, schema_mode, backend, check)
+        return ConvertRequest(
+            kind, load_schema_text(value), whitespace_pattern, schema_mode, backend, check
+        )
     if kind in GRAMMAR_KINDS and isinstance(value, (str, dict)):
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         return ConvertRequest(kind, text, backend=backend)
     if kind == "regex" and isinstance(value, str) and len(value) > INLINE_CHARS:
         return ConvertRequest(kind, value, backend=backend)
-    if kind == "choices" and isinstance(value, list) and all(isinstance(c, str) for c in value) and sum(map(len, value)) > INLINE_CHARS:
+    if (
+        kind == "choices"
+        and isinstance(value, list)
+        and all(isinstance(c, str) for c in value)
+        and sum(map(len, value)) > INLINE_CHARS
+    ):
         return ConvertRequest(kind, json.dumps(value, ensure_ascii=False), backend=backend)
     return None
 

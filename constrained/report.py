@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import jsonschema
+
 from spruce.constrained.schema.schema_validator import validator_class
 from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 
@@ -24,8 +25,14 @@ def validate_output(schema: Any, text: str) -> dict[str, Any]:
         instance = json.loads(text)
     except json.JSONDecodeError as e:
         return {"valid": False, "error": f"not JSON: {e}"}
-    except (ValueError, RecursionError) as e:  # JSON Python will not read: an integer past its digit limit, deep nesting
-        return {"valid": None, "error": f"could not validate: {str(e).split(';')[0] or type(e).__name__}"}
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # JSON Python will not read: an integer past its digit limit, deep nesting
+        return {
+            "valid": None,
+            "error": f"could not validate: {str(e).split(';')[0] or type(e).__name__}",
+        }
     cls = validator_class(schema)
     try:
         error = jsonschema.exceptions.best_match(
@@ -53,14 +60,29 @@ def violated_keywords(schema: Any, instance: Any) -> set[str] | None:
     while todo:
         error = todo.pop()
         found.add(str(error.validator))
-        found.update(p for p in error.relative_schema_path if p in _APPLICATORS)  # inside `then`: `then` too
+        found.update(
+            p for p in error.relative_schema_path if p in _APPLICATORS
+        )  # inside `then`: `then` too
         todo.extend(error.context or ())
     return found
 
 
 # Keywords whose subschemas' errors are theirs too: a keyword broken inside an unenforced
 # `then` breaks `then`.
-_APPLICATORS = frozenset({"if", "then", "else", "not", "oneOf", "anyOf", "allOf", "dependentSchemas", "dependencies", "propertyNames"})
+_APPLICATORS = frozenset(
+    {
+        "if",
+        "then",
+        "else",
+        "not",
+        "oneOf",
+        "anyOf",
+        "allOf",
+        "dependentSchemas",
+        "dependencies",
+        "propertyNames",
+    }
+)
 
 
 def excused(schema: Any, instance: Any, unenforced: tuple[str, ...] | list[str]) -> bool:

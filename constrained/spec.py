@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
 from spruce.constrained import backends
-from spruce.constrained.backends import GRAMMAR_KINDS
-from spruce.constrained.core.errors import ConstraintError
-from spruce.constrained.schema.json_schema import convert_schema, load_schema
 from spruce.constrained.automaton.byte_nfa import parse_regex
 from spruce.constrained.automaton.limits import check_regex_size
+from spruce.constrained.backends import GRAMMAR_KINDS
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.patterns import DTYPE_REGEXES, choices_regex, strip_anchors
+from spruce.constrained.schema.json_schema import convert_schema, load_schema
 from spruce.constrained.schema.schema_context import LENIENT, SchemaOptions
 from spruce.constrained.schema.schema_validator import check_root_ids
 
@@ -97,7 +97,11 @@ def make_spec(
         return None
     name = given[0]
     if name == "json_schema":
-        options = replace(schema_options or SchemaOptions(), mode=schema_mode, whitespace_pattern=whitespace_pattern)
+        options = replace(
+            schema_options or SchemaOptions(),
+            mode=schema_mode,
+            whitespace_pattern=whitespace_pattern,
+        )
         return _schema_spec(json_schema, options, backend, check)
     if name in GRAMMAR_KINDS:
         return _grammar_spec(name, candidates[name], backend)
@@ -108,7 +112,9 @@ def make_spec(
     return _regex_spec(regex, backend)
 
 
-def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str, check: bool) -> ConstraintSpec:
+def _schema_spec(
+    json_schema: Any, options: SchemaOptions, backend: str, check: bool
+) -> ConstraintSpec:
     """The first backend that takes the schema (in lenient mode, leaving out what it cannot
     enforce: `unenforced`, checked on the finished output); one that refuses it passes it on.
     Unless `check`, llguidance's check of a lenient schema with a backend after it is left to
@@ -120,16 +126,29 @@ def _schema_spec(json_schema: Any, options: SchemaOptions, backend: str, check: 
     for name in tried:
         if name == "spruce":
             converted = convert_schema(schema, options)  # every check, before any compute
-            return ConstraintSpec(JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced)
+            return ConstraintSpec(
+                JSON_SCHEMA, text, converted.regex, _variant(options), converted.unenforced
+            )
         defer = not check and options.mode == LENIENT and name == "llguidance" and name != tried[-1]
         try:
-            made = _backend_schema(name, schema, options, lenient=options.mode == LENIENT, check=not defer)
+            made = _backend_schema(
+                name, schema, options, lenient=options.mode == LENIENT, check=not defer
+            )
         except ConstraintError:
             if name == tried[-1]:
                 raise
             continue
         fallback = asdict(options) if defer else None
-        return ConstraintSpec(JSON_SCHEMA, text, made.regex, _variant(options), made.unenforced, name, made.grammar, fallback)
+        return ConstraintSpec(
+            JSON_SCHEMA,
+            text,
+            made.regex,
+            _variant(options),
+            made.unenforced,
+            name,
+            made.grammar,
+            fallback,
+        )
     raise AssertionError("the last backend raises or returns")
 
 
@@ -139,14 +158,18 @@ class _Made(NamedTuple):
     unenforced: tuple[str, ...]
 
 
-def _backend_schema(name: str, schema: Any, options: SchemaOptions, lenient: bool, check: bool) -> _Made:
+def _backend_schema(
+    name: str, schema: Any, options: SchemaOptions, lenient: bool, check: bool
+) -> _Made:
     if name == "llguidance":
         from spruce.constrained.backends.llguidance_text import schema_grammar
 
         return _Made("", *schema_grammar(schema, options, lenient, check))
     regex = backends.module(name).schema_regex(schema, options)  # outlines: its own converter
     if regex is None:
-        raise ConstraintError(f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)")
+        raise ConstraintError(
+            f"the {name} grammar backend cannot enforce this json_schema (try --grammar-backend auto)"
+        )
     return _Made(regex, "", ())
 
 
@@ -159,18 +182,35 @@ def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:
 
         lark = structural_tag_to_lark(value)  # a dict or its JSON text; errors name the field
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return ConstraintSpec(kind, text, "", backend="llguidance", grammar=llguidance_text.lark_grammar(lark, STRUCTURAL_TAG))
+        return ConstraintSpec(
+            kind,
+            text,
+            "",
+            backend="llguidance",
+            grammar=llguidance_text.lark_grammar(lark, STRUCTURAL_TAG),
+        )
     if not isinstance(value, str):
         raise ConstraintError(f"{kind} must be a grammar text (a string)")
-    grammar = llguidance_text.ebnf_grammar(value) if kind == EBNF else llguidance_text.lark_grammar(value)
+    grammar = (
+        llguidance_text.ebnf_grammar(value) if kind == EBNF else llguidance_text.lark_grammar(value)
+    )
     return ConstraintSpec(kind, value, "", backend="llguidance", grammar=grammar)
 
 
 def _variant(options: SchemaOptions) -> str:
     """The options that change the regex, where they differ from the defaults."""
     default = SchemaOptions()
-    names = ("recursion_depth", "any_json_depth", "property_order", "any_order_max", "open_objects", "whitespace_pattern")
-    return ",".join(f"{n}={getattr(options, n)!r}" for n in names if getattr(options, n) != getattr(default, n))
+    names = (
+        "recursion_depth",
+        "any_json_depth",
+        "property_order",
+        "any_order_max",
+        "open_objects",
+        "whitespace_pattern",
+    )
+    return ",".join(
+        f"{n}={getattr(options, n)!r}" for n in names if getattr(options, n) != getattr(default, n)
+    )
 
 
 def _regex_spec(regex: Any, backend: str) -> ConstraintSpec:

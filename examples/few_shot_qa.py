@@ -1,6 +1,6 @@
 """Few-shot QA over a batch: run_batch shares the few-shot prefix through the radix cache.
 
-    python examples/few_shot_qa.py [--address tcp://127.0.0.1:30001]
+python examples/few_shot_qa.py [--address tcp://127.0.0.1:30001]
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ def few_shot_qa(s, question):
 def main() -> None:
     use_runtime(__doc__.splitlines()[0])
     start = time.perf_counter()
-    states = few_shot_qa.run_batch([{"question": q} for q in QUESTIONS], temperature=0, progress_bar=True)
+    states = few_shot_qa.run_batch(
+        [{"question": q} for q in QUESTIONS], temperature=0, progress_bar=True
+    )
     seconds = time.perf_counter() - start
     for question, state in zip(QUESTIONS, states):
         print(f"{question:40s} -> {state['answer'].strip() if state.ok else state.error()}")
     cached = sum(s.get_meta_info("answer")["cached_tokens"] for s in states if s.ok)
     prompt = sum(s.get_meta_info("answer")["prompt_tokens"] for s in states if s.ok)
-    print(f"{len(states)} programs in {seconds:.2f} s; {cached} of {prompt} prompt tokens came from the cache")
+    print(
+        f"{len(states)} programs in {seconds:.2f} s; {cached} of {prompt} prompt tokens came from the cache"
+    )
 
 
 if __name__ == "__main__":

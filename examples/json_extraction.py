@@ -1,6 +1,6 @@
 """JSON extraction: a gen constrained by a pydantic model's JSON schema.
 
-    python examples/json_extraction.py [--address tcp://127.0.0.1:30001]
+python examples/json_extraction.py [--address tcp://127.0.0.1:30001]
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ class City(pydantic.BaseModel):
 
 @sl.function
 def extract(s, passage):
-    s += sl.system("Extract the city in the text as JSON with the keys name, country and population_millions.")
+    s += sl.system(
+        "Extract the city in the text as JSON with the keys name, country and population_millions."
+    )
     s += sl.user(passage)
     s += sl.assistant(sl.gen("city", json_schema=City, max_tokens=64))
 

@@ -1,6 +1,6 @@
 """A multi-turn chat: role blocks are rendered by the model's own chat template.
 
-    python examples/multi_turn_chat.py [--address tcp://127.0.0.1:30001]
+python examples/multi_turn_chat.py [--address tcp://127.0.0.1:30001]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Quickstart: gen and select in a chat.
 
-    python examples/quickstart.py [--address tcp://127.0.0.1:30001]
+python examples/quickstart.py [--address tcp://127.0.0.1:30001]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Streaming: print a gen's text as it is generated, with an iterator and with async.
 
-    python examples/streaming.py [--address tcp://127.0.0.1:30001]
+python examples/streaming.py [--address tcp://127.0.0.1:30001]
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ def tree_of_thought(s, question):
     s += sl.user(question)
     branches = s.fork(NUM_BRANCHES)  # the shared prompt is cached once; the branches reuse it
     for i, branch in enumerate(branches):
-        branch += sl.assistant(f"Idea {i + 1}:" + sl.gen("idea", max_tokens=32, stop="\n", temperature=0.8, seed=i))
+        branch += sl.assistant(
+            f"Idea {i + 1}:" + sl.gen("idea", max_tokens=32, stop="\n", temperature=0.8, seed=i)
+        )
     branches.join()  # s["idea"] is now the list of the branches' ideas
     ideas = "\n".join(f"{i + 1}. {idea.strip()}" for i, idea in enumerate(s["idea"]))
     s += sl.user(f"Here are some ideas:\n{ideas}\nWhich idea is the best? Answer with its number.")

@@ -1,16 +1,16 @@
 """spruce.lang: the structured-generation DSL, with SGLang's names and argument orders.
 
-    import spruce.lang as sl
+import spruce.lang as sl
 
-    @sl.function
-    def qa(s, question):
-        s += sl.user(question)
-        s += sl.assistant(sl.gen("answer", max_tokens=32))
+@sl.function
+def qa(s, question):
+    s += sl.user(question)
+    s += sl.assistant(sl.gen("answer", max_tokens=32))
 
-    sl.set_default_backend(sl.Runtime())          # or sl.RuntimeEndpoint("tcp://127.0.0.1:30001"),
-                                                  # or sl.RuntimeEndpoint("http://127.0.0.1:30000")
-    state = qa.run(question="What is the capital of France?", temperature=0)
-    print(state["answer"])
+sl.set_default_backend(sl.Runtime())          # or sl.RuntimeEndpoint("tcp://127.0.0.1:30001"),
+                                              # or sl.RuntimeEndpoint("http://127.0.0.1:30000")
+state = qa.run(question="What is the capital of France?", temperature=0)
+print(state["answer"])
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ from spruce.lang.choices import (
     unconditional_likelihood_normalized,
 )
 from spruce.lang.endpoint import RuntimeEndpoint
-from spruce.lang.errors import ProgramError, RuntimeRequestError, RuntimeUnavailableError, UnsupportedFeatureError
+from spruce.lang.errors import (
+    ProgramError,
+    RuntimeRequestError,
+    RuntimeUnavailableError,
+    UnsupportedFeatureError,
+)
 from spruce.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from spruce.lang.launcher import Runtime
 from spruce.lang.program import Program, function, get_default_backend, set_default_backend

@@ -9,7 +9,15 @@ from spruce.lang.backend import Backend
 from spruce.lang.choices import ChoicesMethod, token_length_normalized
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
 from spruce.lang.ir import (
-    MAX_SAMPLES, Gen, RoleBegin, RoleEnd, Select, Seq, dsl_keywords, split_params, to_node,
+    MAX_SAMPLES,
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Seq,
+    dsl_keywords,
+    split_params,
+    to_node,
 )  # fmt: skip
 from spruce.lang.program import resolve_backend
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS
@@ -36,7 +44,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
     if params.get("choices") is not None:
         return _gen_select(name, params, choices_method)
     if choices_method is not None:
-        raise ProgramError("gen(choices_method=...) needs choices=[...] (a gen with choices is a select)")
+        raise ProgramError(
+            "gen(choices_method=...) needs choices=[...] (a gen with choices is a select)"
+        )
     reasoning = _reasoning_format(params.pop("separate_reasoning", None))
     dtype = params.pop("dtype", None)
     sampling, options = split_params({"max_tokens": max_tokens, **params}, "gen")
@@ -46,7 +56,14 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
         if given:
             raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
         dtype_name, sampling["regex"] = _dtype_regex(dtype)
-    return Gen(name, tuple(sampling.items()), tuple(options.items()), dtype_name, _sample_count(n), reasoning)
+    return Gen(
+        name,
+        tuple(sampling.items()),
+        tuple(options.items()),
+        dtype_name,
+        _sample_count(n),
+        reasoning,
+    )
 
 
 def _reasoning_format(separate_reasoning: Any) -> str | None:
@@ -59,7 +76,9 @@ def _reasoning_format(separate_reasoning: Any) -> str | None:
     name = "qwen3" if separate_reasoning is True else separate_reasoning
     if name not in REASONING_FORMATS:
         known = ", ".join(REASONING_FORMATS)
-        raise ProgramError(f"gen(separate_reasoning=...) takes True or a format name ({known}); got {name!r}")
+        raise ProgramError(
+            f"gen(separate_reasoning=...) takes True or a format name ({known}); got {name!r}"
+        )
     return name
 
 
@@ -81,7 +100,10 @@ def _sample_count(n: Any) -> int:
 
 def _gen_signature() -> inspect.Signature:
     P = inspect.Parameter
-    head = [P("name", P.POSITIONAL_OR_KEYWORD, default=None), P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None)]
+    head = [
+        P("name", P.POSITIONAL_OR_KEYWORD, default=None),
+        P("max_tokens", P.POSITIONAL_OR_KEYWORD, default=None),
+    ]
     extra = ("n", "dtype", "choices_method", "separate_reasoning")
     names = dict.fromkeys(k for k in (*dsl_keywords(), *extra) if k != "max_tokens")
     rest = [P(k, P.KEYWORD_ONLY, default=None) for k in names]

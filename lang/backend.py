@@ -8,8 +8,9 @@ streaming, with `ChunkMsg`s and then one `FinalMsg`.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
 from spruce.lang.chat import ChatTemplate
 from spruce.lang.errors import UnsupportedFeatureError

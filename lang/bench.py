@@ -53,11 +53,15 @@ def run_baseline(program: sl.Program, backend: Any, questions: list[str]) -> lis
     return [program.run(question=q, backend=backend, temperature=0) for q in questions]
 
 
-def measure(args: argparse.Namespace, runner, program: sl.Program, questions: list[str], **options: Any):
+def measure(
+    args: argparse.Namespace, runner, program: sl.Program, questions: list[str], **options: Any
+):
     """(seconds, answers, prompt tokens of one program) on a fresh runtime with `options`."""
     if args.quantization is not None:
         options["quantization"] = args.quantization
-    with sl.Runtime(args.model, num_threads=args.num_threads, kv_memory_gb=args.kv_memory_gb, **options) as rt:
+    with sl.Runtime(
+        args.model, num_threads=args.num_threads, kv_memory_gb=args.kv_memory_gb, **options
+    ) as rt:
         program.run(question="What is 1 plus 1?", backend=rt)  # warm-up: first-call costs
         sl.flush_cache(rt)  # ... but no head start from the cache
         start = time.perf_counter()
@@ -71,27 +75,45 @@ def measure(args: argparse.Namespace, runner, program: sl.Program, questions: li
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spruce.lang.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m spruce.lang.bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--num-programs", type=int, default=64)
-    parser.add_argument("--num-shots", type=int, default=24, help="few-shot examples in the shared prefix")
-    parser.add_argument("--max-tokens", type=int, default=8, help="answer length (greedy, stops at a newline)")
-    parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads of each runtime")
+    parser.add_argument(
+        "--num-shots", type=int, default=24, help="few-shot examples in the shared prefix"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=8, help="answer length (greedy, stops at a newline)"
+    )
+    parser.add_argument(
+        "--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads of each runtime"
+    )
     parser.add_argument("--kv-memory-gb", type=float, default=1.0)
-    parser.add_argument("--quantization", default=None, help="weights in memory (default: the runtime's, auto)")
+    parser.add_argument(
+        "--quantization", default=None, help="weights in memory (default: the runtime's, auto)"
+    )
     args = parser.parse_args(argv)
 
     program = make_program(few_shot_prefix(args.num_shots), args.max_tokens)
     rng = random.Random(1)
     questions = [arithmetic(rng)[0] for _ in range(args.num_programs)]
     fast, fast_answers, prompt_tokens = measure(args, run_spruce, program, questions)
-    slow, slow_answers, _ = measure(args, run_baseline, program, questions, disable_radix_cache=True)
+    slow, slow_answers, _ = measure(
+        args, run_baseline, program, questions, disable_radix_cache=True
+    )
     same = sum(a == b for a, b in zip(fast_answers, slow_answers))
     print(f"few-shot QA: {args.num_programs} programs, ~{prompt_tokens} prompt tokens each, "
           f"{args.num_shots} shots, answers of <= {args.max_tokens} tokens")  # fmt: skip
     n = args.num_programs
-    print(f"  spruce   run_batch + prefix hint + radix cache   {fast:8.2f} s  {n / fast:7.2f} programs/s")
-    print(f"  baseline one at a time, --disable-radix-cache     {slow:8.2f} s  {n / slow:7.2f} programs/s")
+    print(
+        f"  spruce   run_batch + prefix hint + radix cache   {fast:8.2f} s  {n / fast:7.2f} programs/s"
+    )
+    print(
+        f"  baseline one at a time, --disable-radix-cache     {slow:8.2f} s  {n / slow:7.2f} programs/s"
+    )
     print(f"  speedup  {slow / fast:.1f}x   (identical answers: {same}/{args.num_programs})")
 
 

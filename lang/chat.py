@@ -38,7 +38,7 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     @classmethod
-    def from_model_info(cls, info: dict[str, Any]) -> "ChatTemplate | None":
+    def from_model_info(cls, info: dict[str, Any]) -> ChatTemplate | None:
         source = info.get("chat_template")
         if not source:
             return None
@@ -54,13 +54,17 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             roles = [m["role"] for m in messages]
-            raise ProgramError(f"the model's chat template refused the messages (roles {roles}): {e}") from None
+            raise ProgramError(
+                f"the model's chat template refused the messages (roles {roles}): {e}"
+            ) from None
 
     def open_text(self, messages: list[dict[str, str]], role: str) -> str:
         """The text up to where an open `role` message's content goes, after `messages`."""
         if role == "assistant":
             return self.render(messages, add_generation_prompt=True)
-        full = self.render([*messages, {"role": role, "content": _CONTENT_MARK}], add_generation_prompt=False)
+        full = self.render(
+            [*messages, {"role": role, "content": _CONTENT_MARK}], add_generation_prompt=False
+        )
         cut = full.find(_CONTENT_MARK)
         return full[:cut] if cut >= 0 else self.render(messages, add_generation_prompt=False)
 
@@ -83,7 +87,9 @@ class Conversation:
                 "sl.assistant) are rendered by it; append plain text instead"
             )
         if self.open_role is not None:
-            raise ProgramError(f"cannot begin a {role} block inside the open {self.open_role} block; end it first")
+            raise ProgramError(
+                f"cannot begin a {role} block inside the open {self.open_role} block; end it first"
+            )
         if self.segment_start is None:
             self.segment_start, self.segment = len(text), []
         self.open_role, self.open_content = role, ""
@@ -98,7 +104,9 @@ class Conversation:
         self.messages.append(message)
         self.open_role, self.open_content = None, ""
         assert template is not None and self.segment_start is not None
-        return text[: self.segment_start] + template.render(self.segment, add_generation_prompt=False)
+        return text[: self.segment_start] + template.render(
+            self.segment, add_generation_prompt=False
+        )
 
     def add_text(self, value: str) -> None:
         if self.open_role is not None:
@@ -106,5 +114,5 @@ class Conversation:
         elif self.segment_start is not None:
             self.segment_start = None  # raw text after the chat: the next block starts anew
 
-    def copy(self) -> "Conversation":
+    def copy(self) -> Conversation:
         return copy.deepcopy(self)

@@ -81,7 +81,9 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
     def __call__(self, *, choices, normalized_prompt_logprobs, input_token_logprobs,
                  output_token_logprobs, unconditional_token_logprobs=None) -> ChoicesDecision:  # fmt: skip
         if unconditional_token_logprobs is None:
-            raise ValueError("unconditional_likelihood_normalized needs unconditional_token_logprobs")
+            raise ValueError(
+                "unconditional_likelihood_normalized needs unconditional_token_logprobs"
+            )
         scores = [
             _mean([c[0] - (u[0] or 0.0) for c, u in zip(cond, uncond)])
             for cond, uncond in zip(input_token_logprobs, unconditional_token_logprobs)
@@ -109,7 +111,9 @@ def greedy_logprob_matrix(input_token_logprobs: list[list[list]]) -> list[list[f
     return rows
 
 
-def sample_by_scores(choices: list[str], scores: list[float], temperature: float, rng: random.Random) -> str:
+def sample_by_scores(
+    choices: list[str], scores: list[float], temperature: float, rng: random.Random
+) -> str:
     """A choice drawn with probability softmax(scores / temperature)."""
     top = max(scores)
     weights = [math.exp((s - top) / temperature) for s in scores]

@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
@@ -26,7 +27,16 @@ from spruce.lang.backend import Backend, new_rid
 from spruce.lang.errors import ProgramError, RuntimeRequestError, RuntimeUnavailableError
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.protocol.dsl import (
-    AbortMsg, ChunkMsg, ErrorMsg, FinalMsg, FlushCacheMsg, GenerateMsg, InfoMsg, ModelInfoMsg, decode, envelope,
+    AbortMsg,
+    ChunkMsg,
+    ErrorMsg,
+    FinalMsg,
+    FlushCacheMsg,
+    GenerateMsg,
+    InfoMsg,
+    ModelInfoMsg,
+    decode,
+    envelope,
 )  # fmt: skip
 
 logger = logging.getLogger("spruce.lang")
@@ -50,7 +60,11 @@ class RuntimeEndpoint(Backend):
 
     def __new__(cls, address: str = DEFAULT_ADDRESS, **kwargs: Any):
         """An http:// or https:// address gives the HTTP transport (spruce.lang.http_endpoint)."""
-        if cls is RuntimeEndpoint and isinstance(address, str) and address.startswith(("http://", "https://")):
+        if (
+            cls is RuntimeEndpoint
+            and isinstance(address, str)
+            and address.startswith(("http://", "https://"))
+        ):
             from spruce.lang.http_endpoint import HttpEndpoint
 
             return HttpEndpoint(address, **kwargs)
@@ -146,12 +160,16 @@ class RuntimeEndpoint(Backend):
             if self._liveness_check is not None:
                 self._liveness_check()
             if timeout is not None and now - start >= timeout:
-                raise RuntimeUnavailableError(self.address, _silence_message(self.address, what, timeout))
+                raise RuntimeUnavailableError(
+                    self.address, _silence_message(self.address, what, timeout)
+                )
             if heartbeat and now - last >= HEARTBEAT_S:
                 self.ping()  # raises RuntimeUnavailableError if the runtime is gone
                 last = time.monotonic()
         if reply is _CLOSED:
-            raise RuntimeUnavailableError(self.address, f"the connection to {self.address} was closed")
+            raise RuntimeUnavailableError(
+                self.address, f"the connection to {self.address} was closed"
+            )
         if isinstance(reply, ErrorMsg):
             raise RuntimeRequestError(reply.message, reply.status, self.address)
         return reply
@@ -165,7 +183,9 @@ class RuntimeEndpoint(Backend):
 
 def normalize_address(address: str) -> str:
     if not isinstance(address, str) or not address:
-        raise ProgramError(f"a runtime address is a string like {DEFAULT_ADDRESS!r}; got {address!r}")
+        raise ProgramError(
+            f"a runtime address is a string like {DEFAULT_ADDRESS!r}; got {address!r}"
+        )
     if "://" not in address:
         address = "tcp://" + address
     return address
@@ -219,7 +239,9 @@ class ZmqConnection:
     def send(self, msg: Any) -> None:
         with self._send_lock:
             if self._closed:
-                raise RuntimeUnavailableError(self.address, f"the connection to {self.address} is closed")
+                raise RuntimeUnavailableError(
+                    self.address, f"the connection to {self.address} is closed"
+                )
             self._outbox.send_multipart(envelope(msg, self._api_key))
 
     def close(self) -> None:
@@ -273,7 +295,9 @@ class ZmqConnection:
             except InvalidRequestError as e:
                 logger.warning("dropped a malformed message from %s: %s", self.address, e)
                 continue
-            if isinstance(msg, ErrorMsg) and msg.rid == "":  # about the connection (the key): every call
+            if (
+                isinstance(msg, ErrorMsg) and msg.rid == ""
+            ):  # about the connection (the key): every call
                 self._deliver_all(msg)
             else:
                 self._deliver(msg.rid, msg)

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 import requests
+
 from spruce.lang.backend import Backend
 from spruce.lang.errors import RuntimeRequestError, RuntimeUnavailableError, UnsupportedFeatureError
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg

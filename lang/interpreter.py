@@ -20,16 +20,29 @@ from __future__ import annotations
 import queue
 import random
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from spruce.lang.backend import Backend, new_rid
 from spruce.lang.chat import Conversation
 from spruce.lang.choices import sample_by_scores
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
 from spruce.lang.ir import (
-    Arg, Fork, Gen, Join, Node, Params, RoleBegin, RoleEnd, Select, Text, Var, VarScopeBegin,
-    VarScopeEnd, flatten,
+    Arg,
+    Fork,
+    Gen,
+    Join,
+    Node,
+    Params,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    Var,
+    VarScopeBegin,
+    VarScopeEnd,
+    flatten,
 )  # fmt: skip
 from spruce.lang.select import score_choices
 from spruce.runtime.core.sampling_params import SamplingParams
@@ -63,7 +76,9 @@ class Executor:
     """use_thread=False runs each node at once, in the thread that appends it (SGLang's
     `run(use_thread=False)`): no parallel forks, but no worker thread either."""
 
-    def __init__(self, backend: Backend, defaults: RunDefaults, stream: bool = False, use_thread: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, defaults: RunDefaults, stream: bool = False, use_thread: bool = True
+    ) -> None:
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
@@ -77,7 +92,9 @@ class Executor:
         self.fork_point = 0  # length of the parent's text when this state was forked
         self.fork_commits: list[dict] = []  # meta_info of each fork's prefix commit
         self._partial: dict[str, str] = {}  # variable -> text so far, while streaming
-        self._partial_meta: dict[str, dict] = {}  # variable -> its latest chunk's meta_info, while streaming
+        self._partial_meta: dict[
+            str, dict
+        ] = {}  # variable -> its latest chunk's meta_info, while streaming
         self._scopes: dict[str, int] = {}
         self._children: list[Executor] = []
         self.program_thread: int | None = None  # the thread running the program, when streaming
@@ -90,8 +107,12 @@ class Executor:
             Text: lambda n: self._append(n.value),
             Gen: self._gen,
             Select: self._select,
-            RoleBegin: lambda n: self._set_text(self.chat.begin(self.text_, n.role, self.backend.chat_template)),
-            RoleEnd: lambda n: self._set_text(self.chat.end(self.text_, n.role, self.backend.chat_template)),
+            RoleBegin: lambda n: self._set_text(
+                self.chat.begin(self.text_, n.role, self.backend.chat_template)
+            ),
+            RoleEnd: lambda n: self._set_text(
+                self.chat.end(self.text_, n.role, self.backend.chat_template)
+            ),
             VarScopeBegin: lambda n: self._scopes.__setitem__(n.name, len(self.text_)),
             VarScopeEnd: self._var_scope_end,
             Fork: self._commit,
@@ -127,7 +148,9 @@ class Executor:
             self.sync()
             return
         with self._changed:
-            self._changed.wait_for(lambda: self._finished or (name is not None and name in self.variables))
+            self._changed.wait_for(
+                lambda: self._finished or (name is not None and name in self.variables)
+            )
 
     def end(self) -> None:
         """No more nodes: waits for the queued ones, then stops the worker (and children's)."""
@@ -176,7 +199,7 @@ class Executor:
         self.settle()
         return self.error_
 
-    def fork(self, size: int) -> list["Executor"]:
+    def fork(self, size: int) -> list[Executor]:
         if not isinstance(size, int) or size < 1:
             raise ProgramError(f"fork needs a size >= 1; got {size!r}")
         self.submit(Fork(size))
@@ -185,9 +208,11 @@ class Executor:
         self._children.extend(children)
         return children
 
-    def join(self, children: list["Executor"], mode: str) -> None:
+    def join(self, children: list[Executor], mode: str) -> None:
         if mode not in ("gather_variable", "concate_and_append"):
-            raise ProgramError(f"unknown join mode {mode!r}; known: gather_variable, concate_and_append")
+            raise ProgramError(
+                f"unknown join mode {mode!r}; known: gather_variable, concate_and_append"
+            )
         for child in children:
             child.end()
         self.sync()
@@ -207,7 +232,9 @@ class Executor:
         sent = 0
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: len(self._watched(var_name)) > sent or self._finished)
+                self._changed.wait_for(
+                    lambda: len(self._watched(var_name)) > sent or self._finished
+                )
                 text, finished = self._watched(var_name), self._finished
             if len(text) > sent:
                 yield text[sent:]
@@ -269,9 +296,13 @@ class Executor:
         """gen(n=k): the text is committed first, then k copies of it go as one batch, so
         every sample finds the prompt in the radix cache."""
         if self.stream:
-            raise UnsupportedFeatureError(f"gen(n={node.n}) cannot stream; run the program without stream=True")
+            raise UnsupportedFeatureError(
+                f"gen(n={node.n}) cannot stream; run the program without stream=True"
+            )
         if node.reasoning is not None:
-            raise UnsupportedFeatureError(f"gen(n={node.n}) with separate_reasoning: draw the samples one by one")
+            raise UnsupportedFeatureError(
+                f"gen(n={node.n}) with separate_reasoning: draw the samples one by one"
+            )
         self._commit(None)
         msg = self.defaults.request_for(node, [self.text_] * node.n, stream=False)
         results = self.backend.generate(msg).results
@@ -300,7 +331,9 @@ class Executor:
         if node.temperature > 0:
             scores = decision.meta_info.get("scores")
             if not getattr(node.choices_method, "scores_are_scalars", False) or scores is None:
-                raise ProgramError(f"{type(node.choices_method).__name__} supports temperature=0 only")
+                raise ProgramError(
+                    f"{type(node.choices_method).__name__} supports temperature=0 only"
+                )
             choice = sample_by_scores(list(node.choices), scores, node.temperature, self._rng)
         if node.name is not None:
             self._set_var(node.name, choice, decision.meta_info)
@@ -349,7 +382,7 @@ class Executor:
         value = self.variables.get(var_name, self._partial.get(var_name, ""))
         return value if isinstance(value, str) else ""
 
-    def _child(self) -> "Executor":
+    def _child(self) -> Executor:
         child = Executor(self.backend, self.defaults, self.stream, self.use_thread)
         child.text_ = self.text_
         child.variables = dict(self.variables)

@@ -10,8 +10,9 @@ The sampling keywords of `gen` / `run` are not listed here: they are derived fro
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Any, Iterable
+from typing import Any
 
 from spruce.lang.errors import ProgramError
 from spruce.runtime.core.sampling_params import SamplingParams
@@ -23,7 +24,9 @@ from spruce.runtime.protocol.dsl import GenerateMsg
 REGEX_INT = r"[+-]?[0-9]+[\n ]*"
 REGEX_FLOAT = r"[+-]?[0-9]*\.?[0-9]+[\n ]*"
 REGEX_BOOL = r"(True|False)"
-REGEX_STR = r'"[\w\s]*"'  # SGLang's: admits raw newlines / tabs; gen(dtype=str) writes a JSON string
+REGEX_STR = (
+    r'"[\w\s]*"'  # SGLang's: admits raw newlines / tabs; gen(dtype=str) writes a JSON string
+)
 MAX_SAMPLES = 128  # gen(n=...): samples of one gen (as the OpenAI route's n)
 
 # SGLang's gen() names that differ from SamplingParams' field names.
@@ -40,10 +43,10 @@ Params = tuple[tuple[str, Any], ...]  # (name, value) pairs: immutable
 class Node:
     """Base of every IR node."""
 
-    def __add__(self, other: Any) -> "Seq":
+    def __add__(self, other: Any) -> Seq:
         return Seq((*_parts(self), *_parts(other)))
 
-    def __radd__(self, other: Any) -> "Seq":
+    def __radd__(self, other: Any) -> Seq:
         return Seq((*_parts(other), *_parts(self)))
 
 
@@ -62,7 +65,9 @@ class Gen(Node):
     options: Params = ()  # return_logprob, logprob_start_len, top_logprobs_num
     dtype: str | None = None  # int | float | bool | str (already turned into `sampling`'s regex)
     n: int = 1  # samples in one request; n > 1 sets the variable to a list of n texts
-    reasoning: str | None = None  # a REASONING_FORMATS name: the variable gets the answer, <name>_reasoning_content the rest
+    reasoning: str | None = (
+        None  # a REASONING_FORMATS name: the variable gets the answer, <name>_reasoning_content the rest
+    )
 
     @property
     def sampling_params(self) -> dict[str, Any]:

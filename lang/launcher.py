@@ -1,9 +1,9 @@
 """Runtime: starts a local `spruce serve` process for DSL programs and stops it again.
 
-    runtime = sl.Runtime()                 # the bundled SmolLM2-135M-Instruct
-    sl.set_default_backend(runtime)
-    ...
-    runtime.shutdown()                     # also done at interpreter exit
+runtime = sl.Runtime()                 # the bundled SmolLM2-135M-Instruct
+sl.set_default_backend(runtime)
+...
+runtime.shutdown()                     # also done at interpreter exit
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import fields
-from typing import Any, AsyncIterator
+from typing import Any
 
 from spruce.lang.backend import new_rid
 from spruce.lang.endpoint import RuntimeEndpoint
@@ -75,7 +76,11 @@ class Runtime:
         self._http: HttpEndpoint | None = None
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._child_env()
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._child_env(),
             )
         atexit.register(self.shutdown)
         try:
@@ -113,7 +118,9 @@ class Runtime:
         """One /generate call; as SGLang, the JSON text of the result ({"text", "output_ids",
         "meta_info"}, or a list of them for a list of prompts)."""
         if lora_path is not None:
-            raise UnsupportedFeatureError("Runtime.generate(lora_path=...): Spruce serves no LoRA adapters")
+            raise UnsupportedFeatureError(
+                "Runtime.generate(lora_path=...): Spruce serves no LoRA adapters"
+            )
         msg = GenerateMsg(
             rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob,
             logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
@@ -122,9 +129,13 @@ class Runtime:
         final = self._ready_endpoint().generate(msg)
         if final.results is not None:
             return json.dumps(final.results)
-        return json.dumps({"text": final.text, "output_ids": final.output_ids, "meta_info": final.meta_info})
+        return json.dumps(
+            {"text": final.text, "output_ids": final.output_ids, "meta_info": final.meta_info}
+        )
 
-    async def async_generate(self, prompt: str, sampling_params: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    async def async_generate(
+        self, prompt: str, sampling_params: dict[str, Any] | None = None
+    ) -> AsyncIterator[str]:
         """The new text of a streamed generation, chunk by chunk (SGLang's add_request)."""
         msg = GenerateMsg(rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}))
         events = self._ready_endpoint().generate_stream(msg)
@@ -137,7 +148,9 @@ class Runtime:
                 if event.text:
                     yield event.text
         finally:
-            with contextlib.suppress(ValueError):  # cancelled while a thread is inside next(): GC closes it
+            with contextlib.suppress(
+                ValueError
+            ):  # cancelled while a thread is inside next(): GC closes it
                 events.close()
 
     add_request = async_generate
@@ -155,7 +168,9 @@ class Runtime:
     def get_server_info(self) -> dict[str, Any]:
         """The server's /server_info: model, engine configuration, options, scheduler stats."""
         if self._http is None:
-            self._http = HttpEndpoint(self.url, api_key=self.api_key, liveness_check=self._check_alive)
+            self._http = HttpEndpoint(
+                self.url, api_key=self.api_key, liveness_check=self._check_alive
+            )
         return self._http.get_server_info()
 
     def _ready_endpoint(self) -> RuntimeEndpoint:
@@ -171,7 +186,7 @@ class Runtime:
         except OSError:
             return ""
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -187,8 +202,12 @@ class Runtime:
         while True:
             self._check_alive()
             try:
-                key = {"api_key": self.api_key} if self.api_key else {}  # the server checks it on ZeroMQ too
-                return RuntimeEndpoint(self.address, connect_timeout=1.0, liveness_check=self._check_alive, **key)
+                key = (
+                    {"api_key": self.api_key} if self.api_key else {}
+                )  # the server checks it on ZeroMQ too
+                return RuntimeEndpoint(
+                    self.address, connect_timeout=1.0, liveness_check=self._check_alive, **key
+                )
             except RuntimeUnavailableError:
                 if time.monotonic() > deadline:
                     raise RuntimeUnavailableError(
@@ -226,7 +245,9 @@ def _check_options(options: dict[str, Any]) -> None:
     known = set(known_options()) | _server_option_names()
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ProgramError(f"unknown runtime option(s) {unknown}; known: {', '.join(sorted(known))}")
+        raise ProgramError(
+            f"unknown runtime option(s) {unknown}; known: {', '.join(sorted(known))}"
+        )
 
 
 def _server_option_names() -> set[str]:

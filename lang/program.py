@@ -1,11 +1,11 @@
 """Programs: `@sl.function` wraps `def prog(s, ...)`; run, run_batch, trace.
 
-    @sl.function
-    def qa(s, question):
-        s += "Q: " + question + "\\nA:" + sl.gen("answer", max_tokens=16, stop="\\n")
+@sl.function
+def qa(s, question):
+    s += "Q: " + question + "\\nA:" + sl.gen("answer", max_tokens=16, stop="\\n")
 
-    state = qa.run(question="...", temperature=0)      # sampling defaults for every gen
-    states = qa.run_batch([{"question": q} for q in questions], progress_bar=True)
+state = qa.run(question="...", temperature=0)      # sampling defaults for every gen
+states = qa.run_batch([{"question": q} for q in questions], progress_bar=True)
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from spruce.lang.backend import Backend
 from spruce.lang.errors import ProgramError, RuntimeRequestError
@@ -52,7 +53,9 @@ def resolve_backend(backend: Any = None) -> Backend:
 def _as_backend(backend: Any) -> Backend:
     backend = getattr(backend, "endpoint", backend)  # a Runtime stands for its endpoint
     if not isinstance(backend, Backend):
-        raise ProgramError(f"a backend must be a RuntimeEndpoint or a Runtime; got {type(backend).__name__}")
+        raise ProgramError(
+            f"a backend must be a RuntimeEndpoint or a Runtime; got {type(backend).__name__}"
+        )
     return backend
 
 
@@ -60,7 +63,10 @@ class Program:
     """A DSL program (what `@sl.function` returns)."""
 
     def __init__(
-        self, func: Callable, bound: dict[str, Any] | None = None, num_api_spec_tokens: int | None = None
+        self,
+        func: Callable,
+        bound: dict[str, Any] | None = None,
+        num_api_spec_tokens: int | None = None,
     ) -> None:
         self.func = func
         self.bound = dict(bound or {})
@@ -69,14 +75,20 @@ class Program:
         self.num_api_spec_tokens = num_api_spec_tokens
         params = list(inspect.signature(func).parameters.values())
         if not params:
-            raise ProgramError(f"{func.__name__} must take the program state as its first parameter (def prog(s, ...))")
-        self.arg_names = {p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        self.positional = [p for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            raise ProgramError(
+                f"{func.__name__} must take the program state as its first parameter (def prog(s, ...))"
+            )
+        self.arg_names = {
+            p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        }
+        self.positional = [
+            p for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         self.takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params[1:])
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
-    def bind(self, **kwargs: Any) -> "Program":
+    def bind(self, **kwargs: Any) -> Program:
         """A copy with some arguments fixed."""
         return Program(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
 
@@ -84,7 +96,12 @@ class Program:
         return self.run(*args, **kwargs)
 
     def run(
-        self, *args: Any, stream: bool = False, backend: Any = None, use_thread: bool = True, **kwargs: Any
+        self,
+        *args: Any,
+        stream: bool = False,
+        backend: Any = None,
+        use_thread: bool = True,
+        **kwargs: Any,
     ) -> ProgramState:
         """Runs the program; returns its state. Keywords that are not the program's own
         arguments are sampling defaults for every gen (max_new_tokens / max_tokens,
@@ -97,7 +114,15 @@ class Program:
         exception raised by the program's own Python propagates (when not streaming)."""
         program_kwargs, defaults = self._split(kwargs)
         kwargs = {**self.bound, **program_kwargs}
-        return run_program(self.func, resolve_backend(backend), args, kwargs, defaults, stream, use_thread=use_thread)
+        return run_program(
+            self.func,
+            resolve_backend(backend),
+            args,
+            kwargs,
+            defaults,
+            stream,
+            use_thread=use_thread,
+        )
 
     def run_batch(
         self,
@@ -123,14 +148,22 @@ class Program:
         return states if generator_style else list(states)
 
     def _batch_states(
-        self, backend: Backend, batch: list[dict], defaults: RunDefaults, workers: int, progress_bar: bool
+        self,
+        backend: Backend,
+        batch: list[dict],
+        defaults: RunDefaults,
+        workers: int,
+        progress_bar: bool,
     ) -> Iterator[ProgramState]:
         if not batch:
             return
         send_prefix_hint(self.func, backend, batch)
         bar = _progress(len(batch), progress_bar)
         with ThreadPoolExecutor(workers, thread_name_prefix="spruce-batch") as pool:
-            futures = [pool.submit(run_program, self.func, backend, (), kw, defaults, False, False) for kw in batch]
+            futures = [
+                pool.submit(run_program, self.func, backend, (), kw, defaults, False, False)
+                for kw in batch
+            ]
             if bar is not None:
                 for future in futures:
                     future.add_done_callback(lambda _: bar.update())
@@ -144,7 +177,9 @@ class Program:
         if isinstance(item, dict):
             return dict(item)
         if not isinstance(item, (list, tuple)):
-            raise ProgramError(f"a run_batch item is a dict or a tuple of arguments; got {type(item).__name__}")
+            raise ProgramError(
+                f"a run_batch item is a dict or a tuple of arguments; got {type(item).__name__}"
+            )
         required = sum(1 for p in self.positional if p.default is p.empty)
         if not required <= len(item) <= len(self.positional):
             names = ", ".join(p.name for p in self.positional)
@@ -197,7 +232,9 @@ def run_program(
 ) -> ProgramState:
     state = ProgramState(Executor(backend, defaults, stream, use_thread))
     if stream:
-        thread = threading.Thread(target=_body, args=(func, state, args, kwargs, False), daemon=True)
+        thread = threading.Thread(
+            target=_body, args=(func, state, args, kwargs, False), daemon=True
+        )
         thread.start()
         state._executor.program_thread = thread.ident
     else:
@@ -205,7 +242,9 @@ def run_program(
     return state
 
 
-def _body(func: Callable, state: ProgramState, args: tuple, kwargs: dict[str, Any], reraise: bool) -> None:
+def _body(
+    func: Callable, state: ProgramState, args: tuple, kwargs: dict[str, Any], reraise: bool
+) -> None:
     executor = state._executor
     try:
         state.ret_value = func(state, *args, **kwargs)

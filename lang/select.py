@@ -30,7 +30,9 @@ from spruce.runtime.protocol.dsl import GenerateMsg
 WINDOW_TOKENS = 4  # prefix tokens recomputed per choice to see the boundary merge
 
 
-def score_choices(backend: Backend, prefix: str, choices: list[str], method: ChoicesMethod) -> ChoicesDecision:
+def score_choices(
+    backend: Backend, prefix: str, choices: list[str], method: ChoicesMethod
+) -> ChoicesDecision:
     """Decides between `choices` after `prefix`; the decision's meta_info holds the
     per-choice scores and the logprobs they came from."""
     _check_choices(choices)
@@ -49,7 +51,9 @@ def score_choices(backend: Backend, prefix: str, choices: list[str], method: Cho
     return decision
 
 
-def choice_token_logprobs(backend: Backend, prefix: str, choices: list[str], prefix_len: int) -> list[list[list]]:
+def choice_token_logprobs(
+    backend: Backend, prefix: str, choices: list[str], prefix_len: int
+) -> list[list[list]]:
     """Per choice: [[logprob, token_id], ...] of the tokens that spell it after `prefix`."""
     window = WINDOW_TOKENS
     while True:
@@ -98,13 +102,21 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 def _check_choices(choices: Any) -> None:
-    if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ProgramError(f"select needs a non-empty list of non-empty strings as choices; got {choices!r}")
+    if (
+        isinstance(choices, str)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise ProgramError(
+            f"select needs a non-empty list of non-empty strings as choices; got {choices!r}"
+        )
 
 
 def _check_scorable(choice: str, tokens: list[list]) -> None:
     if not tokens:
-        raise ProgramError(f"the choice {choice!r} adds no token after the prompt; it cannot be scored")
+        raise ProgramError(
+            f"the choice {choice!r} adds no token after the prompt; it cannot be scored"
+        )
     if tokens[0][0] is None:
         raise ProgramError(
             f"the choice {choice!r} starts at the first token of the prompt, which has no logprob; "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any
 
 from spruce.lang.errors import UnsupportedFeatureError
 from spruce.lang.ir import Node, RoleBegin, RoleEnd, Seq, VarScopeBegin, VarScopeEnd, to_node
@@ -20,7 +21,7 @@ class ProgramState:
 
     # -- appending ----------------------------------------------------------------------------
 
-    def __iadd__(self, other: Any) -> "ProgramState":
+    def __iadd__(self, other: Any) -> ProgramState:
         self._executor.submit(to_node(other))
         return self
 
@@ -51,7 +52,9 @@ class ProgramState:
         yield
         self._executor.submit(end)
 
-    def fork(self, size: int = 1, position_ids_offset: list[int] | None = None) -> "ProgramStateGroup":
+    def fork(
+        self, size: int = 1, position_ids_offset: list[int] | None = None
+    ) -> ProgramStateGroup:
         """`size` copies of this state that run in parallel; the text so far is committed
         to the runtime's cache first, so the children share it. position_ids_offset
         (SGLang's) must be None: children continue at the parent's positions."""
@@ -63,7 +66,7 @@ class ProgramState:
         return ProgramStateGroup([ProgramState(e) for e in self._executor.fork(size)], self)
 
     @contextmanager
-    def copy(self, position_ids_offset: list[int] | None = None) -> Iterator["ProgramState"]:
+    def copy(self, position_ids_offset: list[int] | None = None) -> Iterator[ProgramState]:
         """`with s.copy() as c: c += ...`: a fork of one state, joined (gather_variable)
         when the block ends: the variables it set become one-item lists in `s`."""
         group = self.fork(1, position_ids_offset)
@@ -120,7 +123,9 @@ class ProgramState:
         program runs): the whole text, or only variable `var_name`'s."""
         return self._executor.iter_text(var_name)
 
-    async def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
+    async def text_async_iter(
+        self, var_name: str | None = None, return_meta_data: bool = False
+    ) -> AsyncIterator[Any]:
         """text_iter for asyncio. return_meta_data (with var_name): (chunk, meta_info) pairs,
         the meta_info of the variable's latest chunk (its counters so far)."""
         chunks = self.text_iter(var_name)
@@ -160,7 +165,7 @@ class ProgramStateGroup:
         if value is not self.states[i]:
             raise TypeError("fork states cannot be replaced; append to them with forks[i] += ...")
 
-    def __iadd__(self, other: Any) -> "ProgramStateGroup":
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
         for i, state in enumerate(self.states):
             if isinstance(other, (list, tuple)):
                 state += other[i]

@@ -8,7 +8,8 @@ arguments are `Arg` placeholders, and a fork records each child's nodes in its `
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from spruce.lang.backend import Backend
 from spruce.lang.errors import ProgramError
@@ -34,12 +35,12 @@ class TraceExecutor:
                 out.append(entry)
         return tuple(out)
 
-    def fork(self, size: int) -> list["TraceExecutor"]:
+    def fork(self, size: int) -> list[TraceExecutor]:
         children = [TraceExecutor() for _ in range(size)]
         self._entries.append(children)
         return children
 
-    def join(self, children: list["TraceExecutor"], mode: str) -> None:
+    def join(self, children: list[TraceExecutor], mode: str) -> None:
         self._entries.append(Join(mode))
 
     def get_var(self, name: str) -> Any:
@@ -114,7 +115,9 @@ class _ProbeBackend(Backend):
     generate_stream = generate
 
 
-def first_prompt_text(func: Callable, backend: Backend, args: tuple, kwargs: dict[str, Any]) -> str | None:
+def first_prompt_text(
+    func: Callable, backend: Backend, args: tuple, kwargs: dict[str, Any]
+) -> str | None:
     """The text of the first request the program would send (its Python runs up to that
     point), or None if it sends none or fails before."""
     from spruce.lang.interpreter import Executor, RunDefaults

@@ -18,4 +18,11 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Engine", "SamplingParams", "SpruceError", "InvalidRequestError", "ModelLoadError", "ConstraintError"]
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "SpruceError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ConstraintError",
+]

@@ -17,7 +17,6 @@ from spruce.runtime.config import ServerOptions, option_fields, use_passive_omp_
 from spruce.runtime.errors import SpruceError
 from spruce.runtime.limits import RequestLimits, ServingLimits
 
-
 FLAG_ALIASES = {"tp_size": ["--tp"]}
 API_KEY_ENV = "SPRUCE_API_KEY"  # the API key, when neither --api-key nor --api-key-file is given
 
@@ -31,7 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(*flags, dest=name, action="store_true", default=None)
         else:
-            group.add_argument(*flags, dest=name, type=kind, default=None, help=f"default: {default}")
+            group.add_argument(
+                *flags, dest=name, type=kind, default=None, help=f"default: {default}"
+            )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -45,7 +46,11 @@ SERVER_SECTIONS = {"request_limits": RequestLimits, "serving_limits": ServingLim
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server flags, the request and serving limits' (limits.py) among them."""
-    sections = (("server options", ServerOptions), ("request limits", RequestLimits), ("serving limits", ServingLimits))
+    sections = (
+        ("server options", ServerOptions),
+        ("request limits", RequestLimits),
+        ("serving limits", ServingLimits),
+    )
     for title, cls in sections:
         group = parser.add_argument_group(title)
         for name, kind, default in option_fields(cls):
@@ -55,7 +60,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 group.add_argument(flag, dest=name, action="store_true", default=default)
             else:
-                group.add_argument(flag, dest=name, type=kind, default=default, help=f"default: {default}")
+                group.add_argument(
+                    flag, dest=name, type=kind, default=default, help=f"default: {default}"
+                )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -80,7 +87,9 @@ def _read_key_file(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             key = f.read().strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise SpruceError(f"cannot read the --api-key-file {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise SpruceError(
+            f"cannot read the --api-key-file {path}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     if not key:
         raise SpruceError(f"the --api-key-file {path} is empty")
     return key
@@ -105,7 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         n_tokens += len(chunk["output_ids"])
     seconds = time.perf_counter() - start
-    print(f"\n[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s]", file=sys.stderr)
+    print(
+        f"\n[{n_tokens} tokens in {seconds:.2f} s, {n_tokens / seconds:.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -148,13 +160,17 @@ def add_bench_parser(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spruce", description="Spruce structured-generation runtime")
+    parser = argparse.ArgumentParser(
+        prog="spruce", description="Spruce structured-generation runtime"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt on the local model")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)

@@ -57,7 +57,9 @@ class ConstraintOptions:
     grammar_cache_size: int = 64  # compiled grammars kept, at most (entries)
     grammar_cache_mb: int = 1024  # compiled grammars kept, at most (estimated memory)
     grammar_memory_mb: int = 4096  # address-space cap of a grammar build worker process
-    grammar_backend: str = "auto"  # auto (per kind, docs/grammar-bench.md) | spruce | llguidance | outlines
+    grammar_backend: str = (
+        "auto"  # auto (per kind, docs/grammar-bench.md) | spruce | llguidance | outlines
+    )
 
     def __post_init__(self) -> None:
         from spruce.constrained.backends import BACKEND_CHOICES
@@ -89,13 +91,15 @@ class EngineConfig:
     log_level: str | None = None  # None: leave the "spruce" logger as the application set it
 
     @classmethod
-    def from_options(cls, **options: Any) -> "EngineConfig":
+    def from_options(cls, **options: Any) -> EngineConfig:
         groups = {name: {} for name in _SECTIONS}
         top = {}
         for key, value in options.items():
             section = _OWNER.get(key)
             if section is None and key not in _TOP_LEVEL:
-                raise InvalidRequestError(f"unknown option {key!r}; known: {', '.join(known_options())}")
+                raise InvalidRequestError(
+                    f"unknown option {key!r}; known: {', '.join(known_options())}"
+                )
             (groups[section] if section else top)[key] = value
         parts = {name: cls_(**groups[name]) for name, cls_ in _SECTIONS.items()}
         return cls(**parts, **top)
@@ -141,28 +145,58 @@ class ServerOptions:
     host: str = "127.0.0.1"  # HTTP and ZeroMQ bind address; 0.0.0.0 exposes the server
     port: int = 30000  # HTTP (native + OpenAI-compatible API)
     zmq_port: int = 30001  # ZeroMQ ROUTER socket for DSL clients
-    api_key: str | None = None  # required on every HTTP route but /health (Bearer) and in every ZeroMQ message; also from $SPRUCE_API_KEY
+    api_key: str | None = (
+        None  # required on every HTTP route but /health (Bearer) and in every ZeroMQ message; also from $SPRUCE_API_KEY
+    )
     api_key_file: str | None = None  # a file holding the API key (keeps it off the command line)
-    allowed_hosts: str | None = None  # comma-separated Host header names (or *) besides the bound address and localhost
-    allow_unauthenticated_zmq: bool = False  # let the ZeroMQ port listen beyond loopback without --api-key
-    allowed_origins: str | None = None  # CORS: comma-separated origins (or *) browsers may call from; None: off
+    allowed_hosts: str | None = (
+        None  # comma-separated Host header names (or *) besides the bound address and localhost
+    )
+    allow_unauthenticated_zmq: bool = (
+        False  # let the ZeroMQ port listen beyond loopback without --api-key
+    )
+    allowed_origins: str | None = (
+        None  # CORS: comma-separated origins (or *) browsers may call from; None: off
+    )
     max_request_bytes: int = 16 * 2**20  # larger HTTP bodies / ZeroMQ frames get 413
-    served_model_name: str | None = None  # the name clients send as "model"; default: the model's file name
+    served_model_name: str | None = (
+        None  # the name clients send as "model"; default: the model's file name
+    )
     health_timeout_s: float = 5.0  # /health: how long to wait for the scheduler's ping reply
-    shutdown_timeout_s: float = 10.0  # on SIGTERM: time for in-flight requests before they are aborted
+    shutdown_timeout_s: float = (
+        10.0  # on SIGTERM: time for in-flight requests before they are aborted
+    )
     startup_timeout_s: float = 600.0  # how long the launcher waits for the model to load
     throughput_log_s: float = 5.0  # period of the throughput log line while busy (0: off)
-    parent_pid: int | None = None  # shut down when this process exits (for launchers like sl.Runtime)
-    chat_template: str | None = None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
+    parent_pid: int | None = (
+        None  # shut down when this process exits (for launchers like sl.Runtime)
+    )
+    chat_template: str | None = (
+        None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
+    )
     reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1
     tool_call_parser: str = "auto"  # chat: how the model writes tool calls: auto (from the chat template) | hermes | llama3_json | mistral | pythonic | json
-    dp: int = 1  # data-parallel replicas: scheduler processes, each with its own KV pool and radix cache
-    router_policy: str = "cache-aware"  # --dp: cache-aware (longest cached prefix unless unbalanced) | round-robin
-    router_cache_threshold: float = 0.5  # share of a prompt a replica must hold for the prefix to win
-    router_balance_abs_threshold: int = 32  # unbalanced (least-loaded wins) when busiest - idlest exceeds this ...
-    router_balance_rel_threshold: float = 1.5  # ... and busiest exceeds this times the idlest (requests in flight)
-    exit_on_replica_death: bool = False  # exit when one replica dies (default: serve on the others; exit when none is left)
-    request_limits: RequestLimits = field(default_factory=RequestLimits)  # flags of their own (limits.py)
+    dp: int = (
+        1  # data-parallel replicas: scheduler processes, each with its own KV pool and radix cache
+    )
+    router_policy: str = (
+        "cache-aware"  # --dp: cache-aware (longest cached prefix unless unbalanced) | round-robin
+    )
+    router_cache_threshold: float = (
+        0.5  # share of a prompt a replica must hold for the prefix to win
+    )
+    router_balance_abs_threshold: int = (
+        32  # unbalanced (least-loaded wins) when busiest - idlest exceeds this ...
+    )
+    router_balance_rel_threshold: float = (
+        1.5  # ... and busiest exceeds this times the idlest (requests in flight)
+    )
+    exit_on_replica_death: bool = (
+        False  # exit when one replica dies (default: serve on the others; exit when none is left)
+    )
+    request_limits: RequestLimits = field(
+        default_factory=RequestLimits
+    )  # flags of their own (limits.py)
     serving_limits: ServingLimits = field(default_factory=ServingLimits)
 
     def to_dict(self) -> dict:

@@ -42,8 +42,14 @@ class ServingLimits:
     max_requests_per_client: int = 512  # in flight per HTTP address / ZeroMQ identity; then 429
     max_stream_backlog: int = 2048  # unread events per streamed request; beyond: aborted
     request_timeout_s: float | None = None  # a request's default timeout_s; None: no deadline
-    scheduler_timeout_s: float = 120.0  # a scheduler silent this long (a step stuck) is stalled: its requests fail, 503
+    scheduler_timeout_s: float = (
+        120.0  # a scheduler silent this long (a step stuck) is stalled: its requests fail, 503
+    )
     retry_after_s: int = 1  # the Retry-After header of a 503 / 429
     max_connections: int = 1024  # open HTTP connections; past it requests get 503
-    header_timeout_s: float = 10.0  # an HTTP connection that has not sent a request's headers in this time is closed
-    max_zmq_bytes_per_client: int = 64 * 2**20  # bytes of ZeroMQ messages one identity has in flight; then 429
+    header_timeout_s: float = (
+        10.0  # an HTTP connection that has not sent a request's headers in this time is closed
+    )
+    max_zmq_bytes_per_client: int = (
+        64 * 2**20
+    )  # bytes of ZeroMQ messages one identity has in flight; then 429

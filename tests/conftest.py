@@ -19,7 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from support import write_tiny_model  # noqa: E402
+
 from spruce.runtime.executor.kernels import cpu_library  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
@@ -46,9 +48,13 @@ def cpu_isa(request) -> str:
     so; no C compiler is a skip, a failed build a failure."""
     if cpu_library.c_compiler() is None:
         pytest.skip("no C compiler here")
-    assert cpu_library.load_library() is not None, "the C kernels failed to build (see the logged error)"
+    assert cpu_library.load_library() is not None, (
+        "the C kernels failed to build (see the logged error)"
+    )
     if request.param not in cpu_library.available_isas():
-        pytest.skip(f"this CPU lacks the {request.param} variant (runs {cpu_library.available_isas()})")
+        pytest.skip(
+            f"this CPU lacks the {request.param} variant (runs {cpu_library.available_isas()})"
+        )
     previous = cpu_library.use_isa(request.param)
     yield request.param
     cpu_library.use_isa(previous)

@@ -89,7 +89,10 @@ def write_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     }[arch]
     kwargs = dict(TINY_SHAPE, vocab_size=vocab_size, bos_token_id=None, eos_token_id=2)
     if arch not in ("llama", "qwen2"):  # the other families' defaults: head_dim, pad id in range
-        kwargs.update(head_dim=TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"], pad_token_id=None)
+        kwargs.update(
+            head_dim=TINY_SHAPE["hidden_size"] // TINY_SHAPE["num_attention_heads"],
+            pad_token_id=None,
+        )
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -116,7 +119,9 @@ def add_request(core, ids: list[int], sampling: dict, **options):
     from spruce.runtime.core.sampling_params import SamplingParams
     from spruce.runtime.core.validation import validate_request
 
-    valid = validate_request(ids, SamplingParams(**sampling), RequestOptions(**options), core.limits)
+    valid = validate_request(
+        ids, SamplingParams(**sampling), RequestOptions(**options), core.limits
+    )
     return core.add_request(valid)
 
 

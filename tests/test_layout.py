@@ -12,7 +12,9 @@ PACKAGES = ("runtime", "lang", "radix", "constrained")
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_the_import_graph_between_layers_has_no_cycle():
@@ -49,5 +51,8 @@ def test_modules_are_short_and_the_runtime_root_holds_only_entry_points():
         if (n := len(p.read_text().splitlines())) > 500
     ]
     assert not long
-    root_modules = {p.name for p in (ROOT / "runtime").glob("*.py")} - {"__init__.py", "__main__.py"}
+    root_modules = {p.name for p in (ROOT / "runtime").glob("*.py")} - {
+        "__init__.py",
+        "__main__.py",
+    }
     assert len(root_modules) <= 6, root_modules

@@ -11,6 +11,7 @@ from functools import reduce
 
 import interegular
 from interegular.fsm import FSM, anything_else
+
 from spruce.constrained.core.errors import ConstraintError, TooLarge
 
 MAX_AUTOMATON_STATES = 2000  # state elimination is cubic in the states it removes
@@ -49,7 +50,9 @@ def can_emit(regex: str, chars: frozenset[str]) -> bool:
     for state in live:
         for symbol, target in fsm.map.get(state, {}).items():
             members = fsm.alphabet.by_transition[symbol]
-            if target in live and (any(c in chars for c in members) or (outside and anything_else in members)):
+            if target in live and (
+                any(c in chars for c in members) or (outside and anything_else in members)
+            ):
                 return True
     return False
 

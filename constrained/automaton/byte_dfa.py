@@ -28,6 +28,7 @@ import threading
 import weakref
 
 import numpy as np
+
 from spruce.constrained.automaton import native
 from spruce.constrained.automaton.byte_nfa import ByteNFA
 from spruce.constrained.core.memory import MaskTooExpensive, MemoryBudget
@@ -198,7 +199,9 @@ class NativeByteDFA(ByteDFA):
         self._nfa_arrays = arrays  # alive during the call that copies them
         counts = (nfa.num_states, arrays[1].size, arrays[5].size, nfa.start, nfa.final)
         need = ctypes.c_int64()
-        self._ptr = lib.spruce_dfa_new(*counts, *(a.ctypes.data for a in arrays), self._room(), ctypes.byref(need))
+        self._ptr = lib.spruce_dfa_new(
+            *counts, *(a.ctypes.data for a in arrays), self._room(), ctypes.byref(need)
+        )
         del self._nfa_arrays
         if not self._ptr:  # past the budget (the charge raises GrammarTooLarge) or out of memory
             if need.value >= 0:
@@ -312,5 +315,7 @@ class _NativeTable:
     def __getitem__(self, state: int) -> np.ndarray:
         row = np.empty(256, dtype=np.int32)
         with self._dfa._lock:
-            _checked(self._dfa._lib.spruce_dfa_copy_row(self._dfa._ptr, int(state), row.ctypes.data))
+            _checked(
+                self._dfa._lib.spruce_dfa_copy_row(self._dfa._ptr, int(state), row.ctypes.data)
+            )
         return row

@@ -19,13 +19,14 @@ import re
 import sys
 from array import array
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import EDGE_BYTES, PAIR_BYTES, bounded_cache
 
 try:  # Python 3.11+
-    from re import _constants as sre, _parser as sre_parse  # type: ignore[attr-defined]
+    from re import _constants as sre  # type: ignore[attr-defined]
+    from re import _parser as sre_parse
 except ImportError:  # pragma: no cover - older Pythons
     import sre_constants as sre  # type: ignore[no-redef]
     import sre_parse  # type: ignore[no-redef]
@@ -45,10 +46,21 @@ class ByteNFA:
     `edge_at[s]:edge_at[s + 1]` (inclusive byte ranges); one start and one final state. Every
     state with an edge can reach the final state. Crosses the worker's pipe as int arrays."""
 
-    __slots__ = ("start", "final", "eps_at", "eps_to", "edge_at", "edge_low", "edge_high", "edge_to")
+    __slots__ = (
+        "start",
+        "final",
+        "eps_at",
+        "eps_to",
+        "edge_at",
+        "edge_low",
+        "edge_high",
+        "edge_to",
+    )
     _ROWS = ("eps_at", "eps_to", "edge_at", "edge_low", "edge_high", "edge_to")
 
-    def __init__(self, eps: list[list[int]], edges: list[list[tuple[int, int, int]]], start: int, final: int):
+    def __init__(
+        self, eps: list[list[int]], edges: list[list[tuple[int, int, int]]], start: int, final: int
+    ):
         self.start, self.final = start, final
         self.eps_at, self.eps_to = _compressed(eps)
         self.edge_at, flat = _compressed(edges)
@@ -67,7 +79,11 @@ class ByteNFA:
         return 36 * big + 8 * (len(self.edge_low) + len(self.edge_high))
 
     def __getstate__(self):
-        return self.start, self.final, *(array("i", getattr(self, name)).tobytes() for name in self._ROWS)
+        return (
+            self.start,
+            self.final,
+            *(array("i", getattr(self, name)).tobytes() for name in self._ROWS),
+        )
 
     def __setstate__(self, state) -> None:
         self.start, self.final, *rows = state
@@ -298,14 +314,18 @@ def _class_ranges(items, regex: str) -> tuple[tuple[int, int], ...]:
     try:
         return _ranges_of(tuple(items))
     except ValueError as e:
-        raise ConstraintError(f"unsupported regex feature in {_short(regex)}: {e} in a class") from None
+        raise ConstraintError(
+            f"unsupported regex feature in {_short(regex)}: {e} in a class"
+        ) from None
 
 
 def _ranges_bytes(args: tuple, ranges: tuple) -> int:
     return PAIR_BYTES * (len(args[0]) + len(ranges))
 
 
-@bounded_cache(CLASS_CACHE_BYTES, _ranges_bytes)  # a schema's regex repeats its classes thousands of times
+@bounded_cache(
+    CLASS_CACHE_BYTES, _ranges_bytes
+)  # a schema's regex repeats its classes thousands of times
 def _ranges_of(items: tuple) -> tuple[tuple[int, int], ...]:
     negate, ranges = False, []
     for op, arg in items:
@@ -337,7 +357,7 @@ def _category(category) -> tuple[tuple[int, int], ...]:
     return _complement(ranges) if negated else ranges
 
 
-@lru_cache(maxsize=None)
+@cache
 def _unicode_class(kind: str) -> tuple[tuple[int, int], ...]:
     """Python `re`'s \\w (alphanumeric or '_') or \\s (str.isspace) as code point ranges."""
     test = (lambda c: c.isalnum() or c == "_") if kind == "word" else str.isspace
@@ -383,7 +403,9 @@ def _utf8_sequences(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[in
     out: list[tuple[tuple[int, int], ...]] = []
     for low, high in ranges:
         for a, b in _without_surrogates(low, high):
-            for limit_low, limit_high in zip((0,) + tuple(x + 1 for x in _UTF8_LIMITS[:-1]), _UTF8_LIMITS):
+            for limit_low, limit_high in zip(
+                (0,) + tuple(x + 1 for x in _UTF8_LIMITS[:-1]), _UTF8_LIMITS
+            ):
                 lo, hi = max(a, limit_low), min(b, limit_high)
                 if lo <= hi:
                     _split(lo, hi, out)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -121,7 +122,11 @@ class GrammarCursor(CursorBase):
         """Writes this cursor's allowed tokens into `bitmask[row]` (int32, packed; see
         bitmask.py). A finished cursor allows only EOS."""
         state = self._states[-1]
-        write_row(bitmask, row, self.grammar.vocab.eos_mask if state == FINISHED else self.grammar.mask(state))
+        write_row(
+            bitmask,
+            row,
+            self.grammar.vocab.eos_mask if state == FINISHED else self.grammar.mask(state),
+        )
 
     def prepare_mask(self, max_new_states: int) -> bool:
         """Makes the current state's mask ahead of `fill_bitmask`, with at most

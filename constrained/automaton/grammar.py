@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from spruce.constrained.core.bitmask import pack_allowed
 from spruce.constrained.automaton.byte_dfa import DEAD, MAX_BYTES, ByteDFA
 from spruce.constrained.automaton.byte_nfa import ByteNFA
 from spruce.constrained.automaton.cursor import GrammarCursor
-from spruce.constrained.core.memory import Budgeted, MaskTooExpensive, SharedBudget
 from spruce.constrained.automaton.vocab import TokenVocabulary
+from spruce.constrained.core.bitmask import pack_allowed
+from spruce.constrained.core.memory import Budgeted, MaskTooExpensive, SharedBudget
 
 if TYPE_CHECKING:
     from spruce.constrained.spec import ConstraintSpec

@@ -136,5 +136,6 @@ def _repeat_factor(token: re.Match) -> int:
         return 1
     return max(int(low or 0), 1)
 
+
 def _short(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")

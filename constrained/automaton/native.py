@@ -41,8 +41,14 @@ SIGNATURES = {  # name: (result, arguments)
     "spruce_dfa_num_states": (_I32, [_P]),
     "spruce_dfa_is_accepting": (_I32, [_P, _I32]),
     "spruce_dfa_copy_row": (_I32, [_P, _I32, _P]),  # dfa, state, out
-    "spruce_dfa_ensure_rows": (_I32, [_P, _P, _I64, _I64, _I64]),  # dfa, states, count, limit, mem_limit
-    "spruce_dfa_walk": (_I32, [_P, _I32, ctypes.c_char_p, _I64, _I64]),  # dfa, state, data, len, mem_limit
+    "spruce_dfa_ensure_rows": (
+        _I32,
+        [_P, _P, _I64, _I64, _I64],
+    ),  # dfa, states, count, limit, mem_limit
+    "spruce_dfa_walk": (
+        _I32,
+        [_P, _I32, ctypes.c_char_p, _I64, _I64],
+    ),  # dfa, state, data, len, mem_limit
     "spruce_dfa_forced": (_I64, [_P, _I32, _P, _I64, _I64]),  # dfa, state, out, max, mem_limit
     # dfa, state, limit, child_start, child_count, byte, num_nodes, token_node, node_token_at, node_tokens,
     # num_tokens, out, mem_limit
@@ -55,7 +61,9 @@ _load_lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPRUCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spruce")
+    root = os.environ.get("SPRUCE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "spruce"
+    )
     return Path(root) / "kernels"
 
 
@@ -76,7 +84,9 @@ def build(target: Path, compiler: str) -> None:
     logger.info("building the automaton's C library (once per machine) into %s", target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True)
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(out)], check=True, capture_output=True
+        )
         os.replace(out, target)
 
 
@@ -107,7 +117,11 @@ def library() -> ctypes.CDLL | None:
                     _library = _load()
                 except (OSError, subprocess.CalledProcessError, AttributeError) as e:
                     detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[:200]
-                    logger.warning("the automaton's C library is unavailable (%s %s); using the Python path", e, detail)
+                    logger.warning(
+                        "the automaton's C library is unavailable (%s %s); using the Python path",
+                        e,
+                        detail,
+                    )
                 _tried = True
     return _library
 

@@ -14,6 +14,7 @@ same tokens, the same rows made, a fraction of the time."""
 from __future__ import annotations
 
 import numpy as np
+
 from spruce.constrained.automaton.byte_dfa import UNKNOWN, ByteDFA, NativeByteDFA
 from spruce.constrained.core.memory import MaskTooExpensive
 
@@ -64,7 +65,9 @@ class TokenTrie:
             node_of[ends[old]] = int(new)
         self._lists = (self.child_start.tolist(), self.child_count.tolist(), self.byte.tolist())
         # token -> its node; never-allowed tokens point at an extra node that is never alive
-        self.token_node = np.array([node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64)
+        self.token_node = np.array(
+            [node_of[d] if d else self.num_nodes for d in token_bytes], dtype=np.int64
+        )
         self._native = self._native_arrays()  # what the C walk reads (NativeByteDFA.token_mask)
         addresses = [a.ctypes.data for a in self._native]
         self.native_args = (*addresses[:3], self.num_nodes, *addresses[3:], len(token_bytes))
@@ -75,7 +78,11 @@ class TokenTrie:
         node_tokens = np.argsort(self.token_node, kind="stable").astype(np.int32)
         per_node = np.bincount(self.token_node, minlength=self.num_nodes + 1)[: self.num_nodes]
         node_token_at = np.concatenate([[0], np.cumsum(per_node)]).astype(np.int32)
-        trie = (self.child_start.astype(np.int32), self.child_count.astype(np.int32), self.byte.astype(np.uint8))
+        trie = (
+            self.child_start.astype(np.int32),
+            self.child_count.astype(np.int32),
+            self.byte.astype(np.uint8),
+        )
         return (*trie, self.token_node.astype(np.int32), node_token_at, node_tokens)
 
     def allowed(self, dfa: ByteDFA, state: int, max_new_states: int | None = None) -> np.ndarray:
@@ -112,7 +119,12 @@ class TokenTrie:
         return alive[self.token_node]
 
     def _walk_rest(
-        self, dfa: ByteDFA, nodes: list[int], states: list[int], alive: np.ndarray, limit: int | None
+        self,
+        dfa: ByteDFA,
+        nodes: list[int],
+        states: list[int],
+        alive: np.ndarray,
+        limit: int | None,
     ) -> None:
         """Depth first below `nodes` (each in its DFA state), marking the nodes reached."""
         child_start, child_count, byte = self._lists
@@ -127,4 +139,3 @@ class TokenTrie:
                 if nxt >= 0:
                     alive[child] = True
                     stack.append((child, nxt))
-

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from spruce.constrained.core.bitmask import num_words, pack_token_ids
 from spruce.constrained.automaton.token_trie import TokenTrie
+from spruce.constrained.core.bitmask import num_words, pack_token_ids
 
 
 class _TokenizerLike(Protocol):

@@ -39,14 +39,19 @@ AUTO = {
     "json_schema": ("llguidance", "spruce"),
     **{kind: ("llguidance",) for kind in GRAMMAR_KINDS},
 }
-_MODULES = {"llguidance": "spruce.constrained.backends.llguidance", "outlines": "spruce.constrained.backends.outlines"}
+_MODULES = {
+    "llguidance": "spruce.constrained.backends.llguidance",
+    "outlines": "spruce.constrained.backends.outlines",
+}
 
 
 def candidates(kind: str, backend: str) -> tuple[str, ...]:
     """The backends to try for a constraint of `kind`, in order; ConstraintError when the
     named backend cannot take that kind."""
     if backend not in BACKEND_CHOICES:
-        raise ConstraintError(f"grammar backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}")
+        raise ConstraintError(
+            f"grammar backend must be one of {', '.join(BACKEND_CHOICES)}; got {backend!r}"
+        )
     if backend == "auto":
         return AUTO[kind]
     if kind not in KINDS[backend]:

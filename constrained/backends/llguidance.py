@@ -18,16 +18,21 @@ import llguidance
 import numpy as np
 import torch
 
-from spruce.constrained.backends.llguidance_text import lark_grammar, limits, readable_error, unenforced_of
-from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 from spruce.constrained.automaton.cursor import CursorBase
+from spruce.constrained.backends.llguidance_text import (
+    lark_grammar,
+    limits,
+    readable_error,
+    unenforced_of,
+)
+from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 from spruce.constrained.core.bitmask import write_row
 from spruce.constrained.core.errors import ConstraintError, GrammarRefused
 from spruce.constrained.core.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
-    from spruce.constrained.spec import ConstraintSpec
     from spruce.constrained.automaton.vocab import TokenVocabulary
+    from spruce.constrained.spec import ConstraintSpec
 
 MATCHER_BYTES = 256 * 1024  # what a compiled matcher holds beyond its grammar text (roughly)
 BYTES_PER_GRAMMAR_CHAR = 64  # the compiled grammar against its text (roughly, measured on schemas)
@@ -42,7 +47,9 @@ def llg_tokenizer(vocab: TokenVocabulary) -> llguidance.LLTokenizer:
     if tokenizer is None:
         wrapper = llguidance.TokenizerWrapper(_Tokens(vocab))
         eos = sorted(vocab.eos_token_ids)
-        tokenizer = _tokenizers[vocab] = llguidance.LLTokenizer(wrapper, n_vocab=vocab.vocab_size, eos_token=eos)
+        tokenizer = _tokenizers[vocab] = llguidance.LLTokenizer(
+            wrapper, n_vocab=vocab.vocab_size, eos_token=eos
+        )
     return tokenizer
 
 
@@ -77,7 +84,9 @@ def compile_grammar(
 
 def special_tokens(vocab: TokenVocabulary) -> dict[str, int]:
     """The vocabulary's special tokens, text -> id."""
-    return {data.decode("utf-8", "replace"): token_id for token_id, data in vocab.special_bytes.items()}
+    return {
+        data.decode("utf-8", "replace"): token_id for token_id, data in vocab.special_bytes.items()
+    }
 
 
 class LLGuidanceGrammar(Budgeted):
@@ -88,17 +97,31 @@ class LLGuidanceGrammar(Budgeted):
     work = 0  # masks are computed per step within llguidance's fuel (no states to count)
 
     def __init__(
-        self, spec: ConstraintSpec, vocab: TokenVocabulary, max_bytes: int, shared: SharedBudget | None = None
+        self,
+        spec: ConstraintSpec,
+        vocab: TokenVocabulary,
+        max_bytes: int,
+        shared: SharedBudget | None = None,
     ) -> None:
         self.spec = spec
         self.vocab = vocab
         super().__init__(max_bytes, shared)
-        self.budget.charge(MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value))
-        matcher = llguidance.LLMatcher(llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits())
+        self.budget.charge(
+            MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value)
+        )
+        matcher = llguidance.LLMatcher(
+            llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits()
+        )
         if matcher.is_error():
-            raise GrammarRefused(f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}")
+            raise GrammarRefused(
+                f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}"
+            )
         if spec.fallback is not None:  # checked by this build: decided now
-            self.spec = replace(spec, unenforced=unenforced_of(matcher.get_grammar_warnings(), spec.unenforced), fallback=None)
+            self.spec = replace(
+                spec,
+                unenforced=unenforced_of(matcher.get_grammar_warnings(), spec.unenforced),
+                fallback=None,
+            )
         self._matcher = matcher
         self.initial_row: np.ndarray | None = None  # the first position's mask, once warm
 
@@ -112,7 +135,9 @@ class LLGuidanceGrammar(Budgeted):
             row = np.zeros(self.vocab.num_words, dtype=np.int32)
             self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
             if self._matcher.is_error():
-                raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")
+                raise ConstraintError(
+                    f"the grammar failed: {readable_error(self._matcher.get_error())}"
+                )
             self.budget.charge(row.nbytes)
             self.initial_row = row
 
@@ -123,7 +148,16 @@ class LLGuidanceCursor(CursorBase):
     a sampled token is checked against that row before the matcher takes it (a token the
     matcher refused would leave it in its error state for good)."""
 
-    __slots__ = ("grammar", "_matcher", "_tokens", "_row", "_row_view", "_row_ptr", "_ready", "_finished")
+    __slots__ = (
+        "grammar",
+        "_matcher",
+        "_tokens",
+        "_row",
+        "_row_view",
+        "_row_ptr",
+        "_ready",
+        "_finished",
+    )
 
     def __init__(self, grammar: LLGuidanceGrammar, matcher: llguidance.LLMatcher) -> None:
         self.grammar = grammar
@@ -166,7 +200,9 @@ class LLGuidanceCursor(CursorBase):
             else:
                 self._matcher.unsafe_compute_mask_ptr(self._row_ptr, self._row.nbytes)
                 if self._matcher.is_error():
-                    raise ConstraintError(f"the grammar failed: {readable_error(self._matcher.get_error())}")
+                    raise ConstraintError(
+                        f"the grammar failed: {readable_error(self._matcher.get_error())}"
+                    )
             self._ready = True
         return True
 

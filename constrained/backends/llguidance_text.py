@@ -34,7 +34,9 @@ def check_grammar(grammar: str, what: str) -> list[str]:
     """The grammar's warnings; ConstraintError naming `what` when it does not compile.
     Checked without the vocabulary: a special token a grammar names is checked when the
     grammar is compiled for the model."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits())
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits()
+    )
     if is_error:
         raise ConstraintError(f"{what}: {readable_error(messages[0])}")
     return messages
@@ -64,7 +66,9 @@ def ebnf_grammar(text: str) -> str:
     try:
         lark = gbnf_to_lark(text)
     except GbnfToLarkError as e:
-        raise ConstraintError(f"ebnf: {_gbnf_position(e)}{e.args[0].split(' at line ')[0]}") from None
+        raise ConstraintError(
+            f"ebnf: {_gbnf_position(e)}{e.args[0].split(' at line ')[0]}"
+        ) from None
     except RecursionError:
         raise ConstraintError("ebnf is nested too deeply") from None
     except Exception as e:  # the converter says an undefined rule or a missing root this way
@@ -110,14 +114,20 @@ def schema_grammar(
     Unchecked (`check` False), the grammar is not built here: what it leaves unenforced but
     that `$ref` comes from the compile (`unenforced_of`), which also says if it is refused."""
     if not isinstance(schema, (dict, bool)):
-        raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
+        raise ConstraintError(
+            f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})"
+        )
     remote = frozenset(remote_refs(schema)) if lenient else frozenset()
     if remote:
         schema = _without_remote_refs(schema, remote)
     close = not options.open_objects and not _intersects(schema)
     keep_open = frozenset(_refs_beside_object_keys(schema)) if close else frozenset()
     schema = _with_bounds(schema, close, keep_open)
-    overrides: dict[str, Any] = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+    overrides: dict[str, Any] = {
+        "item_separator": ",",
+        "key_separator": ":",
+        "whitespace_flexible": False,
+    }
     if options.whitespace_pattern:
         overrides["whitespace_pattern"] = options.whitespace_pattern
     if lenient:
@@ -126,7 +136,9 @@ def schema_grammar(
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
     except ValueError as e:
         raise ConstraintError(f"json_schema: {e}") from None
-    return grammar, unenforced_of(check_grammar(grammar, "json_schema") if check else [], ("$ref",) * bool(remote))
+    return grammar, unenforced_of(
+        check_grammar(grammar, "json_schema") if check else [], ("$ref",) * bool(remote)
+    )
 
 
 def unenforced_of(warnings: list[str], known: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -144,7 +156,9 @@ def _without_remote_refs(node: Any, remote: frozenset[str]) -> Any:
         return [_without_remote_refs(item, remote) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA_KEYWORDS else _without_remote_refs(v, remote) for k, v in node.items()}
+    out = {
+        k: v if k in _DATA_KEYWORDS else _without_remote_refs(v, remote) for k, v in node.items()
+    }
     if isinstance(out.get("$ref"), str) and out["$ref"] in remote:
         del out["$ref"]
         if not _APPLICATORS & out.keys():
@@ -170,7 +184,18 @@ def _unimplemented(warnings: list[str]) -> tuple[str, ...]:
 
 # Keywords that combine an object schema with another one (an intersection): closing the
 # parts would refuse what the whole allows, so a schema using them keeps its objects open.
-_INTERSECTING = frozenset({"allOf", "if", "then", "else", "dependentSchemas", "dependencies", "not", "unevaluatedProperties"})
+_INTERSECTING = frozenset(
+    {
+        "allOf",
+        "if",
+        "then",
+        "else",
+        "dependentSchemas",
+        "dependencies",
+        "not",
+        "unevaluatedProperties",
+    }
+)
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
 
 
@@ -196,7 +221,9 @@ def _plain_all_of(node: dict) -> bool:
     if "additionalProperties" in node or node.get("type", "object") != "object":
         return False
     return all(
-        isinstance(p, dict) and p.keys() <= _PLAIN_OBJECT_KEYS and p.get("type", "object") == "object"
+        isinstance(p, dict)
+        and p.keys() <= _PLAIN_OBJECT_KEYS
+        and p.get("type", "object") == "object"
         and isinstance(p.get("properties", {}), dict)
         for p in parts
     )
@@ -205,25 +232,46 @@ def _plain_all_of(node: dict) -> bool:
 def _closed_all_of(node: dict) -> list:
     """The allOf parts of a plain allOf (see _plain_all_of), each closed over every name any
     part (or the node itself) declares: together they allow exactly those properties."""
-    names = dict.fromkeys(node.get("properties", {}) if isinstance(node.get("properties"), dict) else {})
+    names = dict.fromkeys(
+        node.get("properties", {}) if isinstance(node.get("properties"), dict) else {}
+    )
     for part in node["allOf"]:
         names.update(dict.fromkeys(part.get("properties", {})))
     return [{**part, "properties": {**{n: {} for n in names}, **part.get("properties", {})}, "additionalProperties": False}
             for part in node["allOf"]]  # fmt: skip
 
 
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # name -> schema
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions"}
+)  # name -> schema
 
 
-INTEGER_BOUND = 10**16 - 1  # as the spruce converter writes a number's integer part: -?(0|[1-9][0-9]{0,15})
+INTEGER_BOUND = (
+    10**16 - 1
+)  # as the spruce converter writes a number's integer part: -?(0|[1-9][0-9]{0,15})
 # A number's fraction digits, at most 10 (llguidance takes no finer multipleOf; the spruce
 # converter allows 16): without a bound a small model writes digits until its token limit.
 FRACTION_STEP = 1e-10
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-_OBJECT_KEYS = frozenset({"properties", "patternProperties", "additionalProperties", "required", "propertyNames"})
-_APPLICATORS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "if", "then", "else", "not", "dependentSchemas", "dependencies"})
+_OBJECT_KEYS = frozenset(
+    {"properties", "patternProperties", "additionalProperties", "required", "propertyNames"}
+)
+_APPLICATORS = frozenset(
+    {
+        "$ref",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "if",
+        "then",
+        "else",
+        "not",
+        "dependentSchemas",
+        "dependencies",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -242,7 +290,9 @@ def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:
     """_prepared's copy, with the shared number definitions at the root where every `$ref`
     to them reaches it (no subschema sets its own base URI, the names are free)."""
     defs = schema.get("$defs") if isinstance(schema, dict) else None
-    share = isinstance(schema, dict) and not (isinstance(defs, dict) and _SHARED_NUMBERS.keys() & defs.keys())
+    share = isinstance(schema, dict) and not (
+        isinstance(defs, dict) and _SHARED_NUMBERS.keys() & defs.keys()
+    )
     how = _How(close, keep_open, share)
     out = _prepared(schema, how)
     if not share:
@@ -274,7 +324,10 @@ def _prepared(node: Any, how: _How, here: bool = True) -> Any:
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             prefix = f"#/{key}/"
-            out[key] = {name: _prepared(sub, how, prefix + name not in how.keep_open) for name, sub in value.items()}
+            out[key] = {
+                name: _prepared(sub, how, prefix + name not in how.keep_open)
+                for name, sub in value.items()
+            }
         elif key in ("anyOf", "oneOf"):
             out[key] = _prepared(value, how, not owns_objects)
         else:
@@ -297,19 +350,47 @@ def _bounded(node: dict, out: dict, share: bool) -> dict:
     types = kind if isinstance(kind, list) else [kind]
     if not any(t in ("integer", "number") for t in types) or any(b in node for b in _BOUNDS):
         return out
-    if share and len(types) == 1 and node.keys() - {"type"} <= _ANNOTATIONS and "multipleOf" not in node:
-        return {"$ref": f"#/$defs/{_SHARED_NAMES[types[0]]}", **{k: v for k, v in out.items() if k != "type"}}
+    if (
+        share
+        and len(types) == 1
+        and node.keys() - {"type"} <= _ANNOTATIONS
+        and "multipleOf" not in node
+    ):
+        return {
+            "$ref": f"#/$defs/{_SHARED_NAMES[types[0]]}",
+            **{k: v for k, v in out.items() if k != "type"},
+        }
     out.update(minimum=-INTEGER_BOUND, maximum=INTEGER_BOUND)
     if "number" in types and "multipleOf" not in node:
         out["multipleOf"] = FRACTION_STEP
     return out
 
 
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"})
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
 _SHARED_NAMES = {"integer": "spruce_bounded_integer", "number": "spruce_bounded_number"}
 _SHARED_NUMBERS = {
-    _SHARED_NAMES["integer"]: {"type": "integer", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND},
-    _SHARED_NAMES["number"]: {"type": "number", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND, "multipleOf": FRACTION_STEP},
+    _SHARED_NAMES["integer"]: {
+        "type": "integer",
+        "minimum": -INTEGER_BOUND,
+        "maximum": INTEGER_BOUND,
+    },
+    _SHARED_NAMES["number"]: {
+        "type": "number",
+        "minimum": -INTEGER_BOUND,
+        "maximum": INTEGER_BOUND,
+        "multipleOf": FRACTION_STEP,
+    },
 }
 
 
@@ -334,4 +415,3 @@ def _refs_beside_object_keys(node: Any) -> set[str]:
             elif key not in _DATA_KEYWORDS:
                 todo.append((value, owns and key in ("anyOf", "oneOf")))
     return found
-

@@ -21,15 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import outlines_core
 import torch
-from spruce.constrained.core.bitmask import pack_token_ids
+
 from spruce.constrained.automaton.cursor import GrammarCursor
+from spruce.constrained.core.bitmask import pack_token_ids
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
+    from spruce.constrained.automaton.vocab import TokenVocabulary
     from spruce.constrained.schema.schema_context import SchemaOptions
     from spruce.constrained.spec import ConstraintSpec
-    from spruce.constrained.automaton.vocab import TokenVocabulary
 
 # outlines-core does not say how large an Index is: its transitions grow with the regex's
 # DFA states times the tokens allowed in each (a rough per-regex-character charge), and each

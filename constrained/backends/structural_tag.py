@@ -46,8 +46,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import llguidance
-from spruce.constrained.core.errors import ConstraintError
+
 from spruce.constrained.backends.llguidance_text import check_grammar, ebnf_grammar, nested_lark
+from spruce.constrained.core.errors import ConstraintError
 
 # A tool list of OpenAI's 128 functions is ~400 formats (tag, content, schema); nesting past
 # a dozen levels is never a real format. Both bound the walk and the grammar's size (the
@@ -97,7 +98,11 @@ def _root_format(tag: Any) -> tuple[dict, str]:
     if "format" in tag:
         return tag["format"], f"{ROOT}.format"
     _expect("structures" in tag, ROOT, "needs a 'format' (or 'structures' and 'triggers')")
-    return {"type": "triggered_tags", "triggers": tag.get("triggers"), "structures": tag["structures"]}, ROOT
+    return {
+        "type": "triggered_tags",
+        "triggers": tag.get("triggers"),
+        "structures": tag["structures"],
+    }, ROOT
 
 
 class _Writer:
@@ -137,7 +142,11 @@ class _Writer:
 
     def _json_schema(self, node: dict, path: str, ends: tuple, depth: int) -> str:
         _expect("json_schema" in node, path, "needs a 'json_schema'")
-        _expect(node.get("style", "json") == "json", f"{path}.style", "must be 'json' (the only style supported)")
+        _expect(
+            node.get("style", "json") == "json",
+            f"{path}.style",
+            "must be 'json' (the only style supported)",
+        )
         return self.schema(node["json_schema"], f"{path}.json_schema")
 
     def schema(self, schema: Any, path: str) -> str:
@@ -178,8 +187,14 @@ class _Writer:
     def _or(self, node: dict, path: str, ends: tuple, depth: int) -> str:
         elements = _elements(node, path)
         unbounded = {_unbounded(e, f"{path}.elements[{i}]") for i, e in enumerate(elements)}
-        _expect(len(unbounded) == 1, f"{path}.elements", "must all be unbounded (any_text, triggered_tags) or none")
-        names = [self.format(e, f"{path}.elements[{i}]", ends, depth) for i, e in enumerate(elements)]
+        _expect(
+            len(unbounded) == 1,
+            f"{path}.elements",
+            "must all be unbounded (any_text, triggered_tags) or none",
+        )
+        names = [
+            self.format(e, f"{path}.elements[{i}]", ends, depth) for i, e in enumerate(elements)
+        ]
         return self.rule(" | ".join(names))
 
     def _tag(self, node: dict, path: str, ends: tuple, depth: int) -> str:
@@ -200,8 +215,14 @@ class _Writer:
             return begin, f"{self.schema(node['schema'], f'{path}.schema')} ({end})"
         _expect("content" in node, path, "needs a 'content'")
         if _unbounded(node["content"], f"{path}.content"):
-            _expect(any(tag_ends), f"{path}.end", "must be non-empty when the content is any_text or triggered_tags")
-            content = self.format(node["content"], f"{path}.content", tuple(e for e in tag_ends if e), depth)
+            _expect(
+                any(tag_ends),
+                f"{path}.end",
+                "must be non-empty when the content is any_text or triggered_tags",
+            )
+            content = self.format(
+                node["content"], f"{path}.content", tuple(e for e in tag_ends if e), depth
+            )
             return begin, content
         content = self.format(node["content"], f"{path}.content", (), depth)
         end = " | ".join(self.literal(e) for e in tag_ends)
@@ -242,7 +263,7 @@ class _Writer:
             tag_path = f"{path}.{key}[{i}]"
             trigger = _trigger_of(tag, triggers, tag_path, path)
             begin, rest = self.tag_parts(tag, tag_path, depth)
-            after.setdefault(trigger, []).append(f"{self.literal(begin[len(trigger):])} {rest}")
+            after.setdefault(trigger, []).append(f"{self.literal(begin[len(trigger) :])} {rest}")
             firsts.append(f"{self.literal(begin)} {rest}")
         calls = [f"{self.triggered(text, t)} ({' | '.join(rests)})" for t, rests in after.items()]
         call = self.rule(" | ".join(calls))
@@ -324,7 +345,11 @@ def _trigger_of(tag: Any, triggers: list[str], tag_path: str, path: str) -> str:
     _expect(isinstance(tag, dict), tag_path, "must be an object")
     begin = _string(tag, "begin", tag_path, allow_empty=True)
     matched = [t for t in triggers if begin.startswith(t)]
-    _expect(len(matched) == 1, f"{tag_path}.begin", f"must start with exactly one of {path}.triggers (it starts with {len(matched)})")
+    _expect(
+        len(matched) == 1,
+        f"{tag_path}.begin",
+        f"must start with exactly one of {path}.triggers (it starts with {len(matched)})",
+    )
     return matched[0]
 
 
@@ -334,7 +359,9 @@ def _type_of(node: Any, path: str) -> str:
     if kind is None:
         kind = next((t for key, t in TYPE_BY_KEY if key in node), None)
         _expect(kind is not None, path, f"needs a 'type' (one of {', '.join(TYPES)})")
-    _expect(kind in TYPES, f"{path}.type", f"must be one of {', '.join(TYPES)} (got {str(kind)[:40]!r})")
+    _expect(
+        kind in TYPES, f"{path}.type", f"must be one of {', '.join(TYPES)} (got {str(kind)[:40]!r})"
+    )
     return kind
 
 
@@ -357,7 +384,9 @@ def _ends(node: dict, path: str) -> list[str]:
     end = node.get("end")
     if isinstance(end, str):
         return [end]
-    return _strings(end, f"{path}.end", non_empty=True, what="must be a string or a list of strings")
+    return _strings(
+        end, f"{path}.end", non_empty=True, what="must be a string or a list of strings"
+    )
 
 
 def _flags(node: dict, path: str) -> tuple[bool, bool]:
@@ -382,7 +411,9 @@ def _list(value: Any, path: str, non_empty: bool = False) -> list:
     return value
 
 
-def _strings(value: Any, path: str, non_empty: bool = False, what: str = "must be a list of strings") -> list[str]:
+def _strings(
+    value: Any, path: str, non_empty: bool = False, what: str = "must be a list of strings"
+) -> list[str]:
     _expect(isinstance(value, list) and all(isinstance(v, str) for v in value), path, what)
     _expect(not non_empty or len(value) > 0, path, "must not be empty")
     return value

@@ -4,10 +4,11 @@ this torch version is the reference and the CPU path."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 
 def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32

@@ -30,6 +30,7 @@ import re
 from string import hexdigits
 
 import re2
+
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import BoundedCache, text_bytes
 
@@ -48,9 +49,15 @@ _EMPTY_LOW_BOUND = re.compile(r"\{,(\d+)\}")
 # What RE2 says -> the reason a user reads.
 _REASONS = (
     (re.compile(r"invalid escape sequence: \\[1-9]"), "backreferences are not supported"),
-    (re.compile(r"invalid perl operator: \(\?<?[=!]"), "lookaround ((?=, (?!, (?<=, (?<!) is not supported"),
+    (
+        re.compile(r"invalid perl operator: \(\?<?[=!]"),
+        "lookaround ((?=, (?!, (?<=, (?<!) is not supported",
+    ),
     (re.compile(r"invalid perl operator: \(\?>"), "atomic groups are not supported"),
-    (re.compile(r"bad repetition operator: (?:[*+?]|\{[\d,]*\})\+"), "possessive repeats are not supported"),
+    (
+        re.compile(r"bad repetition operator: (?:[*+?]|\{[\d,]*\})\+"),
+        "possessive repeats are not supported",
+    ),
     (re.compile(r"invalid repetition size"), "counted repeats go up to 1000"),
     (re.compile(r"pattern too large"), f"it compiles to more than {MAX_PATTERN_MEMORY >> 20} MiB"),
 )
@@ -139,7 +146,11 @@ def _compiled(pattern: str):
     compiled = _CACHE.get(pattern)
     if compiled is None:
         compiled = _compile(pattern)
-        _CACHE.put(pattern, compiled, text_bytes(pattern) + PROGRAM_BYTES_PER_INSTRUCTION * compiled.programsize)
+        _CACHE.put(
+            pattern,
+            compiled,
+            text_bytes(pattern) + PROGRAM_BYTES_PER_INSTRUCTION * compiled.programsize,
+        )
     return compiled
 
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from spruce.constrained.core.errors import ConstraintError
 

@@ -70,6 +70,7 @@ _HEX4 = r"[0-9A-Fa-f]{1,4}"
 
 def _ipv6_regex() -> str:
     """Eight groups, or "::" standing for at least one zero group between k and m groups."""
+
     def groups(n: int) -> str:
         return "" if n == 0 else _HEX4 + (f"(?::{_HEX4}){{{n - 1}}}" if n > 1 else "")
 

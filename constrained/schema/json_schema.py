@@ -21,9 +21,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.automaton.byte_nfa import parse_regex
 from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_size
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.schema.schema_context import LOOSE, STRICT, Context, SchemaOptions
 from spruce.constrained.schema.schema_regex import RegexBuilder, RegexTooLong
 from spruce.constrained.schema.schema_size import (
@@ -54,7 +54,9 @@ def convert_schema(schema: Any, options: SchemaOptions | None = None) -> SchemaR
     relax under it (see schema_size)."""
     options = options or SchemaOptions()
     if not isinstance(schema, (dict, bool)):
-        raise ConstraintError(f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})")
+        raise ConstraintError(
+            f"a JSON schema must be an object or a boolean (got {json.dumps(schema)[:80]})"
+        )
     try:
         return _convert(schema, options)
     finally:
@@ -75,7 +77,9 @@ def _convert(schema: Any, options: SchemaOptions) -> SchemaRegex:
             overflow = e
             continue
         if regex is None:
-            raise ConstraintError("the JSON schema allows no value (its constraints contradict each other)")
+            raise ConstraintError(
+                "the JSON schema allows no value (its constraints contradict each other)"
+            )
         size = regex_size(regex)
         if size <= MAX_EXPANDED_SIZE:
             break
@@ -86,12 +90,16 @@ def _convert(schema: Any, options: SchemaOptions) -> SchemaRegex:
     parse_regex(regex)  # what the automata support: a converter bug fails here, not later
     places = ctx.unenforced.places
     loosened = tuple(path for path, level in relaxed.items() if level >= LOOSE)
-    return SchemaRegex(regex, ctx.unenforced.keywords(), places, tuple(dict.fromkeys(builder.orders)), loosened)
+    return SchemaRegex(
+        regex, ctx.unenforced.keywords(), places, tuple(dict.fromkeys(builder.orders)), loosened
+    )
 
 
 def schema_to_regex(schema: Any, whitespace_pattern: str = "", mode: str = "strict") -> str:
     """The regex alone (strict mode by default: every keyword enforced or an error)."""
-    return convert_schema(schema, SchemaOptions(mode=mode, whitespace_pattern=whitespace_pattern)).regex
+    return convert_schema(
+        schema, SchemaOptions(mode=mode, whitespace_pattern=whitespace_pattern)
+    ).regex
 
 
 def load_schema(value: Any) -> Any:
@@ -118,7 +126,10 @@ def canonical_instance(value: Any, orders: tuple[tuple[str, ...], ...]) -> str:
         order = _best_order(list(value), orders)
         rank = {name: i for i, name in enumerate(order)}
         keys = sorted(value, key=lambda k: rank.get(k, len(rank)))
-        items = (f"{json.dumps(k, ensure_ascii=False)}:{canonical_instance(value[k], orders)}" for k in keys)
+        items = (
+            f"{json.dumps(k, ensure_ascii=False)}:{canonical_instance(value[k], orders)}"
+            for k in keys
+        )
         return "{" + ",".join(items) + "}"
     if isinstance(value, list):
         return "[" + ",".join(canonical_instance(v, orders) for v in value) + "]"
@@ -148,7 +159,9 @@ def declared_orders(schema: Any) -> tuple[tuple[str, ...], ...]:
             names += [n for n in required if isinstance(n, str) and n not in names]
             if names:
                 found.append(tuple(names))
-            todo.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+            todo.extend(
+                v for k, v in node.items() if k not in ("enum", "const", "default", "examples")
+            )
         elif isinstance(node, list):
             todo.extend(node)
     return tuple(dict.fromkeys(found))

@@ -37,7 +37,9 @@ class SchemaOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEMA_MODES:
-            raise ConstraintError(f"schema_mode must be one of {', '.join(SCHEMA_MODES)}; got {self.mode!r}")
+            raise ConstraintError(
+                f"schema_mode must be one of {', '.join(SCHEMA_MODES)}; got {self.mode!r}"
+            )
         if self.property_order not in PROPERTY_ORDERS:
             raise ConstraintError(
                 f"property_order must be one of {', '.join(PROPERTY_ORDERS)}; got {self.property_order!r}"
@@ -47,7 +49,9 @@ class SchemaOptions:
             if not isinstance(value, int) or not 0 <= value <= 8:
                 raise ConstraintError(f"{name} must be an integer in [0, 8]; got {value!r}")
         if not isinstance(self.any_order_max, int) or not 0 <= self.any_order_max <= 5:
-            raise ConstraintError(f"any_order_max must be an integer in [0, 5]; got {self.any_order_max!r}")
+            raise ConstraintError(
+                f"any_order_max must be an integer in [0, 5]; got {self.any_order_max!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -74,7 +78,9 @@ class Context:
     relaxations asked for (schema path -> level: BOUNDS, CONTENT or LOOSE, see
     `schema_size`); `relaxable` records, per path, the levels that would change its regex."""
 
-    def __init__(self, root: object, options: SchemaOptions, relaxed: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, root: object, options: SchemaOptions, relaxed: dict[str, int] | None = None
+    ) -> None:
         self.root = root
         self.options = options
         self.unenforced = Unenforced()

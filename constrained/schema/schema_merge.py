@@ -44,8 +44,6 @@ def tighten(flat: dict, side: str, bound: tuple) -> None:
         flat[side] = bound
 
 
-
-
 _LOWER = ("minLength", "minItems", "minProperties")
 _UPPER = ("maxLength", "maxItems", "maxProperties")
 _CONCAT = ("patterns", "formats", "multipleOf", "not_values", "propertyNames")
@@ -101,13 +99,24 @@ def _item_at(flat: dict, i: int) -> list:
 def _merge_object_maps(out: dict, a: dict, b: dict, ctx: Context) -> None:
     """Each side's additionalProperties covers only the names it does not declare."""
     names = list(dict.fromkeys([*a.get("properties", {}), *b.get("properties", {})]))
-    out["properties"] = {n: _schemas_for_name(a, n, ctx) + _schemas_for_name(b, n, ctx) for n in names}
+    out["properties"] = {
+        n: _schemas_for_name(a, n, ctx) + _schemas_for_name(b, n, ctx) for n in names
+    }
     patterns_a, patterns_b = a.get("patternProperties", {}), b.get("patternProperties", {})
-    if patterns_a and patterns_b and (a.get("additionalProperties") or b.get("additionalProperties")):
+    if (
+        patterns_a
+        and patterns_b
+        and (a.get("additionalProperties") or b.get("additionalProperties"))
+    ):
         ctx.skip("patternProperties", a["path"], "allOf parts that both have patternProperties")
-    merged = {p: s + ([] if patterns_b else b.get("additionalProperties", [])) for p, s in patterns_a.items()}
+    merged = {
+        p: s + ([] if patterns_b else b.get("additionalProperties", []))
+        for p, s in patterns_a.items()
+    }
     for p, s in patterns_b.items():
-        merged[p] = merged.get(p, []) + s + ([] if patterns_a else a.get("additionalProperties", []))
+        merged[p] = (
+            merged.get(p, []) + s + ([] if patterns_a else a.get("additionalProperties", []))
+        )
     if merged:
         out["patternProperties"] = merged
     extra = a.get("additionalProperties", []) + b.get("additionalProperties", [])
@@ -152,4 +161,6 @@ def same_json(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b))
-    return type(a) in (int, float) and type(b) in (int, float) and a == b or (type(a) is type(b) and a == b)
+    return (type(a) in (int, float) and type(b) in (int, float) and a == b) or (
+        type(a) is type(b) and a == b
+    )

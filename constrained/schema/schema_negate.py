@@ -27,7 +27,16 @@ _COUNTS = {  # keyword -> (kinds it applies to, the opposite keyword, +1 or -1)
     "minItems": (_ARRAY, "maxItems", -1), "maxItems": (_ARRAY, "minItems", +1),
     "minProperties": (_OBJECT, "maxProperties", -1), "maxProperties": (_OBJECT, "minProperties", +1),
 }  # fmt: skip
-_ANNOTATION_KEYS = {"title", "description", "$comment", "default", "examples", "deprecated", "$id", "$schema"}
+_ANNOTATION_KEYS = {
+    "title",
+    "description",
+    "$comment",
+    "default",
+    "examples",
+    "deprecated",
+    "$id",
+    "$schema",
+}
 
 
 def negate(schema: Any, path: str, ctx: Context, refs: tuple) -> list[dict] | None:
@@ -72,7 +81,14 @@ def _negate_properties(properties: dict, path: str, ctx: Context, refs: tuple) -
             return None
         if negated:
             flats_node = {FLATS_KEY: negated}
-            out.append({"path": path, "types": set(_OBJECT), "required": [name], "properties": {name: [flats_node]}})
+            out.append(
+                {
+                    "path": path,
+                    "types": set(_OBJECT),
+                    "required": [name],
+                    "properties": {name: [flats_node]},
+                }
+            )
     return out
 
 
@@ -107,9 +123,14 @@ def _negate_bound(key: str, value: Any, schema: dict, path: str) -> list[dict] |
         return [] if key.startswith("exclusive") else None  # draft-4 flag: negated with its bound
     if not isinstance(value, (int, float)):
         return None
-    exclusive = key.startswith("exclusive") or schema.get("exclusive" + key[0].upper() + key[1:]) is True
+    exclusive = (
+        key.startswith("exclusive") or schema.get("exclusive" + key[0].upper() + key[1:]) is True
+    )
     side = "high" if "inimum" in key else "low"  # not (x >= m) is x < m
-    return [{"path": path, "types": set(_ANY - _NUMBER)}, {"path": path, "types": set(_NUMBER), side: (value, not exclusive)}]
+    return [
+        {"path": path, "types": set(_ANY - _NUMBER)},
+        {"path": path, "types": set(_NUMBER), side: (value, not exclusive)},
+    ]
 
 
 # -- disjointness -------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ def alternatives(schema: Any, path: str, ctx: Context, refs: tuple = ()) -> list
         parts.append(_one_of(schema, path, ctx, refs))
     if "not" in schema:
         parts.append(_not(schema["not"], f"{path}/not", ctx, refs))
-    conditions = [("if", lambda: [_if_then_else(schema, path, ctx, refs)])] if "if" in schema else []
+    conditions = (
+        [("if", lambda: [_if_then_else(schema, path, ctx, refs)])] if "if" in schema else []
+    )
     conditions.append(("dependentRequired", lambda: _dependencies(schema, path, ctx, refs)))
     for keyword, make in conditions:
         _add_conditions(parts, keyword, make, path, ctx)
@@ -131,12 +133,16 @@ def _if_then_else(schema: dict, path: str, ctx: Context, refs: tuple) -> list[di
     if negated is None:  # then or else holds: their union, a superset, reported
         ctx.skip("if", path, "the if-schema has no flat negation (then / else enforced as anyOf)")
         branches = (("then", schema.get("then", True)), ("else", schema.get("else", True)))
-        return [f for key, branch in branches for f in alternatives(branch, f"{path}/{key}", ctx, refs)]
+        return [
+            f for key, branch in branches for f in alternatives(branch, f"{path}/{key}", ctx, refs)
+        ]
     then = combine(
         [alternatives(condition, f"{path}/if", ctx, refs), alternatives(schema.get("then", True), f"{path}/then", ctx, refs)],
         path, ctx,
     )  # fmt: skip
-    otherwise = combine([negated, alternatives(schema.get("else", True), f"{path}/else", ctx, refs)], path, ctx)
+    otherwise = combine(
+        [negated, alternatives(schema.get("else", True), f"{path}/else", ctx, refs)], path, ctx
+    )
     return then + otherwise
 
 
@@ -177,7 +183,11 @@ def own_flat(schema: dict, path: str, ctx: Context) -> dict:
             raise ConstraintError(f"enum must be a list ({path})")
         flat["enum"] = list(schema["enum"])
     if "const" in schema:
-        flat["enum"] = [schema["const"]] if "enum" not in flat else [v for v in flat["enum"] if same_json(v, schema["const"])]
+        flat["enum"] = (
+            [schema["const"]]
+            if "enum" not in flat
+            else [v for v in flat["enum"] if same_json(v, schema["const"])]
+        )
     _strings(schema, flat, path)
     _numbers(schema, flat, path)
     _arrays(schema, flat, path)
@@ -211,11 +221,20 @@ def _strings(schema: dict, flat: dict, path: str) -> None:
 
 
 def _numbers(schema: dict, flat: dict, path: str) -> None:
-    bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
+    bounds = {
+        k: schema[k]
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+        if k in schema
+    }
     for key, value in bounds.items():
-        if not isinstance(value, (int, float)) or (isinstance(value, bool) and key in ("minimum", "maximum")):
+        if not isinstance(value, (int, float)) or (
+            isinstance(value, bool) and key in ("minimum", "maximum")
+        ):
             raise ConstraintError(f"{key} must be a number at {path} (got {value!r})")
-    for side, inclusive, exclusive in (("low", "minimum", "exclusiveMinimum"), ("high", "maximum", "exclusiveMaximum")):
+    for side, inclusive, exclusive in (
+        ("low", "minimum", "exclusiveMinimum"),
+        ("high", "maximum", "exclusiveMaximum"),
+    ):
         found = []
         if inclusive in bounds:
             found.append((bounds[inclusive], bounds.get(exclusive) is True))  # draft-4 boolean

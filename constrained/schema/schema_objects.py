@@ -110,7 +110,9 @@ def _search(builder, flat: dict, pattern: str, name: str) -> bool:
     try:
         return pattern_search(pattern, name)
     except ConstraintError:  # a pattern the linear-time engine cannot take
-        builder.ctx.skip("patternProperties", flat["path"], f"the regex {pattern!r} is not supported")
+        builder.ctx.skip(
+            "patternProperties", flat["path"], f"the regex {pattern!r} is not supported"
+        )
         return False
 
 
@@ -138,12 +140,24 @@ def _extra_entry(builder, flat: dict, refs: tuple) -> str | None:
     extra = flat.get("additionalProperties", [] if builder.ctx.options.open_objects else [False])
     if False not in extra:
         plain = _plain_key_regex(excluded, list(patterns), names_regex)
-        schemas = [s for s in extra if s is not True and not (isinstance(s, dict) and set(s) <= _ANNOTATIONS)]
-        free = json_value_regex(max(builder.ctx.options.any_json_depth - 1, 0))  # nested: one level less
+        schemas = [
+            s
+            for s in extra
+            if s is not True and not (isinstance(s, dict) and set(s) <= _ANNOTATIONS)
+        ]
+        free = json_value_regex(
+            max(builder.ctx.options.any_json_depth - 1, 0)
+        )  # nested: one level less
         value = builder.all_of(schemas, f"{path}/additionalProperties", refs) if schemas else free
         if plain and value:
             options.append(f'"{plain}"{ws}:{ws}{value}')
-    return None if not options else options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+    return (
+        None
+        if not options
+        else options[0]
+        if len(options) == 1
+        else "(?:" + "|".join(options) + ")"
+    )
 
 
 def _pattern_regions(builder, flat: dict, patterns: dict) -> list[tuple[str, list]]:
@@ -152,7 +166,11 @@ def _pattern_regions(builder, flat: dict, patterns: dict) -> list[tuple[str, lis
     if all(regexes_disjoint(a, b) for a, b in combinations(regexes, 2)):
         return [(r, patterns[r]) for r in regexes]
     if len(regexes) > MAX_OVERLAPPING_PATTERNS:
-        builder.ctx.skip("patternProperties", flat["path"], f"more than {MAX_OVERLAPPING_PATTERNS} overlapping patterns")
+        builder.ctx.skip(
+            "patternProperties",
+            flat["path"],
+            f"more than {MAX_OVERLAPPING_PATTERNS} overlapping patterns",
+        )
         return []
     regions = []
     for size in range(1, len(regexes) + 1):
@@ -175,7 +193,9 @@ def _key_regex(key_regex: str, excluded: list[str], names_regex: str | None) -> 
     return regex
 
 
-def _plain_key_regex(excluded: list[str], patterns: list[str], names_regex: str | None) -> str | None:
+def _plain_key_regex(
+    excluded: list[str], patterns: list[str], names_regex: str | None
+) -> str | None:
     """Keys matching no pattern and no declared name."""
     if not patterns and names_regex is None:
         words = [_units(n) for n in excluded]
@@ -205,9 +225,15 @@ def _property_names_regex(builder, flat: dict) -> str | None:
     if not schemas:
         return None
     parts = []
-    for alt in alternatives({"allOf": [*schemas, {"type": "string"}]}, f"{flat['path']}/propertyNames", builder.ctx):
+    for alt in alternatives(
+        {"allOf": [*schemas, {"type": "string"}]}, f"{flat['path']}/propertyNames", builder.ctx
+    ):
         if "enum" in alt:
-            parts += [literal_text(v) for v in alt["enum"] if isinstance(v, str) and builder.accepts(schemas, v)]
+            parts += [
+                literal_text(v)
+                for v in alt["enum"]
+                if isinstance(v, str) and builder.accepts(schemas, v)
+            ]
         else:
             regex = string_regex(alt, builder.ctx)
             parts += [] if regex is None else [regex[1:-1]]
@@ -251,7 +277,9 @@ def _any_order(entries: list, comma: str, started: bool) -> str:
     return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
 
 
-def _counted(entries: list, extra: str | None, low: int, high: int | None, comma: str) -> str | None:
+def _counted(
+    entries: list, extra: str | None, low: int, high: int | None, comma: str
+) -> str | None:
     """In order, with the number of entries in [low, high] (extras included)."""
     cap = max(low, 1) if high is None else high + 1
     memo: dict = {}
@@ -270,7 +298,9 @@ def _counted_step(entries, extra, low, high, comma, i, count, rest) -> str | Non
         return None
     sep = comma if count else ""
     if i == len(entries):
-        return _extras_counted(extra, max(low - count, 0), None if high is None else high - count, sep, comma)
+        return _extras_counted(
+            extra, max(low - count, 0), None if high is None else high - count, sep, comma
+        )
     _, entry, required = entries[i]
     after = rest(i + 1, count + 1)
     take = None if after is None else f"{sep}{entry}{after}"
@@ -282,11 +312,15 @@ def _counted_step(entries, extra, low, high, comma, i, count, rest) -> str | Non
     return f"(?:{take}|{skip})"
 
 
-def _extras_counted(extra: str | None, need: int, most: int | None, sep: str, comma: str) -> str | None:
+def _extras_counted(
+    extra: str | None, need: int, most: int | None, sep: str, comma: str
+) -> str | None:
     if extra is None or most == 0:
         return "" if need == 0 else None
     more = f"(?:{comma}{extra})"
     if sep:
-        return more + ("*" if (need, most) == (0, None) else f"{{{need},{'' if most is None else most}}}")
+        return more + (
+            "*" if (need, most) == (0, None) else f"{{{need},{'' if most is None else most}}}"
+        )
     tail = f"{more}{{{max(need - 1, 0)},{'' if most is None else most - 1}}}"
     return f"{extra}{tail}" if need else f"(?:{extra}{tail})?"

@@ -37,7 +37,9 @@ def remote_refs(root: Any) -> list[str]:
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.partition("#")[0] and ref.partition("#")[0] not in own:
                 found.append(ref)
-            todo.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+            todo.extend(
+                v for k, v in node.items() if k not in ("enum", "const", "default", "examples")
+            )
         elif isinstance(node, list):
             todo.extend(node)
     return found

@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from spruce.constrained.automaton.automata import literal_text
-from spruce.constrained.core.errors import ConstraintError, TooLarge
 from spruce.constrained.automaton.limits import MAX_ARRAY_ITEMS
+from spruce.constrained.core.errors import ConstraintError, TooLarge
 from spruce.constrained.core.patterns import (
     JSON_INTEGER,
     JSON_NUMBER,
@@ -129,7 +129,11 @@ class RegexBuilder:
     def accepts(self, schemas: list, value: Any) -> bool:
         """Whether `value` is valid under every schema (jsonschema; True when it cannot tell)."""
         try:
-            return all(self._validator.evolve(schema=s).is_valid(value) for s in schemas if isinstance(s, (dict, bool)))
+            return all(
+                self._validator.evolve(schema=s).is_valid(value)
+                for s in schemas
+                if isinstance(s, (dict, bool))
+            )
         except Exception:  # noqa: BLE001 - a schema jsonschema itself cannot evaluate (an odd regex, a bad $ref)
             return True
 
@@ -138,7 +142,9 @@ class RegexBuilder:
         for flat in flats:
             for value in flat.get("enum", []):
                 if _fits(value, flat) and self.accepts([schema], value):
-                    out.append(literal_text(json.dumps(value, separators=(",", ":"), ensure_ascii=False)))
+                    out.append(
+                        literal_text(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+                    )
         return list(dict.fromkeys(out))
 
     def _kinds(self, flat: dict, refs: tuple) -> list[str]:
@@ -152,7 +158,15 @@ class RegexBuilder:
         if "null" in kinds and not any(v is None for v in excluded):
             out.append("null")
         if "boolean" in kinds:
-            out.append(union([b for b in ("true", "false") if not any(same_json(v, b == "true") for v in excluded)]))
+            out.append(
+                union(
+                    [
+                        b
+                        for b in ("true", "false")
+                        if not any(same_json(v, b == "true") for v in excluded)
+                    ]
+                )
+            )
         if "integer" in kinds or "fraction" in kinds:
             out.append(self._number(flat, kinds))
         if "string" in kinds:
@@ -238,7 +252,10 @@ def array_regex(builder: RegexBuilder, flat: dict, refs: tuple) -> str | None:
         low = 0
     if high is not None and low > high:
         return None
-    prefix = [builder.all_of(s, f"{path}/prefixItems/{i}", refs) for i, s in enumerate(flat.get("prefixItems", []))]
+    prefix = [
+        builder.all_of(s, f"{path}/prefixItems/{i}", refs)
+        for i, s in enumerate(flat.get("prefixItems", []))
+    ]
     tail = _tail(builder, flat, path, refs)
     ws = builder.ws
     body = _items_from(0, prefix, tail, low, high, f"{ws},{ws}")
@@ -255,7 +272,9 @@ def _tail(builder: RegexBuilder, flat: dict, path: str, refs: tuple) -> str | No
     return builder.all_of(items, f"{path}/items", refs)
 
 
-def _items_from(i: int, prefix: list, tail: str | None, low: int, high: int | None, comma: str) -> str | None:
+def _items_from(
+    i: int, prefix: list, tail: str | None, low: int, high: int | None, comma: str
+) -> str | None:
     """Regex for the elements from position i on (i elements already written)."""
     sep = comma if i else ""
     if high is not None and i >= high:

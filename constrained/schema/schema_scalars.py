@@ -9,6 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from interegular.fsm import FSM, Alphabet, anything_else
+
 from spruce.constrained.automaton.automata import (
     MAX_AUTOMATON_STATES,
     can_emit,
@@ -18,9 +19,9 @@ from spruce.constrained.automaton.automata import (
     regex_fsm,
     subtract_regexes,
 )
-from spruce.constrained.core.errors import ConstraintError, TooLarge
 from spruce.constrained.automaton.byte_nfa import parse_regex
 from spruce.constrained.automaton.limits import MAX_STRING_LENGTH, regex_lengths, regex_size
+from spruce.constrained.core.errors import ConstraintError, TooLarge
 from spruce.constrained.core.patterns import (
     FORMAT_REGEXES,
     JSON_FRACTION,
@@ -30,7 +31,11 @@ from spruce.constrained.core.patterns import (
 )
 from spruce.constrained.core.ranges import integer_range_regex, number_range_regex
 from spruce.constrained.schema.schema_context import BOUNDS, CONTENT, Context
-from spruce.constrained.schema.schema_validator import leading_lookaheads, plain_groups, top_level_branches
+from spruce.constrained.schema.schema_validator import (
+    leading_lookaheads,
+    plain_groups,
+    top_level_branches,
+)
 
 SAFE_CHAR = r'[^"\\\x00-\x1F]'  # a string character that needs no JSON escape
 _JSON_ESCAPED = frozenset('"\\' + "".join(map(chr, range(0x20))))
@@ -58,7 +63,9 @@ def string_regex(flat: dict, ctx: Context) -> str | None:
         content = parts[0]
     else:
         content = _bounded(parts, low, high, flat, ctx)
-    excluded = [literal_text(json.dumps(v)[1:-1]) for v in flat.get("not_values", []) if isinstance(v, str)]
+    excluded = [
+        literal_text(json.dumps(v)[1:-1]) for v in flat.get("not_values", []) if isinstance(v, str)
+    ]
     if content is not None and excluded:
         content = subtract_regexes(content, excluded)
     return None if content is None else f'"{content}"'
@@ -90,7 +97,11 @@ def _bounded(parts: list[str], low: int, high: int | None, flat: dict, ctx: Cont
         why = f"intersecting it with the other string constraints is too large: {e}"
         if high is not None:  # the upper bound costs most: the lower one may still fit
             ctx.skip("maxLength", flat["path"], why)
-            return _bounded(parts, low, None, flat, ctx) if low > 0 else _bounded(parts, 0, None, flat, ctx)
+            return (
+                _bounded(parts, low, None, flat, ctx)
+                if low > 0
+                else _bounded(parts, 0, None, flat, ctx)
+            )
         if lengths:
             ctx.skip("minLength", flat["path"], why)
             return parts[0] if len(parts) == 1 else _bounded(parts, 0, None, flat, ctx)
@@ -123,7 +134,10 @@ def _repeat(low: int, high: int | None) -> str:
 
 def _string_parts(flat: dict, ctx: Context) -> list[str]:
     parts = []
-    enforced = {"patterns": flat.get("patterns"), "formats": [f for f in flat.get("formats", []) if f[0] in FORMAT_REGEXES]}
+    enforced = {
+        "patterns": flat.get("patterns"),
+        "formats": [f for f in flat.get("formats", []) if f[0] in FORMAT_REGEXES],
+    }
     for keyword, key in (("pattern", "patterns"), ("format", "formats")):
         if enforced[key] and not ctx.keeps(CONTENT, flat["path"], keyword):
             flat = {k: v for k, v in flat.items() if k != key}
@@ -179,7 +193,11 @@ def _branch_regex(branch: str) -> str | None:
     regex = _anchored(rest)
     for negative, inner in lookaheads:
         condition = _anchored("^" + inner)
-        regex = subtract_regexes(regex, [condition]) if negative else intersect_regexes([regex, condition])
+        regex = (
+            subtract_regexes(regex, [condition])
+            if negative
+            else intersect_regexes([regex, condition])
+        )
         if regex is None:
             return None
     return regex
@@ -189,7 +207,9 @@ def _anchored(branch: str) -> str:
     """One top-level alternative of a search pattern as a full match."""
     head = "" if branch.startswith("^") else f"{SAFE_CHAR}*"
     body = branch.removeprefix("^")
-    ends = body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0  # not "\\$"
+    ends = (
+        body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0
+    )  # not "\\$"
     tail = "" if ends else f"{SAFE_CHAR}*"
     body = body[:-1] if ends else body
     return f"{head}(?:{body}){tail}"
@@ -238,7 +258,9 @@ def integer_regex(flat: dict, ctx: Context) -> str | None:
     return _without_values(regex, flat, (int,))
 
 
-def _multiples(low: int | None, high: int | None, step: int, flat: dict, ctx: Context) -> str | None:
+def _multiples(
+    low: int | None, high: int | None, step: int, flat: dict, ctx: Context
+) -> str | None:
     if low is not None and high is not None and (high - low) // step <= MAX_LISTED_MULTIPLES:
         values = [str(v) for v in range(low + (-low) % step, high + 1, step)]
         return "(?:" + "|".join(values) + ")" if values else None
@@ -258,7 +280,11 @@ def number_regex(flat: dict, ctx: Context, integers: bool) -> str | None:
     low, high = _number_bounds(flat, ctx)
     if low is None and high is None:
         regex = JSON_NUMBER
-    elif low is not None and high is not None and (low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1]))):
+    elif (
+        low is not None
+        and high is not None
+        and (low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1])))
+    ):
         return None
     else:
         regex = number_range_regex(
@@ -278,7 +304,9 @@ def _number_multiple(flat: dict, ctx: Context, integers: bool) -> str | None:
         return integer_regex(flat, ctx) if integers else None
     step = steps[0]
     if len(steps) > 1 or step.numerator != 1 or str(step.denominator).rstrip("0") != "1":
-        ctx.skip("multipleOf", flat["path"], f"only integers and 1/10^n are supported (got {steps[0]})")
+        ctx.skip(
+            "multipleOf", flat["path"], f"only integers and 1/10^n are supported (got {steps[0]})"
+        )
         return number_regex({k: v for k, v in flat.items() if k != "multipleOf"}, ctx, integers)
     digits = len(str(step.denominator)) - 1
     fraction = rf"-?(?:0|[1-9][0-9]{{0,15}})(?:\.[0-9]{{1,{digits}}})?"

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_size
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.schema.schema_context import LOOSE, Context
 from spruce.constrained.schema.schema_refs import resolve_ref
 

@@ -18,12 +18,20 @@ from typing import Any
 
 import jsonschema
 from jsonschema.exceptions import ValidationError
+
 from spruce.constrained.core import linear_regex
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.linear_regex import UnsupportedRegex
 
 # Keywords of later drafts that an older draft's validator lacks and that mean nothing else there.
-_LATER_KEYWORDS = ("const", "contains", "propertyNames", "if", "dependentRequired", "dependentSchemas")
+_LATER_KEYWORDS = (
+    "const",
+    "contains",
+    "propertyNames",
+    "if",
+    "dependentRequired",
+    "dependentSchemas",
+)
 _ECMA_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")  # "(?<name>", not a lookbehind
 _NAMED_GROUP = re.compile(r"(?<!\\)\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
 _OLD_DRAFTS = (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
@@ -32,7 +40,9 @@ _OLD_DRAFTS = (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
 def validator_class(schema: Any) -> type:
     """ConstraintError naming the keyword when the root's `$schema` or `$id` is not a string."""
     base = check_root_ids(schema)
-    return _extended(base, _has_key(schema, "patternProperties") and _has_key(schema, "unevaluatedProperties"))
+    return _extended(
+        base, _has_key(schema, "patternProperties") and _has_key(schema, "unevaluatedProperties")
+    )
 
 
 def check_root_ids(schema: Any) -> type:
@@ -40,7 +50,9 @@ def check_root_ids(schema: Any) -> type:
     keyword when the root's `$schema` or `$id` is not a string (what validator_class refuses,
     checked at the front door without walking the schema)."""
     _check_string(schema, "$schema")
-    base = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {}, default=jsonschema.Draft202012Validator)
+    base = jsonschema.validators.validator_for(
+        schema if isinstance(schema, dict) else {}, default=jsonschema.Draft202012Validator
+    )
     _check_string(schema, "id" if base in _OLD_DRAFTS else "$id")
     return base
 
@@ -68,7 +80,10 @@ def pattern_search(pattern: str, text: str) -> bool:
 
 def _branch_search(branch: str, text: str) -> bool:
     lookaheads, rest = leading_lookaheads(branch)
-    if any((linear_regex.search(f"^(?:{inner})", text) is None) != negative for negative, inner in lookaheads):
+    if any(
+        (linear_regex.search(f"^(?:{inner})", text) is None) != negative
+        for negative, inner in lookaheads
+    ):
         return False
     return linear_regex.search(rest, text) is not None
 
@@ -143,7 +158,11 @@ def _has_key(schema: Any, key: str) -> bool:
 def _extended(base: type, without_unevaluated: bool) -> type:
     latest = jsonschema.Draft202012Validator.VALIDATORS
     added = {k: latest[k] for k in _LATER_KEYWORDS if k not in base.VALIDATORS}
-    added.update(pattern=_pattern, patternProperties=_pattern_properties, additionalProperties=_additional_properties)
+    added.update(
+        pattern=_pattern,
+        patternProperties=_pattern_properties,
+        additionalProperties=_additional_properties,
+    )
     if without_unevaluated and "unevaluatedProperties" in base.VALIDATORS:
         added["unevaluatedProperties"] = _unevaluated_properties
     return jsonschema.validators.extend(base, added)
@@ -168,18 +187,24 @@ def _additional_properties(validator, extra_schema: Any, instance: Any, schema: 
     if not validator.is_type(instance, "object"):
         return
     declared, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
-    extras = [k for k in instance if k not in declared and not any(pattern_search(p, k) for p in patterns)]
+    extras = [
+        k for k in instance if k not in declared and not any(pattern_search(p, k) for p in patterns)
+    ]
     if validator.is_type(extra_schema, "object"):
         for extra in extras:
             yield from validator.descend(instance[extra], extra_schema, path=extra)
     elif extra_schema is False and extras:
         names = ", ".join(map(repr, sorted(extras)))
         if patterns:
-            yield ValidationError(f"{names} do not match any of the regexes: {', '.join(map(repr, sorted(patterns)))}")
+            yield ValidationError(
+                f"{names} do not match any of the regexes: {', '.join(map(repr, sorted(patterns)))}"
+            )
         else:
             yield ValidationError(f"Additional properties are not allowed ({names} unexpected)")
 
 
 def _unevaluated_properties(validator, value: Any, instance: Any, schema: dict):
-    raise ConstraintError("unevaluatedProperties is not checked in a schema with patternProperties "
-                          "(jsonschema would search those with a backtracking regex)")
+    raise ConstraintError(
+        "unevaluatedProperties is not checked in a schema with patternProperties "
+        "(jsonschema would search those with a backtracking regex)"
+    )

@@ -9,6 +9,7 @@ import time
 
 from torch import nn
 
+
 class StepTimers:
     """Wall time per part of each engine step, from forward hooks on the model's modules
     and wrappers around the attention backend, the sampler, the runner and the step
@@ -73,7 +74,11 @@ BREAKDOWN_ROWS = [  # (label, parts added, parts taken away)
     ("attention (KV write + attention)", ["attention"], []),
     ("residual add + RMSNorm", ["norms"], []),
     ("embedding lookup", ["embedding"], []),
-    ("other model ops (rotary, SiLU*up, Python)", ["model"], ["matmuls", "attention", "norms", "embedding"]),
+    (
+        "other model ops (rotary, SiLU*up, Python)",
+        ["model"],
+        ["matmuls", "attention", "norms", "embedding"],
+    ),
     ("runner outside the model (batch tensors)", ["runner"], ["model"]),
     ("sampling", ["sampling"], []),
     ("scheduler + step bookkeeping", ["step"], ["runner", "sampling"]),
@@ -90,7 +95,9 @@ def step_breakdown(engine, prompt: list[int], params: dict) -> dict:
     finally:
         timers.close()
     decode = [st for st in timers.steps[2:] if "model" in st]  # past the prefill and the first step
-    mean = {part: sum(st.get(part, 0.0) for st in decode) / len(decode) * 1e3 for part in timers.now}
+    mean = {
+        part: sum(st.get(part, 0.0) for st in decode) / len(decode) * 1e3 for part in timers.now
+    }
     rows = {
         label: sum(mean.get(p, 0.0) for p in plus) - sum(mean.get(p, 0.0) for p in minus)
         for label, plus, minus in BREAKDOWN_ROWS
@@ -106,9 +113,9 @@ def print_breakdown(b: dict) -> None:
     print("(timed through the modules: the C-only decode plan stands aside for hooks)")
     if "bare_matmul_ms" in b:  # the untimed step against its weights alone
         bare, plain = b["bare_matmul_ms"], b["plain_step_ms"]
-        print(f"untimed step {plain:.2f} ms: linear layers alone (through their modules) {bare:.2f} ms ({bare / plain:.0%}), the rest {plain - bare:.2f} ms")
+        print(
+            f"untimed step {plain:.2f} ms: linear layers alone (through their modules) {bare:.2f} ms ({bare / plain:.0%}), the rest {plain - bare:.2f} ms"
+        )
     print("| part | ms per step | share |\n| --- | --- | --- |")
     for label, ms in b["parts_ms"].items():
         print(f"| {label} | {ms:.3f} | {ms / b['timed_step_ms']:.1%} |")
-
-

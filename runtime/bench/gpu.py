@@ -44,11 +44,19 @@ def run_gpu_tests(tests_dir: str) -> dict:
     )  # fmt: skip
     tail = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-300:]]
     print("\n".join(proc.stdout.strip().splitlines()[-15:]))
-    return {"returncode": proc.returncode, "summary": tail[0], "seconds": time.perf_counter() - start}
+    return {
+        "returncode": proc.returncode,
+        "summary": tail[0],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def backend_configs() -> list[tuple[str, str, bool]]:
-    configs = [("torch", "torch", True), ("triton", "triton", True), ("triton+graphs", "triton", False)]
+    configs = [
+        ("torch", "torch", True),
+        ("triton", "triton", True),
+        ("triton+graphs", "triton", False),
+    ]
     if importlib.util.find_spec("flashinfer") is not None:
         configs.append(("flashinfer", "flashinfer", True))
     return configs
@@ -56,7 +64,9 @@ def backend_configs() -> list[tuple[str, str, bool]]:
 
 def measure_backend(engine, prompts, output_len: int) -> dict:
     params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    engine.generate(
+        input_ids=prompts[:4], sampling_params={**params, "max_new_tokens": 8}
+    )  # warm-up
     engine.flush_cache()
     engine.core.step_log = []
     torch.cuda.synchronize()
@@ -67,7 +77,9 @@ def measure_backend(engine, prompts, output_len: int) -> dict:
     engine.core.step_log = None
     engine.flush_cache()
     start = time.perf_counter()
-    one = engine.generate(input_ids=prompts[0][:32], sampling_params={**params, "max_new_tokens": 128})
+    one = engine.generate(
+        input_ids=prompts[0][:32], sampling_params={**params, "max_new_tokens": 128}
+    )
     batch1 = len(one["output_ids"]) / (time.perf_counter() - start)
     return {
         "output_tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
@@ -83,7 +95,9 @@ def mask_kernel_check() -> dict:
     from spruce.runtime.executor.kernels.triton_bitmask import apply_token_bitmask_inplace_triton
 
     logits = torch.randn(64, 151936, device="cuda")
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (64, (151936 + 31) // 32), dtype=torch.int32, device="cuda")
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (64, (151936 + 31) // 32), dtype=torch.int32, device="cuda"
+    )
     reference = logits.clone()
     apply_bitmask(reference, bitmask)
     fast = logits.clone()
@@ -93,7 +107,10 @@ def mask_kernel_check() -> dict:
     for _ in range(100):
         apply_token_bitmask_inplace_triton(fast, bitmask)
     torch.cuda.synchronize()
-    return {"equal": bool(torch.equal(reference, fast)), "microseconds": (time.perf_counter() - start) * 1e4}
+    return {
+        "equal": bool(torch.equal(reference, fast)),
+        "microseconds": (time.perf_counter() - start) * 1e4,
+    }
 
 
 def run(args: argparse.Namespace, engine_options: dict) -> int:
@@ -105,23 +122,40 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     if not args.skip_tests:
         result["tests"] = run_gpu_tests(args.tests_dir)
-    options = {k: v for k, v in engine_options.items() if k not in ("attention_backend", "disable_cuda_graph")}
+    options = {
+        k: v
+        for k, v in engine_options.items()
+        if k not in ("attention_backend", "disable_cuda_graph")
+    }
     base = None
     rows = {}
     for label, backend, no_graph in backend_configs():
-        engine = Engine(loaded=base.core.loaded if base else None, **options, attention_backend=backend, disable_cuda_graph=no_graph)
+        engine = Engine(
+            loaded=base.core.loaded if base else None,
+            **options,
+            attention_backend=backend,
+            disable_cuda_graph=no_graph,
+        )
         base = base or engine
-        prompts = synthetic_prompts(engine.tokenizer, args.num_prompts, args.input_len_min, args.input_len_max)
+        prompts = synthetic_prompts(
+            engine.tokenizer, args.num_prompts, args.input_len_min, args.input_len_max
+        )
         rows[label] = measure_backend(engine, prompts, args.output_len)
-        print(f"{label:14s} {rows[label]['output_tokens_per_s']:10.0f} out tok/s  decode step {rows[label]['decode_step_ms']:7.2f} ms"
-              f" at batch {rows[label]['decode_batch']}  batch-1 {rows[label]['batch1_tokens_per_s']:7.1f} tok/s")
+        print(
+            f"{label:14s} {rows[label]['output_tokens_per_s']:10.0f} out tok/s  decode step {rows[label]['decode_step_ms']:7.2f} ms"
+            f" at batch {rows[label]['decode_batch']}  batch-1 {rows[label]['batch1_tokens_per_s']:7.1f} tok/s"
+        )
         if engine is not base:
             del engine
     reference = rows["torch"]["outputs"]
     for label, row in rows.items():
-        row["same_greedy_tokens_as_torch"] = sum(a == b for a, b in zip(row.pop("outputs"), reference))
+        row["same_greedy_tokens_as_torch"] = sum(
+            a == b for a, b in zip(row.pop("outputs"), reference)
+        )
     result["backends"] = rows
     result["mask_kernel"] = mask_kernel_check()
-    print(f"mask kernel (triton) equal to torch: {result['mask_kernel']['equal']}, {result['mask_kernel']['microseconds']:.1f} us for 64 x 151936")
+    print(
+        f"mask kernel (triton) equal to torch: {result['mask_kernel']['equal']}, {result['mask_kernel']['microseconds']:.1f} us for 64 x 151936"
+    )
     write_json(args.output_json, result)
     return 0

@@ -17,6 +17,7 @@ from importlib import metadata
 
 import numpy as np
 import torch
+
 from spruce.constrained.core.bitmask import num_words
 
 MASK_BUDGET = 10**9  # prepare_mask's new-state budget: unbounded (the whole mask is timed)
@@ -43,7 +44,11 @@ def _version(package: str) -> str:
 def _git_head() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         )
     except OSError:
         return ""
@@ -134,8 +139,9 @@ class SpruceCursor:
 class LLGuidanceEngine:
     def __init__(self, tokenizer) -> None:
         import llguidance
-        from spruce.constrained.backends.llguidance import llg_tokenizer
+
         from spruce.constrained.automaton.vocab import TokenVocabulary
+        from spruce.constrained.backends.llguidance import llg_tokenizer
 
         self.llguidance = llguidance
         self.version = _version("llguidance")
@@ -191,7 +197,9 @@ class LLGuidanceCursor:
         return _allows(self.row, token_id)
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.consume_token(token_id)  # a refused token leaves it in error: cursor done
+        return self.matcher.consume_token(
+            token_id
+        )  # a refused token leaves it in error: cursor done
 
     def can_end(self) -> bool:
         return self.matcher.is_accepting()

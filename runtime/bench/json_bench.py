@@ -54,13 +54,25 @@ def load_schemas(folder: str) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in paths}
 
 
-def requests(engine, schemas: dict[str, dict], n: int, max_new: int) -> tuple[list[str], list[dict]]:
+def requests(
+    engine, schemas: dict[str, dict], n: int, max_new: int
+) -> tuple[list[str], list[dict]]:
     names = [list(schemas)[i % len(schemas)] for i in range(n)]
     prompts = [
-        engine.apply_chat_template([{"role": "user", "content": f"Give example {i + 1} of a {name.replace('_', ' ')} as JSON."}])
+        engine.apply_chat_template(
+            [
+                {
+                    "role": "user",
+                    "content": f"Give example {i + 1} of a {name.replace('_', ' ')} as JSON.",
+                }
+            ]
+        )
         for i, name in enumerate(names)
     ]
-    params = [{"json_schema": schemas[name], "temperature": 0, "max_new_tokens": max_new} for name in names]
+    params = [
+        {"json_schema": schemas[name], "temperature": 0, "max_new_tokens": max_new}
+        for name in names
+    ]
     return prompts, params
 
 
@@ -76,7 +88,11 @@ def compile_times(engine, schemas: dict[str, dict]) -> dict[str, dict]:
         cold = time.perf_counter() - start
         start = time.perf_counter()
         compiler.compile(spec)
-        out[name] = {"cold_s": cold, "cached_us": (time.perf_counter() - start) * 1e6, "fields": _fields(schema)}
+        out[name] = {
+            "cold_s": cold,
+            "cached_us": (time.perf_counter() - start) * 1e6,
+            "fields": _fields(schema),
+        }
     return out
 
 
@@ -97,7 +113,12 @@ def one_at_a_time(engine, prompts: list[str], params: list[dict]) -> dict:
         jumped += out["meta_info"]["jump_forward_tokens"]
         texts.append(out["text"])
     core.step_log = None
-    return {"forward_passes": passes, "mean_latency_s": latency / len(prompts), "jump_forward_tokens": jumped, "texts": texts}
+    return {
+        "forward_passes": passes,
+        "mean_latency_s": latency / len(prompts),
+        "jump_forward_tokens": jumped,
+        "texts": texts,
+    }
 
 
 def batched(engine, prompts: list[str], params: list[dict]) -> dict:
@@ -163,9 +184,15 @@ def print_report(r: dict, n: int) -> None:
     ]
     for key, label in rows:
         print(f"{label:26s} {a[key]:14.2f} {b[key]:10.2f}")
-    print(f"forward passes cut {r['forward_pass_ratio']:.2f}x, latency cut {r['latency_ratio']:.2f}x, "
-          f"identical texts {r['identical_texts']}/{n}, jump-forwarded tokens {a['jump_forward_tokens']}")
-    print(f"mask fill+apply {b['mask_ms_per_step']:.2f} ms per step = {r['mask_share_of_decode_step']:.1%} of a decode step"
-          f" ({b['decode_step_ms']:.1f} ms at batch {b['batch']})")
+    print(
+        f"forward passes cut {r['forward_pass_ratio']:.2f}x, latency cut {r['latency_ratio']:.2f}x, "
+        f"identical texts {r['identical_texts']}/{n}, jump-forwarded tokens {a['jump_forward_tokens']}"
+    )
+    print(
+        f"mask fill+apply {b['mask_ms_per_step']:.2f} ms per step = {r['mask_share_of_decode_step']:.1%} of a decode step"
+        f" ({b['decode_step_ms']:.1f} ms at batch {b['batch']})"
+    )
     for name, c in r["compile"].items():
-        print(f"  compile {name:16s} {c['fields']:2d} fields  cold {c['cold_s'] * 1e3:7.1f} ms  cached {c['cached_us']:6.1f} us")
+        print(
+            f"  compile {name:16s} {c['fields']:2d} fields  cold {c['cold_s'] * 1e3:7.1f} ms  cached {c['cached_us']:6.1f} us"
+        )

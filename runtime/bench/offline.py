@@ -39,14 +39,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-min", type=int, default=64)
     parser.add_argument("--input-len-max", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128, help="max_new_tokens per request")
-    parser.add_argument("--dataset", default=None, help="JSONL file with a 'prompt' (text) per line")
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    parser.add_argument(
+        "--dataset", default=None, help="JSONL file with a 'prompt' (text) per line"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --output-len tokens"
+    )
     parser.add_argument("--compare", choices=["hf", "llama.cpp"], default=None)
-    parser.add_argument("--llama-cpp-bin", default=None, help="folder of llama-bench / llama-batched-bench (default: PATH)")
-    parser.add_argument("--hf-batch-size", type=int, default=None, help="default: all prompts in one batch")
-    parser.add_argument("--skip-single", action="store_true", help="skip the batch-1 and long-prefill probes")
-    parser.add_argument("--breakdown", action="store_true", help="time the parts of a batch-1 decode step")
-    parser.add_argument("--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences")
+    parser.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="folder of llama-bench / llama-batched-bench (default: PATH)",
+    )
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=None, help="default: all prompts in one batch"
+    )
+    parser.add_argument(
+        "--skip-single", action="store_true", help="skip the batch-1 and long-prefill probes"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="time the parts of a batch-1 decode step"
+    )
+    parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences"
+    )
     parser.add_argument("--output-json", default=None)
 
 
@@ -107,7 +123,9 @@ def step_over_matmuls(engine, prompts: list[list[int]], params: dict, every: int
     engine.flush_cache()
     core.step_log, steps, bares, seen = [], [], [], 0
     try:
-        for _ in engine.generate(input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True):
+        for _ in engine.generate(
+            input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True
+        ):
             if len(core.step_log) == seen:  # a chunk of a step already looked at
                 continue
             seen, last = len(core.step_log), core.step_log[-1]
@@ -164,15 +182,22 @@ def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
         return len(out["output_ids"]) / (time.perf_counter() - start)
 
     rates = {}
-    for name, probe in (("prefill_512_tokens_per_s", prefill), ("batch1_decode_tokens_per_s", decode)):
+    for name, probe in (
+        ("prefill_512_tokens_per_s", prefill),
+        ("batch1_decode_tokens_per_s", decode),
+    ):
         probe()  # warm-up
         rates[name] = statistics.mean(probe() for _ in range(repetitions))
     return rates
 
 
-def run_hf(loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool) -> dict:
+def run_hf(
+    loaded, prompts: list[list[int]], max_new_tokens: int, batch_size: int, ignore_eos: bool
+) -> dict:
     """transformers' batched generate on the same weights: left padding, greedy."""
-    return hf_generate(hf_model_from(loaded), loaded, prompts, max_new_tokens, batch_size, ignore_eos)
+    return hf_generate(
+        hf_model_from(loaded), loaded, prompts, max_new_tokens, batch_size, ignore_eos
+    )
 
 
 def hf_generate(
@@ -190,15 +215,25 @@ def hf_generate(
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
             gen = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=eos, pad_token_id=pad, min_new_tokens=max_new_tokens if ignore_eos else 0,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                min_new_tokens=max_new_tokens if ignore_eos else 0,
             )
         for row in gen[:, width:].tolist():
             row = _until_eos(row, eos)
             outputs.append(row)
             n_out += len(row)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "output_tokens_per_s": n_out / seconds, "output_tokens": n_out, "outputs": outputs}
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": n_out / seconds,
+        "output_tokens": n_out,
+        "outputs": outputs,
+    }
 
 
 def _until_eos(row: list[int], eos: list[int] | None) -> list[int]:
@@ -217,7 +252,9 @@ def hf_model_from(loaded):
     from spruce.runtime.models.loading.loader import read_checkpoint
 
     hf_config, state_dict, _ = read_checkpoint(loaded.path, torch.float32)
-    config = transformers.AutoConfig.for_model(**{**hf_config, "model_type": hf_config.get("model_type", "llama")})
+    config = transformers.AutoConfig.for_model(
+        **{**hf_config, "model_type": hf_config.get("model_type", "llama")}
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state_dict, strict=False)
     if config.tie_word_embeddings:
@@ -232,15 +269,21 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
 
     config = EngineConfig.from_options(**engine_options)
     model = config.model
-    loaded = load_model(model.model_path, config.resolved_dtype, config.resolved_device, model.quantization)
+    loaded = load_model(
+        model.model_path, config.resolved_dtype, config.resolved_device, model.quantization
+    )
     engine = Engine(**engine_options, loaded=loaded)
     tokenizer = engine.tokenizer
     if args.dataset:
         prompts = dataset_prompts(tokenizer, args.dataset, args.num_prompts)
     else:
-        prompts = synthetic_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max)
+        prompts = synthetic_prompts(
+            tokenizer, args.num_prompts, args.input_len_min, args.input_len_max
+        )
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": args.ignore_eos}
-    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    engine.generate(
+        input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4}
+    )  # warm-up
     engine.flush_cache()
     spruce = run_engine(engine, prompts, params)
     result = {"config": vars(args) | {"func": None}, "spruce": _public(spruce)}
@@ -256,7 +299,13 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
         plot_scaling(result["scaling"], args.plot, title)
     if args.compare == "hf":
-        hf = run_hf(engine.core.loaded, prompts, args.output_len, args.hf_batch_size or len(prompts), args.ignore_eos)
+        hf = run_hf(
+            engine.core.loaded,
+            prompts,
+            args.output_len,
+            args.hf_batch_size or len(prompts),
+            args.ignore_eos,
+        )
         result["hf"] = _public(hf)
         result["speedup_vs_hf"] = spruce["output_tokens_per_s"] / hf["output_tokens_per_s"]
         same = sum(a == b for a, b in zip(spruce["outputs"], hf["outputs"]))
@@ -277,8 +326,10 @@ def print_report(r: dict) -> None:
     print(f"output tokens/s       {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)")
     print(f"decode step           {s['decode_step_ms']:.1f} ms at batch {s['decode_step_batch']}")
     if "pairs" in r:
-        print(f"step vs bare matmuls  {r['paired_step_ms']:.1f} / {r['bare_matmul_ms']:.1f} ms at batch {r['paired_batch']} "
-              f"= {r['decode_step_over_matmul']:.2f}x (medians of {r['pairs']} pairs, each step followed by the matmuls)")
+        print(
+            f"step vs bare matmuls  {r['paired_step_ms']:.1f} / {r['bare_matmul_ms']:.1f} ms at batch {r['paired_batch']} "
+            f"= {r['decode_step_over_matmul']:.2f}x (medians of {r['pairs']} pairs, each step followed by the matmuls)"
+        )
     if "batch1_decode_tokens_per_s" in r:
         print(f"batch-1 decode        {r['batch1_decode_tokens_per_s']:.1f} tokens/s")
         print(f"prefill (512 tokens)  {r['prefill_512_tokens_per_s']:.1f} tokens/s")
@@ -290,7 +341,9 @@ def print_report(r: dict) -> None:
             print(f"  {name:13s} " + "  ".join(f"{n}: {v:.1f}" for n, v in curve.items()))
     if "hf" in r:
         print(f"transformers output   {r['hf']['output_tokens_per_s']:.1f} tokens/s")
-        print(f"speedup vs hf         {r['speedup_vs_hf']:.2f}x (identical outputs: {r['identical_outputs_vs_hf']})")
+        print(
+            f"speedup vs hf         {r['speedup_vs_hf']:.2f}x (identical outputs: {r['identical_outputs_vs_hf']})"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,20 +404,35 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
 def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
     tools, path = llama_cpp_tools(args.llama_cpp_bin), engine.core.loaded.path
     if tools is None or not path.endswith(".gguf"):
-        why = "llama-bench / llama-batched-bench not found" if tools is None else "the model is not a GGUF file"
+        why = (
+            "llama-bench / llama-batched-bench not found"
+            if tools is None
+            else "the model is not a GGUF file"
+        )
         print(f"llama.cpp comparison skipped: {why} (see --llama-cpp-bin)")
         return
     threads = engine.config.num_threads
     ours = spruce_parallel(engine, engine.tokenizer)
-    probes = result if "batch1_decode_tokens_per_s" in result else single_probes(engine, engine.tokenizer)
-    ours["tg128"], ours["pp512"] = probes["batch1_decode_tokens_per_s"], probes["prefill_512_tokens_per_s"]
+    probes = (
+        result
+        if "batch1_decode_tokens_per_s" in result
+        else single_probes(engine, engine.tokenizer)
+    )
+    ours["tg128"], ours["pp512"] = (
+        probes["batch1_decode_tokens_per_s"],
+        probes["prefill_512_tokens_per_s"],
+    )
     theirs = run_llama_cpp(tools, path, threads)
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs}
-    print(f"\n| workload ({threads} threads, same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
+    print(
+        f"\n| workload ({threads} threads, same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |"
+    )
     print("| --- | --- | --- | --- |")
     for key, label in _LLAMA_ROWS:
         if key in theirs and key in ours:
-            print(f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
+            print(
+                f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |"
+            )
 
 
 _LLAMA_ROWS = [
@@ -384,7 +452,9 @@ def measure_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
     plain_ms = run_engine(engine, [prompt], params)["decode_step_ms"]
     parts = step_breakdown(engine, prompt, params)
     # the least of a few runs: one slow run (a busy machine) would exceed the whole step
-    bare_ms = min(bare_matmul_seconds(engine.core.runner.model, 1, repeats=2) for _ in range(5)) * 1e3
+    bare_ms = (
+        min(bare_matmul_seconds(engine.core.runner.model, 1, repeats=2) for _ in range(5)) * 1e3
+    )
     return {**parts, "plain_step_ms": plain_ms, "bare_matmul_ms": bare_ms}
 
 
@@ -414,7 +484,9 @@ def scaling_curves(engine, args: argparse.Namespace) -> dict[str, dict[int, floa
         theirs = llama_batched(tools[1], loaded.path, engine.config.num_threads, PLOT_COUNTS)
         curves["llama.cpp"] = {count: theirs[f"end_to_end_{count}"] for count in PLOT_COUNTS}
     else:
-        print("llama.cpp left out of the plot: llama-batched-bench not found or the model is not a GGUF file")
+        print(
+            "llama.cpp left out of the plot: llama-batched-bench not found or the model is not a GGUF file"
+        )
     return curves
 
 

@@ -34,11 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=8, help="multi-turn: C")
     parser.add_argument("--turns", type=int, default=4, help="multi-turn: T")
     parser.add_argument("--branches", type=int, default=32, help="tree: continuations")
-    parser.add_argument("--unique", type=int, default=32, help="unique: prompts of --prefix-len/2 tokens")
+    parser.add_argument(
+        "--unique", type=int, default=32, help="unique: prompts of --prefix-len/2 tokens"
+    )
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per side, in A-B-B-A order; the mean is reported")
-    parser.add_argument("--policies", default=None, help="also run few-shot with each of these policies, e.g. fcfs,lpm,dfs-weight")
-    parser.add_argument("--dp", type=int, default=1, help="N cores, cache-aware vs round-robin vs one")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per side, in A-B-B-A order; the mean is reported",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="also run few-shot with each of these policies, e.g. fcfs,lpm,dfs-weight",
+    )
+    parser.add_argument(
+        "--dp", type=int, default=1, help="N cores, cache-aware vs round-robin vs one"
+    )
     parser.add_argument("--output-json", default=None)
 
 
@@ -55,7 +68,9 @@ def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def few_shot(args, vocab: int, rng: random.Random) -> Workload:
     prefixes = [ids(rng, args.prefix_len, vocab) for _ in range(args.num_prefixes)]
-    requests = [p + ids(rng, args.question_len, vocab) for p in prefixes for _ in range(args.questions)]
+    requests = [
+        p + ids(rng, args.question_len, vocab) for p in prefixes for _ in range(args.questions)
+    ]
     rng.shuffle(requests)
     best = args.num_prefixes * (args.questions - 1) * args.prefix_len
     return Workload("few-shot", [requests], best)
@@ -68,7 +83,9 @@ def tree(args, vocab: int, rng: random.Random) -> Workload:
 
 
 def unique(args, vocab: int, rng: random.Random) -> Workload:
-    return Workload("unique", [[ids(rng, args.prefix_len // 2, vocab) for _ in range(args.unique)]], 0)
+    return Workload(
+        "unique", [[ids(rng, args.prefix_len // 2, vocab) for _ in range(args.unique)]], 0
+    )
 
 
 def run_rounds(engine, work: Workload, params: dict) -> tuple[int, int]:
@@ -93,7 +110,10 @@ def run_multi_turn(engine, args, vocab: int, params: dict) -> tuple[int, int, in
         n_out += sum(len(o["output_ids"]) for o in outs)
         if turn:
             best += sum(len(h) - args.question_len for h in histories)
-        histories = [h + o["output_ids"] + ids(rng, args.question_len, vocab) for h, o in zip(histories, outs)]
+        histories = [
+            h + o["output_ids"] + ids(rng, args.question_len, vocab)
+            for h, o in zip(histories, outs)
+        ]
     return n_out, n_in, best
 
 
@@ -118,7 +138,9 @@ def measure(engine, name: str, args, vocab: int, params: dict) -> dict:
     }
 
 
-def measure_both(with_cache, without, name: str, args, vocab: int, params: dict) -> tuple[dict, dict]:
+def measure_both(
+    with_cache, without, name: str, args, vocab: int, params: dict
+) -> tuple[dict, dict]:
     """Alternates the sides (A B B A ...) so that drift on a shared machine favours neither."""
     runs = {"on": [], "off": []}
     for i in range(args.repeats):
@@ -147,7 +169,10 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     with_cache.generate(input_ids=[[5, 6, 7]], sampling_params=params)  # warm-up
     if args.dp > 1:
         results = {"dp": compare_dp(args, options, with_cache, vocab, params)}
-        write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results})
+        write_json(
+            args.output_json,
+            {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results},
+        )
         return 0
     results = {}
     for name in args.workloads.split(","):
@@ -156,7 +181,10 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         print_row(name, results[name])
     if args.policies:
         results["policies"] = compare_policies(args, options, with_cache, vocab, params)
-    write_json(args.output_json, {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results})
+    write_json(
+        args.output_json,
+        {"config": {k: v for k, v in vars(args).items() if k != "func"}, "results": results},
+    )
     return 0
 
 
@@ -164,9 +192,13 @@ def compare_policies(args, options: dict, base, vocab: int, params: dict) -> dic
     out = {}
     for policy in args.policies.split(","):
         engine = base if policy == base.config.scheduler.schedule_policy else None
-        engine = engine or type(base)(loaded=base.core.loaded, **{**options, "schedule_policy": policy})
+        engine = engine or type(base)(
+            loaded=base.core.loaded, **{**options, "schedule_policy": policy}
+        )
         out[policy] = measure(engine, "few-shot", args, vocab, params)
-        print(f"  policy {policy:10s} few-shot {out[policy]['output_tokens_per_s']:8.1f} out tok/s  hit {out[policy]['hit_rate']:.3f}")
+        print(
+            f"  policy {policy:10s} few-shot {out[policy]['output_tokens_per_s']:8.1f} out tok/s  hit {out[policy]['hit_rate']:.3f}"
+        )
     return out
 
 

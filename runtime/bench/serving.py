@@ -41,19 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)"
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: all at once)",
     )
-    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="at most this many requests in flight"
+    )
     parser.add_argument("--input-len-min", type=int, default=64)
     parser.add_argument("--input-len-max", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--prompt-seed", type=int, default=0, help="seed of the synthetic prompts and arrivals")
     parser.add_argument(
-        "--shared-prefixes", type=int, default=0, help="prompts start with one of this many prefixes (0: none)"
+        "--prompt-seed", type=int, default=0, help="seed of the synthetic prompts and arrivals"
+    )
+    parser.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        help="prompts start with one of this many prefixes (0: none)",
     )
     parser.add_argument("--prefix-len", type=int, default=512, help="tokens of each shared prefix")
     parser.add_argument(
-        "--compare-offline", action="store_true", help="also run the requests through the offline Engine"
+        "--compare-offline",
+        action="store_true",
+        help="also run the requests through the offline Engine",
     )
     parser.add_argument("--output-json", default=None)
 
@@ -77,7 +89,9 @@ class Client:
 
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
-        self.http = httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits)
+        self.http = httpx.AsyncClient(
+            base_url=args.base_url, headers=headers, timeout=None, limits=limits
+        )
         self.api = args.api
         self.model = model
         self.output_len = args.output_len
@@ -132,7 +146,9 @@ class Client:
         await self.http.aclose()
 
 
-async def run_load(client: Client, prompts: list[list[int]], rate: float, concurrency: int | None, seed: int):
+async def run_load(
+    client: Client, prompts: list[list[int]], rate: float, concurrency: int | None, seed: int
+):
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency or len(prompts))
 
@@ -164,13 +180,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
-def with_shared_prefixes(tokenizer, prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+def with_shared_prefixes(
+    tokenizer, prompts: list[list[int]], args: argparse.Namespace
+) -> list[list[int]]:
     """Each prompt gets one of --shared-prefixes prefixes (seeded random tokens), picked at
     random (a fixed cycle would line up with round-robin routing and flatter it)."""
     if args.shared_prefixes <= 0:
         return prompts
     length = args.prefix_len
-    prefixes = synthetic_prompts(tokenizer, args.shared_prefixes, length, length, args.prompt_seed + 1)
+    prefixes = synthetic_prompts(
+        tokenizer, args.shared_prefixes, length, length, args.prompt_seed + 1
+    )
     rng = random.Random(args.prompt_seed + 2)
     return [rng.choice(prefixes) + p for p in prompts]
 
@@ -202,16 +222,24 @@ def summarize(results: list[RequestResult], seconds: float, prompts: list[list[i
 
 def print_report(r: dict) -> None:
     s = r["serving"]
-    print(f"requests              {s['completed']} completed, {s['failed']} failed in {s['seconds']:.2f} s")
+    print(
+        f"requests              {s['completed']} completed, {s['failed']} failed in {s['seconds']:.2f} s"
+    )
     if s["first_error"]:
         print(f"first error           {s['first_error']}")
     print(f"request throughput    {s['requests_per_s']:.3f} req/s")
     print(f"input tokens/s        {s['input_tokens_per_s']:.1f}")
     print(f"output tokens/s       {s['output_tokens_per_s']:.1f}  ({s['output_tokens']} tokens)")
     print(f"prefix cache hit rate {s['cache_hit_rate']:.3f}  (server: {s['replicas']})")
-    for name, key in (("TTFT", "ttft_s"), ("inter-token latency", "itl_s"), ("end-to-end latency", "e2e_s")):
+    for name, key in (
+        ("TTFT", "ttft_s"),
+        ("inter-token latency", "itl_s"),
+        ("end-to-end latency", "e2e_s"),
+    ):
         ms = {k: v * 1e3 for k, v in s[key].items()}
-        print(f"{name:<22}mean {ms['mean']:.1f} ms, p50 {ms['p50']:.1f}, p90 {ms['p90']:.1f}, p99 {ms['p99']:.1f}")
+        print(
+            f"{name:<22}mean {ms['mean']:.1f} ms, p50 {ms['p50']:.1f}, p90 {ms['p90']:.1f}, p99 {ms['p99']:.1f}"
+        )
     if "offline" in r:
         offline = r["offline"]
         print(
@@ -224,15 +252,21 @@ def print_report(r: dict) -> None:
 # -- offline peer ------------------------------------------------------------------------------
 
 
-def run_offline(args: argparse.Namespace, engine_options: dict, model_path: str, prompts: list[list[int]]) -> dict:
+def run_offline(
+    args: argparse.Namespace, engine_options: dict, model_path: str, prompts: list[list[int]]
+) -> dict:
     from spruce.runtime.engine.offline import Engine
 
     options = dict(engine_options)
     options.setdefault("model_path", model_path)
-    options["max_running_requests"] = args.max_concurrency or options.get("max_running_requests", 128)
+    options["max_running_requests"] = args.max_concurrency or options.get(
+        "max_running_requests", 128
+    )
     engine = Engine(**options)
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    engine.generate(
+        input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4}
+    )  # warm-up
     engine.flush_cache()
     start = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)

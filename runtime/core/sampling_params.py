@@ -39,7 +39,9 @@ class SamplingParams:
     # Python regexes searched in the output's decoded tail (the last STOP_REGEX_TAIL_TOKENS
     # tokens); the first match stops the request, as a stop string does.
     stop_regex: tuple[str, ...] = ()
-    no_stop_trim: bool = False  # keep the matched stop string / regex match / stop token in the text
+    no_stop_trim: bool = (
+        False  # keep the matched stop string / regex match / stop token in the text
+    )
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
@@ -66,7 +68,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # JSON-friendly input -> field types, however the object was built
-        for name, value in _normalized({f.name: getattr(self, f.name) for f in fields(self)}).items():
+        for name, value in _normalized(
+            {f.name: getattr(self, f.name) for f in fields(self)}
+        ).items():
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -96,7 +100,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def has_constraint(self) -> bool:
@@ -108,7 +114,10 @@ class SamplingParams:
         return [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
 
     def validate(
-        self, prompt_len: int | None = None, context_len: int | None = None, limits: RequestLimits | None = None
+        self,
+        prompt_len: int | None = None,
+        context_len: int | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         """Raises InvalidRequestError naming the field for any value the runtime refuses;
         sizes are checked against `limits` (default: RequestLimits())."""
@@ -121,15 +130,30 @@ class SamplingParams:
         self._check_logit_bias(limits)
         self._check_constraint(limits)
         cap = limits.max_new_tokens_limit
-        _check(cap is None or self.max_new_tokens <= cap, f"max_new_tokens must be at most {cap} on this server")
+        _check(
+            cap is None or self.max_new_tokens <= cap,
+            f"max_new_tokens must be at most {cap} on this server",
+        )
         if prompt_len is not None and context_len is not None:
             self.validate_length(prompt_len, context_len)
 
     def _check_counts(self) -> None:
-        _check(is_int64(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens must be an integer >= 0")
-        _check(is_int64(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens must be an integer >= 0")
-        _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens must not exceed max_new_tokens")
-        _check(is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k must be -1 (off) or >= 1")
+        _check(
+            is_int64(self.max_new_tokens) and self.max_new_tokens >= 0,
+            "max_new_tokens must be an integer >= 0",
+        )
+        _check(
+            is_int64(self.min_new_tokens) and self.min_new_tokens >= 0,
+            "min_new_tokens must be an integer >= 0",
+        )
+        _check(
+            self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens must not exceed max_new_tokens",
+        )
+        _check(
+            is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k must be -1 (off) or >= 1",
+        )
         _check(
             self.seed is None or (is_int(self.seed) and 0 <= self.seed <= INT64_MAX),
             f"seed must be an integer in [0, {INT64_MAX}]",
@@ -137,7 +161,10 @@ class SamplingParams:
 
     def _check_floats(self) -> None:
         temperature = self.temperature
-        _check(is_number(temperature) and temperature >= 0, "temperature must be >= 0 (0 means greedy) and finite")
+        _check(
+            is_number(temperature) and temperature >= 0,
+            "temperature must be >= 0 (0 means greedy) and finite",
+        )
         _check(
             temperature == 0 or temperature >= MIN_TEMPERATURE,
             f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows the logits",
@@ -148,7 +175,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
         _check(
-            is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
+            is_number(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]",
         )
 
@@ -166,7 +194,10 @@ class SamplingParams:
             isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop),
             "stop must be a string or a list of non-empty strings",
         )
-        _check(len(stop) <= limits.max_stop_strings, f"stop has {len(stop)} strings; at most {limits.max_stop_strings}")
+        _check(
+            len(stop) <= limits.max_stop_strings,
+            f"stop has {len(stop)} strings; at most {limits.max_stop_strings}",
+        )
         longest = max(map(len, stop), default=0)
         _check(
             longest <= limits.max_stop_string_chars,
@@ -188,9 +219,14 @@ class SamplingParams:
             "stop_regex must be a regex string or a list of non-empty regex strings",
         )
         most = limits.max_stop_strings
-        _check(len(patterns) <= most, f"stop_regex has {len(patterns)} patterns; at most {most} (--max-stop-strings)")
+        _check(
+            len(patterns) <= most,
+            f"stop_regex has {len(patterns)} patterns; at most {most} (--max-stop-strings)",
+        )
         for pattern in patterns:
-            _check_size("stop_regex", len(pattern), limits.max_stop_string_chars, "--max-stop-string-chars")
+            _check_size(
+                "stop_regex", len(pattern), limits.max_stop_string_chars, "--max-stop-string-chars"
+            )
             try:
                 empty_match = linear_regex.search(pattern, "")
             except UnsupportedRegex as e:
@@ -209,7 +245,10 @@ class SamplingParams:
             "logit_bias must map token ids (integers >= 0) to finite numbers",
         )  # fmt: skip
         most = limits.max_logit_bias
-        _check(len(bias) <= most, f"logit_bias has {len(bias)} entries; at most {most} (--max-logit-bias)")
+        _check(
+            len(bias) <= most,
+            f"logit_bias has {len(bias)} entries; at most {most} (--max-logit-bias)",
+        )
 
     def _check_constraint(self, limits: RequestLimits) -> None:
         for name in TEXT_CONSTRAINTS:
@@ -218,13 +257,20 @@ class SamplingParams:
             _check_size(name, len(value or ""), limits.max_constraint_chars)
         choices = self.choices
         _check(
-            choices is None or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices)),
+            choices is None
+            or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices)),
             "choices must be a list of strings",
         )
         if choices is not None:
-            _check(len(choices) <= limits.max_choices, f"choices has {len(choices)} entries; at most {limits.max_choices}")
+            _check(
+                len(choices) <= limits.max_choices,
+                f"choices has {len(choices)} entries; at most {limits.max_choices}",
+            )
             _check_size("choices", sum(map(len, choices)), limits.max_constraint_chars)
-        _check(self.schema_mode in (None, "strict", "lenient"), "schema_mode must be 'strict' or 'lenient'")
+        _check(
+            self.schema_mode in (None, "strict", "lenient"),
+            "schema_mode must be 'strict' or 'lenient'",
+        )
         constraints = self.constraint_names
         _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
 
@@ -288,7 +334,11 @@ def _json_text(name: str, value: Any) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError, RecursionError) as e:
-        shapes = "a dict, a JSON string or a pydantic model" if name == "json_schema" else "a dict or a JSON string"
+        shapes = (
+            "a dict, a JSON string or a pydantic model"
+            if name == "json_schema"
+            else "a dict or a JSON string"
+        )
         raise InvalidRequestError(f"{name} must be {shapes}: {e}") from None
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.convert import Conversion
+from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
@@ -29,7 +29,9 @@ class ModelLimits:
     vocab_size: int
     context_length: int
     request: RequestLimits = field(default_factory=RequestLimits)  # what one call may ask for
-    conversion: Conversion = field(default_factory=Conversion)  # JSON whitespace; a schema's deadline
+    conversion: Conversion = field(
+        default_factory=Conversion
+    )  # JSON whitespace; a schema's deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +53,25 @@ def validate_request(
     if not are_token_ids(ids, limits.vocab_size):
         raise InvalidRequestError(f"input_ids must be token ids in [0, {limits.vocab_size})")
     if not isinstance(sampling, SamplingParams):
-        raise InvalidRequestError("sampling_params must be a JSON object (a dict) or a SamplingParams")
+        raise InvalidRequestError(
+            "sampling_params must be a JSON object (a dict) or a SamplingParams"
+        )
     sampling.validate(len(ids), limits.context_length, limits.request)
     bad_stop = [t for t in sampling.stop_token_ids if t >= limits.vocab_size]
     if bad_stop:
-        raise InvalidRequestError(f"stop_token_ids {bad_stop[:5]} are not token ids (vocabulary: {limits.vocab_size})")
+        raise InvalidRequestError(
+            f"stop_token_ids {bad_stop[:5]} are not token ids (vocabulary: {limits.vocab_size})"
+        )
     bad_bias = [t for t, _ in sampling.logit_bias if t >= limits.vocab_size]
     if bad_bias:
-        raise InvalidRequestError(f"logit_bias keys {bad_bias[:5]} are not token ids (vocabulary: {limits.vocab_size})")
+        raise InvalidRequestError(
+            f"logit_bias keys {bad_bias[:5]} are not token ids (vocabulary: {limits.vocab_size})"
+        )
     check_options(options, limits.request)
     if options.logprob_start_len >= len(ids):
-        raise InvalidRequestError(f"logprob_start_len must be -1 or a prompt position (< {len(ids)})")
+        raise InvalidRequestError(
+            f"logprob_start_len must be -1 or a prompt position (< {len(ids)})"
+        )
     return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits))
 
 
@@ -91,7 +101,9 @@ def check_options(options: RequestOptions, limits: RequestLimits | None = None) 
         raise InvalidRequestError("stream must be true or false")
     timeout = options.timeout_s
     if timeout is not None and not (is_number(timeout) and timeout > 0):
-        raise InvalidRequestError("timeout_s must be a number of seconds > 0 (or null: the server's default)")
+        raise InvalidRequestError(
+            "timeout_s must be a number of seconds > 0 (or null: the server's default)"
+        )
 
 
 def check_batch_size(count: int, limits: RequestLimits) -> None:
@@ -153,7 +165,9 @@ def named_error(error: constrained_errors.ConstraintError, name: str) -> Constra
     return constraint_error(error)
 
 
-def constraint_spec(sampling: SamplingParams, conversion: Conversion, check: bool = False) -> ConstraintSpec | None:
+def constraint_spec(
+    sampling: SamplingParams, conversion: Conversion, check: bool = False
+) -> ConstraintSpec | None:
     """The spec of the one constraint `sampling` holds (ConstraintError if bad or several);
     `check`: its backend decided now (see make_spec)."""
     return conversion.spec(
@@ -200,7 +214,9 @@ def sampling_from(params: Any) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if params is not None and not isinstance(params, dict):
-        raise InvalidRequestError("sampling_params must be a JSON object (a dict) or a SamplingParams")
+        raise InvalidRequestError(
+            "sampling_params must be a JSON object (a dict) or a SamplingParams"
+        )
     try:
         return SamplingParams.from_dict(params)
     except TypeError as e:  # a value of a type no field can hold

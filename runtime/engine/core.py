@@ -18,19 +18,19 @@ import torch
 from spruce.constrained import GrammarCompiler
 from spruce.constrained.convert import Conversion
 from spruce.radix import NoPrefixCache, RadixCache
+from spruce.runtime.config import EngineConfig
+from spruce.runtime.core.request import Req
+from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.engine import tp_worker
+from spruce.runtime.errors import InvalidRequestError, SpruceError
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import RankLost, close_group, start_keepalive
 from spruce.runtime.executor.distributed import send_stop as send_stop_message
-from spruce.runtime.config import EngineConfig
-from spruce.runtime.errors import InvalidRequestError, SpruceError
-from spruce.runtime.executor.logits_mask import GrammarMask
-from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.executor.kv_pool import KVShape, pool_slots_for_budget
-from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_dtype
+from spruce.runtime.executor.logits_mask import GrammarMask
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
-from spruce.runtime.core.request import Req
 from spruce.runtime.executor.sampler import Sampler, prompt_logprobs
+from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_dtype
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.scheduler import Scheduler
@@ -56,7 +56,9 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.tp, self.followers = None, []
-        self.rank_lost: str | None = None  # why the tensor-parallel group cannot compute, once it cannot
+        self.rank_lost: str | None = (
+            None  # why the tensor-parallel group cannot compute, once it cannot
+        )
         self.tp_stopped = False
         try:
             if config.parallel.tp_size > 1:
@@ -96,7 +98,9 @@ class EngineCore:
         self.loaded = loaded or load_model(m.model_path, dtype, device, m.quantization, self.tp)
         self.tokenizer = self.loaded.tokenizer
         model_config = self.loaded.config
-        self.context_len = min(model_config.max_position_embeddings, config.model.context_length or 1 << 30)
+        self.context_len = min(
+            model_config.max_position_embeddings, config.model.context_length or 1 << 30
+        )
         kv_dtype = self._kv_dtype(device)
         self.runner = ModelRunner(
             self.loaded,
@@ -113,21 +117,33 @@ class EngineCore:
             tp_worker.share_pool_sizes(self.runner, self.tp)
         self.vocab_size = model_config.vocab_size
         pool = self.runner.pool
-        prefix_cache = NoPrefixCache(pool.allocator) if config.cache.disable_radix_cache else RadixCache(pool.allocator)
+        prefix_cache = (
+            NoPrefixCache(pool.allocator)
+            if config.cache.disable_radix_cache
+            else RadixCache(pool.allocator)
+        )
         self.cache_manager = CacheManager(pool.allocator, self.runner.req_to_token, prefix_cache)
         eos = self.tokenizer.eos_token_ids
         stops = StopChecker(self.tokenizer, eos)
         self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
         release = lambda req: self.sampler.release(req.rid)  # noqa: E731  (per-request generators)
-        self.scheduler = Scheduler(config.scheduler, self.cache_manager, stops, config.constraint, release)
-        self.grammar_mask = GrammarMask(self.vocab_size, config.scheduler.max_running_requests, self.runner.device)
+        self.scheduler = Scheduler(
+            config.scheduler, self.cache_manager, stops, config.constraint, release
+        )
+        self.grammar_mask = GrammarMask(
+            self.vocab_size, config.scheduler.max_running_requests, self.runner.device
+        )
         c = config.constraint
         self.compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, cache_size=c.grammar_cache_size, timeout_s=c.grammar_timeout_s,
             cache_bytes=c.grammar_cache_mb * 2**20, memory_mb=c.grammar_memory_mb,
         )  # fmt: skip
         self.step_log: list[StepInfo] | None = None  # set to a list to record every step
-        logger.info("KV pool: %d token slots (%.2f GB)", pool.capacity, pool.capacity * pool.shape.bytes_per_slot / 1e9)
+        logger.info(
+            "KV pool: %d token slots (%.2f GB)",
+            pool.capacity,
+            pool.capacity * pool.shape.bytes_per_slot / 1e9,
+        )
 
     def _kv_dtype(self, device: str) -> torch.dtype:
         """auto: the model's dtype, except float16 for a float32 model on the CPU (as
@@ -164,7 +180,12 @@ class EngineCore:
     def limits(self) -> ModelLimits:
         """What the validation boundary needs to know of this model and configuration."""
         c = self.config.constraint
-        conversion = Conversion(c.grammar_whitespace_pattern or "", c.grammar_timeout_s, c.grammar_memory_mb, c.grammar_backend)
+        conversion = Conversion(
+            c.grammar_whitespace_pattern or "",
+            c.grammar_timeout_s,
+            c.grammar_memory_mb,
+            c.grammar_backend,
+        )
         return ModelLimits(self.vocab_size, self.context_len, conversion=conversion)
 
     def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:
@@ -195,7 +216,9 @@ class EngineCore:
         if self.rank_lost is None:
             exited = [p for p in self.followers if p.poll() is not None]
             if exited:
-                self._lose_rank(f"tensor-parallel rank {self.followers.index(exited[0]) + 1} exited")
+                self._lose_rank(
+                    f"tensor-parallel rank {self.followers.index(exited[0]) + 1} exited"
+                )
         if self.rank_lost is not None:
             raise RankLost(f"{self.rank_lost}; the server cannot compute until it is restarted")
 
@@ -224,8 +247,12 @@ class EngineCore:
         except Exception as e:  # the pass as a whole: no request named yet
             if self.tp is not None:  # a broken group does not heal: no retry
                 logger.exception("a tensor-parallel forward pass failed")
-                self._lose_rank("a tensor-parallel step failed (a rank is gone or stopped answering)")
-                self.scheduler.step_failed(out, e)  # rolls the step back; the caller fails what is left
+                self._lose_rank(
+                    "a tensor-parallel step failed (a rank is gone or stopped answering)"
+                )
+                self.scheduler.step_failed(
+                    out, e
+                )  # rolls the step back; the caller fails what is left
                 self.check_ranks()
             logger.exception(
                 "a forward pass over %d request(s) failed; rolling the step back", len(out)
@@ -242,7 +269,9 @@ class EngineCore:
     def _run(self, out: ScheduleOutput) -> None:
         """Runs the step's forward pass and sampling; sets each scheduled request's `result`."""
         items = [self._forward_item(s) for s in out.scheduled]
-        with self.tp.lock if self.tp is not None else nullcontext():  # --tp: no keepalive amid the step's collectives
+        with (
+            self.tp.lock if self.tp is not None else nullcontext()
+        ):  # --tp: no keepalive amid the step's collectives
             forward = self.runner.forward(items)
         sampling: list[tuple[Scheduled, int]] = []  # who samples, from which logits row
         for i, (scheduled, item) in enumerate(zip(out.scheduled, items)):

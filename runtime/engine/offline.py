@@ -17,8 +17,9 @@ the same cores.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from spruce.runtime.config import EngineConfig, use_passive_omp_threads
 from spruce.runtime.core.options import RequestOptions
@@ -62,6 +63,7 @@ class Engine:
         check_data_parallel(dp_size, router, self.config)
         use_passive_omp_threads()  # before torch is imported, if it was not yet
         from spruce.runtime.engine.core import EngineCore  # torch and the model code
+
         if self.config.log_level:
             logging.getLogger("spruce").setLevel(self.config.log_level.upper())
         self.core = EngineCore(self.config, loaded)
@@ -114,7 +116,9 @@ class Engine:
         return results[0] if single else results
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt
+        )
 
     def flush_cache(self) -> None:
         for i, core in enumerate(self.cores):
@@ -136,7 +140,7 @@ class Engine:
             core.close()
         self.core, self.cores = None, []
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -233,7 +237,9 @@ def check_data_parallel(dp_size: int, router: Any, config: EngineConfig) -> None
     if not isinstance(dp_size, int) or dp_size < 1:
         raise InvalidRequestError(f"dp_size must be an integer >= 1, not {dp_size!r}")
     if router is not None and not isinstance(router, str) and not hasattr(router, "route"):
-        raise InvalidRequestError("router must be a policy name or have route(ids, loads) and forget(i)")
+        raise InvalidRequestError(
+            "router must be a policy name or have route(ids, loads) and forget(i)"
+        )
     if dp_size > 1 and config.parallel.tp_size > 1:
         raise InvalidRequestError("the offline Engine runs dp_size > 1 or tp_size > 1, not both")
 

@@ -22,6 +22,7 @@ import threading
 import time
 
 import torch
+
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import (

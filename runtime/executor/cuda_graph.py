@@ -65,12 +65,22 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[size] = self.model(self.input_ids[:size], ctx, self.backend, None)
             self.graphs[size] = graph
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - start)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s",
+            self.sizes,
+            time.perf_counter() - start,
+        )
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step (inputs already on the device)."""
         batch = input_ids.numel()
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]

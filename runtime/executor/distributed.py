@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
 from spruce.runtime.errors import SpruceError
 
 logger = logging.getLogger("spruce")
@@ -61,7 +62,9 @@ class TPGroup:
     group: object  # the torch.distributed process group of the step traffic
     device: torch.device  # where the collectives' tensors live (cpu for gloo)
     timeout_s: float = 300.0  # every collective's deadline
-    lock: threading.Lock = field(default_factory=threading.Lock, compare=False)  # rank 0: one sender at a time
+    lock: threading.Lock = field(
+        default_factory=threading.Lock, compare=False
+    )  # rank 0: one sender at a time
 
     @property
     def is_leader(self) -> bool:
@@ -125,10 +128,14 @@ def init_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if init_addr is None:  # torchrun: env://
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(
+                backend, init_method="env://", rank=rank, world_size=world, timeout=timeout
+            )
         else:
             store = rendezvous_store(init_addr, rank, world, timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
         dist.barrier()
         group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
     except (RuntimeError, ValueError, OSError) as e:
@@ -144,14 +151,18 @@ def init_group(
     return TPGroup(rank, world, group, device, timeout_s)
 
 
-def rendezvous_store(init_addr: str, rank: int, world: int, timeout: datetime.timedelta) -> dist.TCPStore:
+def rendezvous_store(
+    init_addr: str, rank: int, world: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
     """The ranks' key-value store at HOST:PORT. Rank 0 serves it on a socket bound to that
     address only (torch's own listens on every interface); the others connect."""
     host, _, port = init_addr.rpartition(":")
     host = host.strip("[]")
     if rank != 0:
         return dist.TCPStore(host, int(port), world, False, timeout)
-    family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[
+        0
+    ]
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -256,7 +267,9 @@ def send_keepalive(tp: TPGroup) -> None:
     dist.broadcast(header.to(tp.device), src=0, group=tp.group)
 
 
-def start_keepalive(tp: TPGroup, stopped: Callable[[], bool], on_error: Callable[[str], None]) -> threading.Thread:
+def start_keepalive(
+    tp: TPGroup, stopped: Callable[[], bool], on_error: Callable[[str], None]
+) -> threading.Thread:
     """Rank 0: a keepalive header every quarter of the timeout (at most KEEPALIVE_MAX_S)
     until `stopped()`; a failing one calls `on_error` with a message naming no address."""
     period = min(tp.timeout_s / 4, KEEPALIVE_MAX_S)
@@ -269,7 +282,7 @@ def start_keepalive(tp: TPGroup, stopped: Callable[[], bool], on_error: Callable
                     return
                 try:
                     send_keepalive(tp)
-                except Exception:  # noqa: BLE001 - gloo / nccl errors name files and addresses
+                except Exception:
                     logger.exception("tensor parallel: a keepalive failed")
                     on_error("a tensor-parallel rank stopped answering")
                     return

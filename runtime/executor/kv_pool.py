@@ -134,12 +134,22 @@ class KVPool:
         self.num_slots = num_slots
         self.device = torch.device(device)
         dims = (num_slots, shape.kv_heads, shape.head_dim)
-        self.k = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(dims, dtype=shape.dtype, device=self.device) for _ in range(shape.num_layers)]
+        self.k = [
+            torch.zeros(dims, dtype=shape.dtype, device=self.device)
+            for _ in range(shape.num_layers)
+        ]
+        self.v = [
+            torch.zeros(dims, dtype=shape.dtype, device=self.device)
+            for _ in range(shape.num_layers)
+        ]
         self.quantized = shape.dtype == torch.int8
         scale_layers = shape.num_layers if self.quantized else 0  # float pools have no scales
-        self.k_scale = [torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)]
-        self.v_scale = [torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)]
+        self.k_scale = [
+            torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)
+        ]
+        self.v_scale = [
+            torch.ones(num_slots, shape.kv_heads, device=self.device) for _ in range(scale_layers)
+        ]
         self.allocator = SlotAllocator(num_slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -151,7 +161,9 @@ class KVPool:
         self.k[layer][slots] = k.to(self.shape.dtype)
         self.v[layer][slots] = v.to(self.shape.dtype)
 
-    def read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V of `slots` (any shape) as `dtype`: [*slots.shape, KH, D] each."""
         if self.quantized:
             k = dequantize_int8(self.k[layer][slots], self.k_scale[layer][slots], dtype)
@@ -181,7 +193,9 @@ class KVPool:
 class ReqToTokenTable:
     """[max_running_requests, max_context_len] int32 slot indices, one row per request."""
 
-    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_requests: int, max_context_len: int, device: torch.device | str = "cpu"
+    ) -> None:
         self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         # tensor parallel rank 0: the writes since the last step, which the other ranks'

@@ -27,7 +27,9 @@ class GrammarMask:
         self.host = allocate_bitmask(max_batch, vocab_size, "cpu")
         if device.type == "cuda":
             self.host = self.host.pin_memory()
-            from spruce.runtime.executor.kernels.triton_bitmask import apply_token_bitmask_inplace_triton
+            from spruce.runtime.executor.kernels.triton_bitmask import (
+                apply_token_bitmask_inplace_triton,
+            )
 
             self._apply = apply_token_bitmask_inplace_triton
         else:

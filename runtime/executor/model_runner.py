@@ -60,18 +60,26 @@ class ModelRunner:
         self.pool = KVPool(shape, num_slots, self.device)
         self.req_to_token = ReqToTokenTable(max_requests, max_context_len, self.device)
         self.backend = create_backend(
-            attention_backend, self.pool, self.req_to_token, config.num_heads, config.head_dim,
+            attention_backend,
+            self.pool,
+            self.req_to_token,
+            config.num_heads,
+            config.head_dim,
             options=self.model.attention_options,
         )
         self.graphs = None
         if tp is not None and tp.is_leader:
             self.req_to_token.journal = []
-        graphs_fit = self.device.type == "cuda" and attention_backend == "triton" and self.model.capturable
+        graphs_fit = (
+            self.device.type == "cuda" and attention_backend == "triton" and self.model.capturable
+        )
         if tp is None and cuda_graph and graphs_fit:
             from spruce.runtime.executor.cuda_graph import CudaGraphRunner
 
             padding_row = self.req_to_token.alloc_row()  # a spare row for padded graph batches
-            self.graphs = CudaGraphRunner(self.model, self.backend, self.req_to_token, max_requests - 1, padding_row)
+            self.graphs = CudaGraphRunner(
+                self.model, self.backend, self.req_to_token, max_requests - 1, padding_row
+            )
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> ForwardOutput:
@@ -80,7 +88,12 @@ class ModelRunner:
             send_step(self.tp, StepMessage(steps, self.req_to_token.take_journal()))
         ctx, input_ids = self._build(items)
         logits_rows, offsets = self._logits_rows(items)
-        if self.graphs is not None and ctx.is_decode and logits_rows is None and self.graphs.can_run(len(items)):
+        if (
+            self.graphs is not None
+            and ctx.is_decode
+            and logits_rows is None
+            and self.graphs.can_run(len(items))
+        ):
             logits = self.graphs.run(input_ids, ctx.positions, ctx.out_slots, ctx.req_pool_indices)
         else:
             logits = self.model(input_ids, ctx, self.backend, logits_rows)
@@ -90,12 +103,16 @@ class ModelRunner:
         prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
         extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
         rows = torch.tensor([it.row for it in items], dtype=torch.int64)
-        if all(len(it.new_ids) == 1 for it in items):  # decode: one token per request at its prefix length
+        if all(
+            len(it.new_ids) == 1 for it in items
+        ):  # decode: one token per request at its prefix length
             positions, table_rows = prefix, rows
         else:
             starts = torch.cumsum(extend, 0) - extend
             # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
-            positions = torch.arange(int(extend.sum())) + torch.repeat_interleave(prefix - starts, extend)
+            positions = torch.arange(int(extend.sum())) + torch.repeat_interleave(
+                prefix - starts, extend
+            )
             table_rows = torch.repeat_interleave(rows, extend)
         out_slots = torch.cat([it.new_slots for it in items]).to(self.device)
         positions, table_rows = positions.to(self.device), table_rows.to(self.device)

@@ -37,7 +37,9 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: frozenset[int], device: torch.device, seed: int = 0
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(i for i in eos_token_ids if i < vocab_size)
         self.device = device
@@ -102,7 +104,9 @@ class Sampler:
         if not rows:
             return
         index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
+        logits.index_put_(
+            index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True
+        )
 
     def _output_counts(self, reqs: list[Req]) -> torch.Tensor:
         counts = torch.zeros(len(reqs), self.vocab_size, device=self.device)
@@ -122,10 +126,15 @@ class Sampler:
     def _suppress_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         for i, r in enumerate(reqs):
             if len(r.output_ids) < r.sampling.min_new_tokens:
-                ids = [*self.eos_token_ids, *(t for t in r.sampling.stop_token_ids if t < self.vocab_size)]
+                ids = [
+                    *self.eos_token_ids,
+                    *(t for t in r.sampling.stop_token_ids if t < self.vocab_size),
+                ]
                 logits[i, ids] = float("-inf")
 
-    def _mask(self, apply_mask, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> None:
+    def _mask(
+        self, apply_mask, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]
+    ) -> None:
         """The grammar masks of the batch; if that raises, each constrained row alone."""
         try:
             apply_mask(logits, reqs)
@@ -141,7 +150,9 @@ class Sampler:
                 logger.exception("the grammar mask of request %s failed", req.rid)
                 errors[i] = "the grammar mask failed (see the server log)"
 
-    def _check_rows(self, logits: torch.Tensor, argmax: torch.Tensor, errors: dict[int, str]) -> None:
+    def _check_rows(
+        self, logits: torch.Tensor, argmax: torch.Tensor, errors: dict[int, str]
+    ) -> None:
         """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled: exactly
         those whose argmax logit is not finite (argmax picks a NaN when there is one), so
         this costs a gather, not another pass over the vocabulary."""
@@ -171,7 +182,9 @@ class Sampler:
             return probs
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[-1], device=self.device)[None, :]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=self.device)
+        top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=self.device
+        )
         drop = rank >= top_k[:, None]
         drop |= (sorted_probs.cumsum(-1) - sorted_probs) > self._column([p.top_p for p in params])
         drop |= sorted_probs < self._column([p.min_p for p in params]) * sorted_probs[:, :1]
@@ -179,7 +192,9 @@ class Sampler:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Req], rows: list[int], errors: dict[int, str]) -> torch.Tensor:
+    def _draw(
+        self, probs: torch.Tensor, reqs: list[Req], rows: list[int], errors: dict[int, str]
+    ) -> torch.Tensor:
         """Draws one id per row of `probs` (rows[j]: its batch row, for errors)."""
         out = torch.zeros(len(reqs), dtype=torch.int64, device=self.device)
         shared = [j for j, r in enumerate(reqs) if r.sampling.seed is None]
@@ -188,12 +203,22 @@ class Sampler:
                 out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
             except RuntimeError:  # checked rows cannot fail here; should one, find it alone
                 logger.exception("batched sampling failed; drawing row by row")
-                self._draw_each(probs, reqs, [rows[j] for j in shared], errors, out, shared, shared_generator=True)
+                self._draw_each(
+                    probs,
+                    reqs,
+                    [rows[j] for j in shared],
+                    errors,
+                    out,
+                    shared,
+                    shared_generator=True,
+                )
         seeded = [j for j, r in enumerate(reqs) if r.sampling.seed is not None]
         self._draw_each(probs, reqs, [rows[j] for j in seeded], errors, out, seeded)
         return out
 
-    def _draw_each(self, probs, reqs, batch_rows, errors, out, which, shared_generator=False) -> None:
+    def _draw_each(
+        self, probs, reqs, batch_rows, errors, out, which, shared_generator=False
+    ) -> None:
         """Draws rows `which` of `probs` one at a time; a failure is its row's error."""
         for j, batch_row in zip(which, batch_rows):
             try:
@@ -212,7 +237,9 @@ class Sampler:
 
     # -- logprobs -----------------------------------------------------------------------
 
-    def _token_logprobs(self, raw: torch.Tensor | None, ids: list[int | None], reqs: list[Req], errors):
+    def _token_logprobs(
+        self, raw: torch.Tensor | None, ids: list[int | None], reqs: list[Req], errors
+    ):
         out: list[TokenLogprobs | None] = [None] * len(reqs)
         if raw is None:
             return out
@@ -221,7 +248,9 @@ class Sampler:
             if i in errors:
                 continue
             try:
-                out[i] = TokenLogprobs(float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num))
+                out[i] = TokenLogprobs(
+                    float(raw[j, ids[i]]), top_logprobs(raw[j], reqs[i].options.top_logprobs_num)
+                )
             except Exception:
                 logger.exception("the logprobs of request %s failed", reqs[i].rid)
                 errors[i] = "computing logprobs failed (see the server log)"
@@ -240,7 +269,9 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist()))
 
 
-def prompt_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> list[tuple[float | None, int, list]]:
+def prompt_logprobs(
+    req: Req, logits: torch.Tensor, first_pos: int
+) -> list[tuple[float | None, int, list]]:
     """Logprobs of prompt tokens predicted by `logits` (rows = positions first_pos.. of
     this step): the row at position p scores prompt token p + 1. Only tokens at or after
     the request's `logprob_start_len` are returned; the very first token has no logprob."""
@@ -250,7 +281,9 @@ def prompt_logprobs(req: Req, logits: torch.Tensor, first_pos: int) -> list[tupl
     if start == 0 and first_pos == 0:
         out.append((None, req.prompt_ids[0], []))
     lo = max(first_pos, start - 1, 0)  # first scoring row (position)
-    hi = min(first_pos + logits.shape[0], n_prompt - 1)  # rows up to the last prompt token's predictor
+    hi = min(
+        first_pos + logits.shape[0], n_prompt - 1
+    )  # rows up to the last prompt token's predictor
     if hi <= lo:
         return out
     logprobs = torch.log_softmax(logits[lo - first_pos : hi - first_pos], dim=-1)

@@ -67,7 +67,7 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         config = _text_model(config)
         architecture = _architecture(config)
         try:

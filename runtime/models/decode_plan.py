@@ -48,10 +48,18 @@ def build(model: nn.Module, kinds: PlainKinds) -> DecodePlan | None:
             return None
         attn, mlp = layer.self_attn, layer.mlp
         norms = (type(layer.input_layernorm), type(layer.post_attention_layernorm))
-        if (type(attn.rotary), type(mlp), *norms) != (kinds.rotary, kinds.mlp, kinds.norm, kinds.norm):
+        if (type(attn.rotary), type(mlp), *norms) != (
+            kinds.rotary,
+            kinds.mlp,
+            kinds.norm,
+            kinds.norm,
+        ):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(m) is not kinds.linear for m in linears) or attn.rotary.dim != model.config.head_dim:
+        if (
+            any(type(m) is not kinds.linear for m in linears)
+            or attn.rotary.dim != model.config.head_dim
+        ):
             return None
         bias = attn.qkv_proj.bias
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -75,12 +83,22 @@ def _tensors(model: nn.Module):
             yield m._buffers, "blocks"
         yield attn.rotary.__dict__, "cos"
         yield attn.rotary.__dict__, "sin"
-        yield attn.qkv_proj.__dict__ if "bias" in attn.qkv_proj.__dict__ else attn.qkv_proj._parameters, "bias"
+        yield (
+            attn.qkv_proj.__dict__
+            if "bias" in attn.qkv_proj.__dict__
+            else attn.qkv_proj._parameters,
+            "bias",
+        )
 
 
 def _linear_args(m: nn.Module) -> tuple:
     """spruce_quant_linear's arguments before x: type, blocks, n, k."""
-    return (cpu_quant_ops.QUANT_TYPES[m.qtype].ggml_id, m.blocks.data_ptr(), m.out_features, m.in_features)
+    return (
+        cpu_quant_ops.QUANT_TYPES[m.qtype].ggml_id,
+        m.blocks.data_ptr(),
+        m.out_features,
+        m.in_features,
+    )
 
 
 class DecodePlan:
@@ -121,7 +139,9 @@ class DecodePlan:
             return False
         if backend.cpu_kernel is None or not ctx.backend_state.all_decode:
             return False
-        return not (any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) or _global_hooks())
+        return not (
+            any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) or _global_hooks()
+        )
 
     def holds_weights_of(self, model: nn.Module) -> bool:
         """Whether the pointers are still the model's: loading weights replaces the tensors,
@@ -186,7 +206,13 @@ class DecodePlan:
         fn = getattr(lib, KERNELS[pool.k[0].dtype])
         p_k, p_v = p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size)
         width = self.qkv_width
-        fixed = (table.data_ptr(), table.stride(0), table_rows.data_ptr(), seq_lens.data_ptr(), p_attn)
+        fixed = (
+            table.data_ptr(),
+            table.stride(0),
+            table_rows.data_ptr(),
+            seq_lens.data_ptr(),
+            p_attn,
+        )
         p_slots = slots.data_ptr()
 
         # the default argument holds the tensors behind the pointers for as long as the closure
@@ -197,7 +223,9 @@ class DecodePlan:
                 *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
             )  # fmt: skip
             if failed:
-                raise ValueError(f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})")
+                raise ValueError(
+                    f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})"
+                )
 
         return attention
 

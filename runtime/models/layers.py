@@ -21,8 +21,9 @@ from spruce.runtime.executor.attention.base import (
     ForwardContext,
 )
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_quant_ops
-from spruce.runtime.models.decode_plan import PlainKinds, build as build_decode_plan
 from spruce.runtime.models.config import ModelConfig
+from spruce.runtime.models.decode_plan import PlainKinds
+from spruce.runtime.models.decode_plan import build as build_decode_plan
 from spruce.runtime.models.loading.quantize import QuantizedTensor
 from spruce.runtime.models.rope import RopeConfig, check_rope, rope_tables, rotary_dim
 from spruce.runtime.models.weights import load_hf_state_dict
@@ -45,7 +46,9 @@ class QuantizedLinear(nn.Module):
     """A linear layer on weights kept in a llama.cpp block format (CPU only): decode rows
     meet the weights in integer dot products (executor/kernels/cpu_quant_ops.py)."""
 
-    def __init__(self, qtype: str, in_features: int, out_features: int, bias: nn.Parameter | None) -> None:
+    def __init__(
+        self, qtype: str, in_features: int, out_features: int, bias: nn.Parameter | None
+    ) -> None:
         super().__init__()
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         row_bytes = cpu_quant_ops.row_bytes(qtype, in_features)
@@ -61,7 +64,9 @@ class QuantizedLinear(nn.Module):
         self.blocks = weight.blocks.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_quant_ops.linear(x.float().reshape(-1, self.in_features), self.qtype, self.blocks, self.bias)
+        y = cpu_quant_ops.linear(
+            x.float().reshape(-1, self.in_features), self.qtype, self.blocks, self.bias
+        )
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -69,19 +74,25 @@ class QuantizedEmbedding(QuantizedLinear):
     """An embedding table kept quantized: rows are dequantized as they are looked up, and
     the table serves as the output projection of tied models."""
 
-    def __init__(self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, qtype: str, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
+    ) -> None:
         super().__init__(qtype, embedding_dim, num_embeddings, None)
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_quant_ops.dequantize(self.qtype, self.blocks, self.in_features, input_ids.reshape(-1))
+        rows = cpu_quant_ops.dequantize(
+            self.qtype, self.blocks, self.in_features, input_ids.reshape(-1)
+        )
         return rows.to(self.dtype).reshape(*input_ids.shape, self.in_features)
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         return QuantizedLinear.forward(self, x)
 
 
-def quantized_module(module: nn.Module, weight: QuantizedTensor, dtype: torch.dtype) -> nn.Module | None:
+def quantized_module(
+    module: nn.Module, weight: QuantizedTensor, dtype: torch.dtype
+) -> nn.Module | None:
     """The quantized replacement of a Linear or Embedding module for `weight` (None for
     other modules: their weights are dequantized)."""
     n, k = weight.shape
@@ -360,7 +371,9 @@ class DecoderModel(nn.Module):
             plan = self.__dict__["_plan"] = build_decode_plan(self, PLAIN_KINDS) or False
         return plan if plan and plan.applies(backend, ctx, x) else None
 
-    def use_quantized_weights(self, weights: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
+    def use_quantized_weights(
+        self, weights: dict[str, QuantizedTensor], dtype: torch.dtype
+    ) -> None:
         """Replaces (before the weights are loaded) each Linear / Embedding module whose
         weight `<module>.weight` is in `weights` by its quantized counterpart; `dtype` is
         the model's (embedding rows come out in it)."""

@@ -18,11 +18,12 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.distributed import TPGroup, all_gather_last, all_reduce
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.layers import Embedding, Linear
-from torch import nn
 
 
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:

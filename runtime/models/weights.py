@@ -27,7 +27,9 @@ _RENAMES = [
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def load_hf_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor | QuantizedTensor]) -> None:
+def load_hf_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor | QuantizedTensor]
+) -> None:
     """Copies every parameter of `model` from `state_dict`; raises KeyError for missing or
     unexpected weights and ValueError for a shape that does not fit.
 

@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
+
 from spruce.runtime.errors import InvalidRequestError
 
 MAX_MESSAGE_BYTES = 32 * 2**20
@@ -149,7 +150,16 @@ class ErrorMsg:
 
 MESSAGE_TYPES = {
     cls.__dataclass_fields__["type"].default: cls
-    for cls in (GenerateMsg, AbortMsg, ModelInfoMsg, FlushCacheMsg, ChunkMsg, FinalMsg, InfoMsg, ErrorMsg)
+    for cls in (
+        GenerateMsg,
+        AbortMsg,
+        ModelInfoMsg,
+        FlushCacheMsg,
+        ChunkMsg,
+        FinalMsg,
+        InfoMsg,
+        ErrorMsg,
+    )
 }
 
 
@@ -188,7 +198,9 @@ def decode(frame: bytes):
     if not isinstance(data.get("rid"), str):
         raise InvalidRequestError("every message needs a string 'rid'")
     if "api_key" in data:
-        raise InvalidRequestError("the API key travels in the message's envelope, not in its body (see protocol/dsl.py)")
+        raise InvalidRequestError(
+            "the API key travels in the message's envelope, not in its body (see protocol/dsl.py)"
+        )
     cls = MESSAGE_TYPES[kind]
     unknown = set(data) - {f.name for f in fields(cls)}
     if unknown:

@@ -42,7 +42,9 @@ class NewRequests:
     type: str = "new_requests"
 
     def __post_init__(self) -> None:
-        self.requests = [r if isinstance(r, RequestSpec) else RequestSpec(**r) for r in self.requests]
+        self.requests = [
+            r if isinstance(r, RequestSpec) else RequestSpec(**r) for r in self.requests
+        ]
 
 
 @dataclass(slots=True)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 from spruce.radix import NoPrefixCache, PrefixCache
-from spruce.runtime.executor.kv_pool import ReqToTokenTable, SlotAllocator
 from spruce.runtime.core.request import Req
+from spruce.runtime.executor.kv_pool import ReqToTokenTable, SlotAllocator
 
 
 class CacheManager:
-    def __init__(self, allocator: SlotAllocator, table: ReqToTokenTable, cache: PrefixCache) -> None:
+    def __init__(
+        self, allocator: SlotAllocator, table: ReqToTokenTable, cache: PrefixCache
+    ) -> None:
         self.allocator = allocator
         self.table = table
         self.prefix_cache = cache

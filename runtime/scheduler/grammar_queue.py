@@ -13,8 +13,8 @@ only."""
 from __future__ import annotations
 
 from spruce.constrained.core.errors import ConstraintError
-from spruce.runtime.errors import constraint_error
 from spruce.runtime.core.request import Req
+from spruce.runtime.errors import constraint_error
 
 # ~16 ms of automaton mask work a step at 86 us a state on the Python path (SmolLM2's
 # vocabulary; about 1 us in C): no step spends more than 20 ms on masks. llguidance's masks are bounded by its own fuel (~15 ms).

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from spruce.radix import PrefixCache
-from spruce.runtime.errors import SpruceError
 from spruce.runtime.core.request import Req
+from spruce.runtime.errors import SpruceError
 
 Policy = Callable[[list[Req], PrefixCache, int], list[Req]]
 
@@ -39,4 +39,6 @@ def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
     except KeyError:
-        raise SpruceError(f"unknown schedule policy {name!r} (known: {', '.join(POLICIES)})") from None
+        raise SpruceError(
+            f"unknown schedule policy {name!r} (known: {', '.join(POLICIES)})"
+        ) from None

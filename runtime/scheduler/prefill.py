@@ -8,7 +8,6 @@ from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import ScheduleOutput
 from spruce.runtime.scheduler.policy import get_policy
 
-
 IN_BATCH_SHARE_MIN = 32  # shared uncached tokens that make a request wait one step
 
 
@@ -76,11 +75,17 @@ class PrefillManager:
         mine = req.token_ids(start, start + IN_BATCH_SHARE_MIN)
         if len(mine) < IN_BATCH_SHARE_MIN:
             return False
-        return any(other.token_ids(start, start + IN_BATCH_SHARE_MIN) == mine for other in admitted[-64:])
+        return any(
+            other.token_ids(start, start + IN_BATCH_SHARE_MIN) == mine for other in admitted[-64:]
+        )
 
     def _has_room(self, running: list[Req], admitted: list[Req], budget: int) -> bool:
         count = len(running) + len(admitted)
-        return budget > 0 and count < self.options.max_running_requests and self.cache.table.num_free_rows > 0
+        return (
+            budget > 0
+            and count < self.options.max_running_requests
+            and self.cache.table.num_free_rows > 0
+        )
 
     def _outstanding(self, running: list[Req], out: ScheduleOutput) -> int:
         """Slots the running requests will still need beyond this step: the rest of their

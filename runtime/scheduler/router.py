@@ -33,8 +33,8 @@ class RouterOptions:
 
 @dataclass(eq=False, slots=True)
 class _Node:
-    children: dict[int, "_Node"] = field(default_factory=dict)
-    parent: "_Node | None" = None
+    children: dict[int, _Node] = field(default_factory=dict)
+    parent: _Node | None = None
     token: int = -1
     used: dict[int, int] = field(default_factory=dict)  # replica -> tick of its last use
 
@@ -92,7 +92,9 @@ class CacheAwareRouter:
             child.used[replica] = self.tick
             node = child
         if self.sizes[replica] > self.options.max_tokens_per_replica:
-            self._evict(replica, self.sizes[replica] - self.options.max_tokens_per_replica * 9 // 10)
+            self._evict(
+                replica, self.sizes[replica] - self.options.max_tokens_per_replica * 9 // 10
+            )
 
     def forget(self, replica: int) -> None:
         """A replica died or was flushed: nothing is cached there any more."""
@@ -105,7 +107,10 @@ class CacheAwareRouter:
     def _unbalanced(self, loads: list[int]) -> bool:
         busiest, idlest = max(loads), min(loads)
         o = self.options
-        return busiest - idlest > o.balance_abs_threshold and busiest > o.balance_rel_threshold * idlest
+        return (
+            busiest - idlest > o.balance_abs_threshold
+            and busiest > o.balance_rel_threshold * idlest
+        )
 
     def _evict(self, replica: int, count: int) -> None:
         """Forgets `count` tokens of the replica, least recently used leaves first."""

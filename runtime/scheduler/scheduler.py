@@ -89,7 +89,13 @@ class Scheduler:
         self._aborts[rid] = message
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.grammars or self._finished_outside_step or self._aborts)
+        return bool(
+            self.running
+            or self.waiting
+            or self.grammars
+            or self._finished_outside_step
+            or self._aborts
+        )
 
     def pop_finished_outside_step(self) -> list[Req]:
         out, self._finished_outside_step = self._finished_outside_step, []
@@ -236,15 +242,21 @@ class Scheduler:
             self.cache.undo_step(item.req, item.slots)
         aborted = self.faults.step_failed(out.reqs)
         for req in aborted:
-            self.fail_request(req, f"the forward pass failed each time this request ran alone: {error!r}")
+            self.fail_request(
+                req, f"the forward pass failed each time this request ran alone: {error!r}"
+            )
         return aborted
 
     def check_integrity(self) -> None:
         """Debug check after failures: KV accounting is exact, admitted requests hold
         distinct rows, queued ones hold none."""
         rows = [r.row for r in self.running]
-        assert None not in rows and len(set(rows)) == len(rows), "running requests share or lack rows"
-        assert all(r.row is None for r in [*self.waiting, *self.grammars.pending]), "a queued request holds a row"
+        assert None not in rows and len(set(rows)) == len(rows), (
+            "running requests share or lack rows"
+        )
+        assert all(r.row is None for r in [*self.waiting, *self.grammars.pending]), (
+            "a queued request holds a row"
+        )
         self.cache.check_integrity(self.running)
 
     def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
@@ -259,7 +271,11 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
             return
         reason = self.stops.check(req, 1)
-        if reason is None and req.cursor is not None and not self.constraint_options.disable_jump_forward:
+        if (
+            reason is None
+            and req.cursor is not None
+            and not self.constraint_options.disable_jump_forward
+        ):
             reason = self._jump_forward(req)
         if reason is not None:
             self._finish(req, reason)
@@ -267,7 +283,9 @@ class Scheduler:
     def _jump_forward(self, req: Req) -> FinishReason | None:
         """Appends the text the grammar forces now, re-tokenized canonically; the new tokens
         are computed in one extend pass next step instead of one decode step each."""
-        jump = req.cursor.jump_forward(req.output_ids, self.stops.tokenizer, self.constraint_options.jump_forward_min_chars)
+        jump = req.cursor.jump_forward(
+            req.output_ids, self.stops.tokenizer, self.constraint_options.jump_forward_min_chars
+        )
         if jump is None:
             return None
         kept = req.output_ids[: len(req.output_ids) - jump.rollback]
@@ -296,4 +314,3 @@ class Scheduler:
         self.stats.requests_finished += 1
         if self.on_release is not None:
             self.on_release(req)
-

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from spruce.runtime.errors import INTERNAL_ERROR, InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.http.common import (

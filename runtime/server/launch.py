@@ -40,8 +40,9 @@ import time
 import uvicorn
 import zmq
 import zmq.asyncio
-from spruce.runtime.config import ServerOptions
+
 from spruce.constrained.convert import Conversion
+from spruce.runtime.config import ServerOptions
 from spruce.runtime.core.validation import ModelLimits
 from spruce.runtime.errors import ModelLoadError, SpruceError
 from spruce.runtime.limits import ServingLimits
@@ -68,7 +69,9 @@ def serve(options: ServerOptions, engine_options: dict) -> int:
     if is_follower_rank(engine_options):
         return run_follower_rank(engine_options)
     if options.dp > 1 and engine_options.get("dist_init_addr"):
-        raise StartupError("--dp > 1 runs each replica's --tp ranks on this machine: drop --dist-init-addr")
+        raise StartupError(
+            "--dp > 1 runs each replica's --tp ranks on this machine: drop --dist-init-addr"
+        )
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     ipc_dir = tempfile.mkdtemp(prefix="spruce-")  # 0700: no other user can reach the sockets
     try:
@@ -93,7 +96,9 @@ def run_follower_rank(engine_options: dict) -> int:
 
     config = EngineConfig.from_options(**engine_options)
     where = place(config)
-    logger.info("tensor-parallel rank %d of %d: following rank 0 (no front end)", where.rank, where.world)
+    logger.info(
+        "tensor-parallel rank %d of %d: following rank 0 (no front end)", where.rank, where.world
+    )
     run_follower(config, where)
     return 0
 
@@ -195,7 +200,9 @@ class Launcher:
     def _start_schedulers(self) -> None:
         from spruce.runtime.server.scheduler_process import run_scheduler
 
-        level = self.engine_options.get("log_level") or logging.getLevelName(logging.getLogger().level)
+        level = self.engine_options.get("log_level") or logging.getLevelName(
+            logging.getLogger().level
+        )
         spawn = multiprocessing.get_context("spawn")
         for replica, inbox in enumerate(self.to_schedulers):
             name = "spruce-scheduler" if self.options.dp == 1 else f"spruce-scheduler-{replica}"
@@ -204,7 +211,12 @@ class Launcher:
             proc.start()
             self.schedulers.append(proc)
             folder = os.path.dirname(inbox.removeprefix("ipc://"))
-            logger.info("scheduler process %d started (%s; sockets in %s); loading the model", proc.pid, name, folder)
+            logger.info(
+                "scheduler process %d started (%s; sockets in %s); loading the model",
+                proc.pid,
+                name,
+                folder,
+            )
 
     async def _wait_ready(self, receiver) -> Ready | None:
         """Every replica's Ready (the first one's is returned), or a StartupError."""
@@ -219,24 +231,35 @@ class Launcher:
                     raise StartupError(f"the model could not be loaded: {msg.message}")
             elif any(not p.is_alive() for p in self.schedulers):
                 code = next(p.exitcode for p in self.schedulers if not p.is_alive())
-                raise StartupError(f"the scheduler process exited while starting (exit code {code})")
+                raise StartupError(
+                    f"the scheduler process exited while starting (exit code {code})"
+                )
             elif time.monotonic() > deadline:
-                raise StartupError(f"the model did not load within {self.options.startup_timeout_s:g} s")
+                raise StartupError(
+                    f"the model did not load within {self.options.startup_timeout_s:g} s"
+                )
         return ready.get(0) if len(ready) == len(self.schedulers) else None
 
     async def _serve(self, ready: Ready, senders, receiver, router) -> None:
         from spruce.runtime.models.loading.files import load_tokenizer
         from spruce.runtime.server.app import build_app
-        from spruce.runtime.server.scheduler_process import freeze_heap  # imported already: it started the schedulers
+        from spruce.runtime.server.scheduler_process import (
+            freeze_heap,  # imported already: it started the schedulers
+        )
 
         tokenizer = await asyncio.to_thread(load_tokenizer, ready.model_path)
         _set_chat_formats(tokenizer, self.options)
         name = self.options.served_model_name or ready.model_name
         c = ready.config["constraint"]
         conversion = Conversion(
-            c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"], c["grammar_memory_mb"], c["grammar_backend"]
+            c["grammar_whitespace_pattern"] or "",
+            c["grammar_timeout_s"],
+            c["grammar_memory_mb"],
+            c["grammar_backend"],
         )
-        limits = ModelLimits(ready.vocab_size, ready.context_length, self.options.request_limits, conversion)
+        limits = ModelLimits(
+            ready.vocab_size, ready.context_length, self.options.request_limits, conversion
+        )
         pools = FrontPools(self.options.serving_limits.retry_after_s)
         model = self.model = ModelContext(tokenizer, name, ready.model_path, limits, pools)
         metrics = Metrics()
@@ -254,17 +277,25 @@ class Launcher:
             stats = lambda: self.manager.control("stats", self.options.health_timeout_s)
             in_flight = lambda: self.manager.in_flight
             period = self.options.throughput_log_s
-            self.supervisor.start("throughput-log", lambda: metrics.log_throughput(period, stats, in_flight))
+            self.supervisor.start(
+                "throughput-log", lambda: metrics.log_throughput(period, stats, in_flight)
+            )
         self._watch_schedulers()
         if self.options.parent_pid:
-            self.supervisor.start("parent-watch", lambda: self._watch_parent(self.options.parent_pid))
+            self.supervisor.start(
+                "parent-watch", lambda: self._watch_parent(self.options.parent_pid)
+            )
         self.guard.app = build_app(self, model, metrics, ready)
         self._announce(ready, name)
         await self.stopping.wait()  # set once in-flight requests are done or aborted
 
     def _announce(self, ready: Ready, name: str) -> None:
         host, port = self.options.host, self.options.port
-        replicas = f", {self.options.dp} replicas ({self.options.router_policy} routing)" if self.options.dp > 1 else ""
+        replicas = (
+            f", {self.options.dp} replicas ({self.options.router_policy} routing)"
+            if self.options.dp > 1
+            else ""
+        )
         print(
             f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots{replicas})\n"
             f"  HTTP    http://{host}:{port}  (native: /generate; OpenAI: /v1; /health, /metrics)\n"
@@ -300,12 +331,18 @@ class Launcher:
         if self.stopping.is_set() and self.draining:
             return  # expected during shutdown
         proc.join(0.1)
-        who = "the scheduler process" if len(self.schedulers) == 1 else f"scheduler replica {replica} (pid {proc.pid})"
+        who = (
+            "the scheduler process"
+            if len(self.schedulers) == 1
+            else f"scheduler replica {replica} (pid {proc.pid})"
+        )
         reason = f"{who} exited unexpectedly (exit code {proc.exitcode})"
         self.manager.replica_died(replica, reason)
         if self.manager.dead is None and not self.options.exit_on_replica_death:
             left = len(self.manager.replicas.live())
-            logger.error("%s; its requests failed, serving on the %d other replica(s)", reason, left)
+            logger.error(
+                "%s; its requests failed, serving on the %d other replica(s)", reason, left
+            )
             return
         logger.error("%s; the server shuts down", reason)
         self.manager.scheduler_died(reason)
@@ -387,7 +424,9 @@ def _router(options: ServerOptions):
     from spruce.runtime.scheduler.router import RouterOptions, make_router
 
     thresholds = RouterOptions(
-        options.router_cache_threshold, options.router_balance_abs_threshold, options.router_balance_rel_threshold
+        options.router_cache_threshold,
+        options.router_balance_abs_threshold,
+        options.router_balance_rel_threshold,
     )
     try:
         return make_router(options.router_policy, options.dp, thresholds)
@@ -414,10 +453,16 @@ def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
     try:
         if options.chat_template:
             tokenizer.chat_template = read_chat_template(options.chat_template)
-        reasoning, tools = chat_formats(options.reasoning_parser, options.tool_call_parser, tokenizer.chat_template)
+        reasoning, tools = chat_formats(
+            options.reasoning_parser, options.tool_call_parser, tokenizer.chat_template
+        )
     except (ModelLoadError, ValueError) as e:
         raise StartupError(str(e)) from None
-    logger.info("chat: reasoning parser %s, tool-call format %s", reasoning.name if reasoning else "none", tools.name)
+    logger.info(
+        "chat: reasoning parser %s, tool-call format %s",
+        reasoning.name if reasoning else "none",
+        tools.name,
+    )
 
 
 def _bind_http(host: str, port: int) -> socket.socket:
@@ -432,14 +477,20 @@ def _bind_http(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise StartupError(f"cannot listen on {host}:{port} ({e.strerror}); pick another port with --port") from None
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another port with --port"
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(False)
     return sock
 
 
 def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFrontend:
-    if options.host not in LOOPBACK_HOSTS and not options.api_key and not options.allow_unauthenticated_zmq:
+    if (
+        options.host not in LOOPBACK_HOSTS
+        and not options.api_key
+        and not options.allow_unauthenticated_zmq
+    ):
         raise StartupError(
             f"refusing to open the ZeroMQ port on {options.host} without authentication: set --api-key "
             "(DSL clients then send it: sl.RuntimeEndpoint(address, api_key=...)), or pass "
@@ -450,7 +501,9 @@ def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFronte
         budget = options.serving_limits.max_zmq_bytes_per_client
         return ZmqFrontend(context, address, options.max_request_bytes, options.api_key, budget)
     except zmq.ZMQError as e:
-        raise StartupError(f"cannot listen on {address} ({e}); pick another port with --zmq-port") from None
+        raise StartupError(
+            f"cannot listen on {address} ({e}); pick another port with --zmq-port"
+        ) from None
 
 
 def _zmq_host(host: str) -> str:

@@ -47,8 +47,12 @@ class Metrics:
         )  # fmt: skip
         self.running = Gauge("spruce_running_requests", "requests running", registry=registry)
         self.waiting = Gauge("spruce_waiting_requests", "requests waiting", registry=registry)
-        self.kv_used = Gauge("spruce_kv_slots_used", "KV slots in use, cached ones included", registry=registry)
-        self.kv_total = Gauge("spruce_kv_slots_total", "KV pool size in token slots", registry=registry)
+        self.kv_used = Gauge(
+            "spruce_kv_slots_used", "KV slots in use, cached ones included", registry=registry
+        )
+        self.kv_total = Gauge(
+            "spruce_kv_slots_total", "KV pool size in token slots", registry=registry
+        )
         self.kv_usage = Gauge("spruce_kv_usage_ratio", "KV slots used / total", registry=registry)
         self.kv_locked = Gauge(
             "spruce_kv_locked_tokens", "cached tokens held by running requests", registry=registry
@@ -58,7 +62,10 @@ class Metrics:
             ["outcome"], registry=registry,
         )  # fmt: skip
         self.task_restarts = Counter(
-            "spruce_task_restarts", "front-end tasks restarted after a failure", ["task"], registry=registry
+            "spruce_task_restarts",
+            "front-end tasks restarted after a failure",
+            ["task"],
+            registry=registry,
         )
         self.refused = Counter(
             "spruce_refused_requests", "calls refused for load: 503 full, 429 per-client cap", ["status"],
@@ -72,7 +79,10 @@ class Metrics:
         unlabelled ones above are the totals."""
         by_replica = ["replica"]
         self.replica_requests = Counter(
-            "spruce_replica_requests", "finished requests, by replica", by_replica, registry=registry
+            "spruce_replica_requests",
+            "finished requests, by replica",
+            by_replica,
+            registry=registry,
         )
         self.replica_prompt_tokens = Counter(
             "spruce_replica_prompt_tokens", "prompt tokens of finished requests, by replica", by_replica,
@@ -82,15 +92,26 @@ class Metrics:
             "spruce_replica_cached_tokens", "prompt tokens served from the prefix cache, by replica", by_replica,
             registry=registry,
         )  # fmt: skip
-        self.replica_up = Gauge("spruce_replica_up", "1 while the replica is alive", by_replica, registry=registry)
+        self.replica_up = Gauge(
+            "spruce_replica_up", "1 while the replica is alive", by_replica, registry=registry
+        )
         self.replica_running = Gauge(
-            "spruce_replica_running_requests", "requests running, by replica", by_replica, registry=registry
+            "spruce_replica_running_requests",
+            "requests running, by replica",
+            by_replica,
+            registry=registry,
         )
         self.replica_waiting = Gauge(
-            "spruce_replica_waiting_requests", "requests waiting, by replica", by_replica, registry=registry
+            "spruce_replica_waiting_requests",
+            "requests waiting, by replica",
+            by_replica,
+            registry=registry,
         )
         self.replica_kv_usage = Gauge(
-            "spruce_replica_kv_usage_ratio", "KV slots used / total, by replica", by_replica, registry=registry
+            "spruce_replica_kv_usage_ratio",
+            "KV slots used / total, by replica",
+            by_replica,
+            registry=registry,
         )
 
     # -- feeding ------------------------------------------------------------------------------
@@ -98,7 +119,11 @@ class Metrics:
     def on_finished(self, state, event, update) -> None:
         meta = event.result["meta_info"]
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
-        prompt, completion, cached = meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
+        prompt, completion, cached = (
+            meta["prompt_tokens"],
+            meta["completion_tokens"],
+            meta["cached_tokens"],
+        )
         latency = time.perf_counter() - state.call.started
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt)
@@ -116,7 +141,12 @@ class Metrics:
         self.window.add()
         logger.info(
             "finished %s: prompt %d, completion %d, cached %d tokens, %.3f s, %s",
-            state.client_rid, prompt, completion, cached, latency, reason,
+            state.client_rid,
+            prompt,
+            completion,
+            cached,
+            latency,
+            reason,
         )
 
     def on_failed(self, state, message: str, status: int) -> None:
@@ -134,7 +164,9 @@ class Metrics:
             replica = str(one["replica"])
             self.replica_running.labels(replica).set(one["running_requests"])
             self.replica_waiting.labels(replica).set(one["waiting_requests"])
-            self.replica_kv_usage.labels(replica).set(one["kv_slots_used"] / max(one["kv_slots_total"], 1))
+            self.replica_kv_usage.labels(replica).set(
+                one["kv_slots_used"] / max(one["kv_slots_total"], 1)
+            )
 
     def refresh_liveness(self, replicas) -> None:
         """`replicas`: replicas.Replica records (dead ones included)."""
@@ -172,8 +204,12 @@ def _log_rates(before: dict, now: dict, finished: int) -> None:
     logger.info(
         "throughput: %.2f req/s, prompt %.1f tokens/s, generation %.1f tokens/s; running %d, waiting %d, "
         "KV pool %.1f%% used",
-        finished / seconds, prompt / seconds, generated / seconds, now["running_requests"],
-        now["waiting_requests"], 100 * now["kv_slots_used"] / max(now["kv_slots_total"], 1),
+        finished / seconds,
+        prompt / seconds,
+        generated / seconds,
+        now["running_requests"],
+        now["waiting_requests"],
+        100 * now["kv_slots_used"] / max(now["kv_slots_total"], 1),
     )
 
 

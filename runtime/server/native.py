@@ -15,8 +15,8 @@ from spruce.runtime.core.validation import (
     ValidRequest,
     batch_inputs,
     check_batch_size,
-    check_response_size,
     check_options,
+    check_response_size,
     sampling_list,
     validate_request,
 )  # fmt: skip
@@ -26,7 +26,6 @@ from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
 from spruce.runtime.server.work_pool import FrontPools
 from spruce.runtime.text.tokenizer import Tokenizer
-
 
 LONG_TEXT_CHARS = 32_768  # prompt text beyond which tokenizing is done off the event loop
 
@@ -40,7 +39,9 @@ class ModelContext:
     name: str
     path: str
     limits: ModelLimits
-    pools: FrontPools = field(default_factory=FrontPools, compare=False, repr=False)  # off-loop work
+    pools: FrontPools = field(
+        default_factory=FrontPools, compare=False, repr=False
+    )  # off-loop work
 
     @property
     def context_length(self) -> int:
@@ -63,18 +64,24 @@ class ModelContext:
             "eos_token": self.tokenizer.eos_token,
         }
 
-    def prepare(self, prompt: str | list[int], sampling: SamplingParams, options: RequestOptions) -> ValidRequest:
+    def prepare(
+        self, prompt: str | list[int], sampling: SamplingParams, options: RequestOptions
+    ) -> ValidRequest:
         """Tokenizes and validates one request; InvalidRequestError says what to change."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return validate_request(ids, sampling, options, self.limits)
 
-    def _tokenized(self, requests: list[tuple[str | list[int], SamplingParams]]) -> list[tuple[list[int], SamplingParams]]:
+    def _tokenized(
+        self, requests: list[tuple[str | list[int], SamplingParams]]
+    ) -> list[tuple[list[int], SamplingParams]]:
         """Each request's prompt as token ids; a call's n samples share one prompt object,
         tokenized once."""
         ids_of: dict[int, list[int]] = {}
         for prompt, _ in requests:
             if id(prompt) not in ids_of:
-                ids_of[id(prompt)] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                ids_of[id(prompt)] = (
+                    self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                )
         return [(ids_of[id(prompt)], sampling) for prompt, sampling in requests]
 
     async def prepare_all(
@@ -98,7 +105,9 @@ class ModelContext:
         return work()
 
 
-async def prepare_generate(msg: GenerateMsg, model: ModelContext) -> tuple[list[ValidRequest], bool]:
+async def prepare_generate(
+    msg: GenerateMsg, model: ModelContext
+) -> tuple[list[ValidRequest], bool]:
     """(the ValidRequests: n per prompt, prompt-major as SGLang orders them; whether the
     call was a single prompt with n = 1, answered by one result rather than a list)."""
     limits = model.limits.request
@@ -118,11 +127,17 @@ def parallel_samples(sampling: Any, limits: RequestLimits) -> tuple[Any, int]:
     dicts = sampling if isinstance(sampling, list) else [sampling]
     counts = {d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts}
     if len(counts) > 1:
-        raise InvalidRequestError(f"n must be the same in every sampling_params of a batch; got {sorted(counts)}")
+        raise InvalidRequestError(
+            f"n must be the same in every sampling_params of a batch; got {sorted(counts)}"
+        )
     n = counts.pop() if counts else 1  # an empty list: sampling_list says what is wrong
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
-        raise InvalidRequestError(f"n must be an integer from 1 to {limits.max_n} (--max-n); got {n!r}")
-    stripped = [{k: v for k, v in d.items() if k != "n"} if isinstance(d, dict) else d for d in dicts]
+        raise InvalidRequestError(
+            f"n must be an integer from 1 to {limits.max_n} (--max-n); got {n!r}"
+        )
+    stripped = [
+        {k: v for k, v in d.items() if k != "n"} if isinstance(d, dict) else d for d in dicts
+    ]
     return (stripped if isinstance(sampling, list) else stripped[0]), n
 
 
@@ -131,7 +146,9 @@ def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
     return sampling if j == 0 or sampling.seed is None else sampling.replace(seed=sampling.seed + j)
 
 
-def present_meta(meta: dict[str, Any], options: RequestOptions, model: ModelContext) -> dict[str, Any]:
+def present_meta(
+    meta: dict[str, Any], options: RequestOptions, model: ModelContext
+) -> dict[str, Any]:
     """A result's meta_info as the caller asked for it: with return_text_in_logprobs, each
     logprob entry [logprob, token_id] (top entries too) gets the token's text as a third item."""
     if not options.return_text_in_logprobs:
@@ -142,11 +159,15 @@ def present_meta(meta: dict[str, Any], options: RequestOptions, model: ModelCont
             out[key] = [_with_text(entry, model) for entry in out[key]]
     for key in ("input_top_logprobs", "output_top_logprobs"):
         if out.get(key) is not None:
-            out[key] = [None if top is None else [_with_text(e, model) for e in top] for top in out[key]]
+            out[key] = [
+                None if top is None else [_with_text(e, model) for e in top] for top in out[key]
+            ]
     return out
 
 
-def present_result(result: dict[str, Any], options: RequestOptions, model: ModelContext) -> dict[str, Any]:
+def present_result(
+    result: dict[str, Any], options: RequestOptions, model: ModelContext
+) -> dict[str, Any]:
     return {**result, "meta_info": present_meta(result["meta_info"], options, model)}
 
 
@@ -163,7 +184,6 @@ def request_options(msg: GenerateMsg, limits: RequestLimits) -> RequestOptions:
     )  # fmt: skip
     check_options(options, limits)
     return options
-
 
 
 # -- shared by the HTTP and ZeroMQ front ends ------------------------------------------------

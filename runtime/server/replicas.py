@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+
 from spruce.runtime.protocol.ipc import encode
 from spruce.runtime.scheduler.router import CacheAwareRouter
 
@@ -31,7 +32,9 @@ class Replica:
     running: int = 0  # from the replica's latest step output
     waiting: int = 0
     dead: str | None = None  # why, once the process is gone
-    heard_at: float = field(default_factory=time.monotonic)  # its latest message (a heartbeat at least)
+    heard_at: float = field(
+        default_factory=time.monotonic
+    )  # its latest message (a heartbeat at least)
     stalled: str | None = None  # why, while it has not been heard from for --scheduler-timeout-s
 
     def info(self) -> dict:

@@ -49,9 +49,11 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
+
 from spruce.runtime.core.validation import ValidRequest
 from spruce.runtime.limits import ServingLimits
 from spruce.runtime.protocol.ipc import (
+    UPDATE_FAILED,
     AbortRequests,
     ControlReply,
     ControlRequest,
@@ -59,7 +61,6 @@ from spruce.runtime.protocol.ipc import (
     RequestFailed,
     RequestSpec,
     ReqUpdate,
-    UPDATE_FAILED,
     StepOutput,
     decode,
 )
@@ -134,7 +135,9 @@ class RequestManager:
         self.states: dict[str, RequestState] = {}
         self.replies: dict[int, tuple[int, asyncio.Future]] = {}  # control id -> (replica, reply)
         self.control_ids = itertools.count()
-        self.observer = observer  # metrics: on_finished(state, event, update), on_failed(state, ...)
+        self.observer = (
+            observer  # metrics: on_finished(state, event, update), on_failed(state, ...)
+        )
         self.dead: str | None = None  # why the scheduler (every replica) is unusable, once it is
 
     @property
@@ -144,7 +147,10 @@ class RequestManager:
     # -- requests ---------------------------------------------------------------------------
 
     def submit(
-        self, items: list[ValidRequest], rids: list[str] | None = None, client_rids: list[str] | None = None,
+        self,
+        items: list[ValidRequest],
+        rids: list[str] | None = None,
+        client_rids: list[str] | None = None,
         client: str = "",
     ) -> Call:
         """Registers and sends the requests; their events arrive on the returned Call.
@@ -181,7 +187,10 @@ class RequestManager:
     def _admit(self, rids: list[str], client: str) -> None:
         busy = [r for r in rids if r in self.states]
         if busy or len(set(rids)) != len(rids):
-            raise Refused(400, f"request id(s) already in flight or repeated: {(busy or rids)[:5]}; use new ids")
+            raise Refused(
+                400,
+                f"request id(s) already in flight or repeated: {(busy or rids)[:5]}; use new ids",
+            )
         retry = self.limits.retry_after_s
         live = self.replicas.live()
         if live and all(r.stalled for r in live):
@@ -204,7 +213,9 @@ class RequestManager:
         timeouts = [v.options.timeout_s for v in items if v.options.timeout_s is not None]
         timeout = min(timeouts) if timeouts else self.limits.request_timeout_s
         if timeout is not None and call.pending:
-            call.deadline = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
+            call.deadline = asyncio.get_running_loop().call_later(
+                timeout, self._expire, call, timeout
+            )
 
     def _expire(self, call: Call, timeout: float) -> None:
         rids = [s.rid for s in call.states if not s.done]
@@ -230,7 +241,11 @@ class RequestManager:
     def in_flight_matching(self, rid: str) -> list[str]:
         """The request `rid` or, for a batch submitted under that rid, its `rid-<i>` items."""
         prefix = rid + "-"
-        return [r for r in self.states if r == rid or (r.startswith(prefix) and r[len(prefix) :].isdigit())]
+        return [
+            r
+            for r in self.states
+            if r == rid or (r.startswith(prefix) and r[len(prefix) :].isdigit())
+        ]
 
     # -- control round trips ---------------------------------------------------------------
 
@@ -254,7 +269,9 @@ class RequestManager:
             reply: ControlReply = await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             who = "the scheduler" if len(self.replicas) == 1 else f"scheduler replica {replica}"
-            raise SchedulerUnavailable(f"{who} did not answer {command!r} within {timeout:g} s") from None
+            raise SchedulerUnavailable(
+                f"{who} did not answer {command!r} within {timeout:g} s"
+            ) from None
         finally:
             self.replies.pop(msg_id, None)
         if not reply.ok:
@@ -275,7 +292,7 @@ class RequestManager:
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, StepOutput):
-                self._on_step(msg)
+            self._on_step(msg)
         elif isinstance(msg, RequestFailed):
             state = self.states.get(msg.rid)
             if state is not None:
@@ -412,4 +429,6 @@ class RequestManager:
 
 def _spec(rid: str, valid: ValidRequest) -> RequestSpec:
     constraint = valid.constraint.to_dict() if valid.constraint is not None else None
-    return RequestSpec(rid, valid.input_ids, valid.sampling.to_dict(), valid.options.to_dict(), constraint)
+    return RequestSpec(
+        rid, valid.input_ids, valid.sampling.to_dict(), valid.options.to_dict(), constraint
+    )

@@ -14,7 +14,12 @@ from spruce.runtime.text.detokenizer import OutputText
 if TYPE_CHECKING:
     from spruce.runtime.server.request_manager import Call
 
-LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs")
+LOGPROB_KEYS = (
+    "input_token_logprobs",
+    "output_token_logprobs",
+    "input_top_logprobs",
+    "output_top_logprobs",
+)
 
 
 @dataclass(slots=True)
@@ -53,9 +58,21 @@ class RequestState:
     )  # fmt: skip
 
     def __init__(
-        self, rid: str, client_rid: str, index: int, call: Call, valid: ValidRequest, client: str = ""
+        self,
+        rid: str,
+        client_rid: str,
+        index: int,
+        call: Call,
+        valid: ValidRequest,
+        client: str = "",
     ) -> None:
-        self.rid, self.client_rid, self.index, self.call, self.client = rid, client_rid, index, call, client
+        self.rid, self.client_rid, self.index, self.call, self.client = (
+            rid,
+            client_rid,
+            index,
+            call,
+            client,
+        )
         self.shadow = Req(rid=rid, prompt_ids=valid.input_ids, sampling=valid.sampling)
         self.text = OutputText(call.tokenizer, self.shadow)
         self.stream = valid.options.stream
@@ -63,7 +80,9 @@ class RequestState:
         self.replica = 0  # the scheduler replica it runs on
         self.done = False
         self.aborted = False  # the front end asked for the abort (client gone, shutdown)
-        self.error: tuple[int, str] | None = None  # the front end aborted it as a failure: (status, message)
+        self.error: tuple[int, str] | None = (
+            None  # the front end aborted it as a failure: (status, message)
+        )
 
     def apply(self, u: ReqUpdate) -> Event:
         out = self.shadow.output_ids
@@ -105,9 +124,15 @@ class RequestState:
         meta = dict(u.meta_info)
         meta["id"] = self.client_rid
         if self.stream:  # a chunk's logprobs are those of its own tokens
-            event.meta_info = {k: v for k, v in meta.items() if k not in LOGPROB_KEYS} | (u.logprobs or {})
+            event.meta_info = {k: v for k, v in meta.items() if k not in LOGPROB_KEYS} | (
+                u.logprobs or {}
+            )
         else:
             event.meta_info = meta
         event.finished = True
-        event.result = {"text": self.text.text, "output_ids": list(self.shadow.output_ids), "meta_info": meta}
+        event.result = {
+            "text": self.text.text,
+            "output_ids": list(self.shadow.output_ids),
+            "meta_info": meta,
+        }
         return event

@@ -25,31 +25,31 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from spruce.runtime.text.detokenizer import meta_info
-from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.executor.distributed import RankLost
-from spruce.runtime.core.request import Req
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.executor.distributed import RankLost
 from spruce.runtime.protocol.ipc import (
+    HEARTBEAT_S,
+    UPDATE_FAILED,
     AbortRequests,
     ControlReply,
     ControlRequest,
-    HEARTBEAT_S,
     Heartbeat,
     NewRequests,
     Ready,
-    ReqUpdate,
     RequestFailed,
     RequestSpec,
+    ReqUpdate,
     StartupFailed,
-    UPDATE_FAILED,
     StepOutput,
     decode,
     encode,
 )
+from spruce.runtime.text.detokenizer import meta_info
 
 logger = logging.getLogger("spruce.scheduler")
 MAX_CONSECUTIVE_STEP_ERRORS = 3
@@ -59,8 +59,12 @@ PARENT_CHECK_S = 0.5
 def run_scheduler(options: dict, inbox: str, outbox: str, log_level: str, replica: int = 0) -> None:
     """Entry point of the spawned process: load the model, say Ready, serve until told to stop.
     `replica`: this scheduler's index under --dp, written into every message it sends."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the front end drains
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the whole group; the front end drains
     watch_parent(os.getppid(), os.path.dirname(inbox.removeprefix("ipc://")))
     context = zmq.Context()
     receiver = context.socket(zmq.PULL)
@@ -209,7 +213,9 @@ class SchedulerLoop:
         """The front end validated the request (core.validation); it is trusted here."""
         constraint = ConstraintSpec(**spec.constraint) if spec.constraint is not None else None
         options = RequestOptions.from_dict(spec.options)
-        valid = ValidRequest(spec.input_ids, SamplingParams.from_dict(spec.sampling_params), options, constraint)
+        valid = ValidRequest(
+            spec.input_ids, SamplingParams.from_dict(spec.sampling_params), options, constraint
+        )
         return self.core.add_request(valid, rid=spec.rid)
 
     def _on_abort(self, msg: AbortRequests) -> None:
@@ -225,7 +231,11 @@ class SchedulerLoop:
             return
         except Exception:
             logger.exception("control command %r failed", msg.command)
-            self._send(ControlReply(msg.id, ok=False, error=f"internal error in {msg.command} (see the server log)"))
+            self._send(
+                ControlReply(
+                    msg.id, ok=False, error=f"internal error in {msg.command} (see the server log)"
+                )
+            )
             return
         self._send(ControlReply(msg.id, ok=True, data=data))
 
@@ -323,7 +333,9 @@ class SchedulerLoop:
         their slots at the next step. Repeated failures mean a broken state: exit, so the
         server goes down (and is restarted) rather than answering wrongly."""
         self.step_errors += 1
-        logger.error("a scheduler step failed; failing %d request(s):\n%s", len(self.tracked), trace)
+        logger.error(
+            "a scheduler step failed; failing %d request(s):\n%s", len(self.tracked), trace
+        )
         self._fail_all("internal error in the scheduler (see the server log)", 500)
         if self.step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
             raise RuntimeError("the scheduler failed repeatedly; exiting")
@@ -364,7 +376,9 @@ def _new_logprobs(tracked: Tracked, req: Req) -> dict[str, list]:
     out = {"output_token_logprobs": [list(x) for x in lp.output_token_logprobs[start:]]}
     if req.options.top_logprobs_num:
         out["output_top_logprobs"] = [_pairs(t) for t in lp.output_top_logprobs[start:]]
-    if not tracked.input_logprobs_sent and (lp.input_token_logprobs or req.output_ids or req.finished):
+    if not tracked.input_logprobs_sent and (
+        lp.input_token_logprobs or req.output_ids or req.finished
+    ):
         tracked.input_logprobs_sent = True
         out["input_token_logprobs"] = [list(x) for x in lp.input_token_logprobs]
         if req.options.top_logprobs_num:

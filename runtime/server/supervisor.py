@@ -44,7 +44,9 @@ class Supervisor:
             return self.gave_up
         if self.down:
             down = self.down.items()
-            return "; ".join(f"the {name} task failed and is restarting" for name, _ in down)  # why: in the log
+            return "; ".join(
+                f"the {name} task failed and is restarting" for name, _ in down
+            )  # why: in the log
         return None
 
     async def _run(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
@@ -66,7 +68,9 @@ class Supervisor:
         while failures and failures[0] < now - self.window_s:
             failures.popleft()
         if len(failures) > self.max_restarts:
-            self.gave_up = f"the {name} task failed {len(failures)} times within {self.window_s:g} s"
+            self.gave_up = (
+                f"the {name} task failed {len(failures)} times within {self.window_s:g} s"
+            )
             logger.error("%s (last: %r); giving up", self.gave_up, error)
             self.on_give_up(self.gave_up)
             return False

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from spruce.runtime.limits import ServingLimits
 from spruce.runtime.server.request_manager import Refused
@@ -17,7 +18,11 @@ from spruce.runtime.server.request_manager import Refused
 
 class WorkPool:
     def __init__(
-        self, name: str, threads: int, max_waiting: int, retry_after_s: int = ServingLimits.retry_after_s
+        self,
+        name: str,
+        threads: int,
+        max_waiting: int,
+        retry_after_s: int = ServingLimits.retry_after_s,
     ) -> None:
         self.name, self.retry_after_s = name, retry_after_s
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix=f"spruce-{name}")
@@ -28,7 +33,11 @@ class WorkPool:
         cancelled before it starts), even when the caller is cancelled because its client
         left: the bound counts the work that really runs."""
         if not self.slots.acquire(blocking=False):
-            raise Refused(503, f"the server's {self.name} workers are all busy; retry later", self.retry_after_s)
+            raise Refused(
+                503,
+                f"the server's {self.name} workers are all busy; retry later",
+                self.retry_after_s,
+            )
         try:
             future = self.executor.submit(fn, *args)
         except BaseException:

@@ -22,6 +22,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.errors import INTERNAL_ERROR, InvalidRequestError
 from spruce.runtime.protocol import dsl as protocol
@@ -48,7 +49,9 @@ from spruce.runtime.server.native import (
 from spruce.runtime.server.request_manager import Call, Refused, RequestManager
 
 logger = logging.getLogger("spruce.server")
-SEND_TIMEOUT_S = 10.0  # a reply the client's full queue does not take in this time: the client is gone
+SEND_TIMEOUT_S = (
+    10.0  # a reply the client's full queue does not take in this time: the client is gone
+)
 ROUTER_RCVHWM = 16  # messages queued per client before its sends wait (libzmq's default: 1,000)
 UNAUTHORIZED = "missing or wrong API key: send the server's --api-key in the message envelope (protocol/dsl.py)"
 
@@ -74,8 +77,12 @@ class ZmqFrontend:
         self.model: ModelContext | None = None
         self.metrics: Metrics | None = None
         self.calls: dict[tuple[bytes, str], Call] = {}
-        self.claimed: set[tuple[bytes, str]] = set()  # (identity, rid) of every generate being handled
-        self.bytes_in_flight: dict[bytes, int] = {}  # per identity: the sizes of messages being handled
+        self.claimed: set[tuple[bytes, str]] = (
+            set()
+        )  # (identity, rid) of every generate being handled
+        self.bytes_in_flight: dict[
+            bytes, int
+        ] = {}  # per identity: the sizes of messages being handled
         self.tasks: set[asyncio.Task] = set()
         self.accepting = True
         self.handlers = {
@@ -106,7 +113,9 @@ class ZmqFrontend:
         elif len(parts) == 1:
             self._on_bare(identity, parts[0])
         else:
-            self._bad_frame(None, f"a ZeroMQ message of {len(parts)} frames (expected 3: rid, api_key, body)")
+            self._bad_frame(
+                None, f"a ZeroMQ message of {len(parts)} frames (expected 3: rid, api_key, body)"
+            )
 
     def _on_envelope(self, identity: bytes, rid_frame: bytes, key: bytes, body: bytes) -> None:
         """Checks in order of cost; the body is read only once the rest has passed."""
@@ -141,7 +150,9 @@ class ZmqFrontend:
                 raise InvalidRequestError("the body's rid differs from the envelope's")
             handler = self.handlers.get(type(msg))
             if handler is None:
-                raise InvalidRequestError(f"{msg.type!r} is a server message; send one of {_client_types()}")
+                raise InvalidRequestError(
+                    f"{msg.type!r} is a server message; send one of {_client_types()}"
+                )
         except InvalidRequestError as e:
             self._bad_frame(identity, str(e), protocol.rid_of(body) if rid is None else rid)
             return
@@ -155,10 +166,14 @@ class ZmqFrontend:
         """Answered only if the client's queue takes it now: nothing waits on such a client."""
         if self.metrics is not None:
             self.metrics.zmq_bad_frames.labels("unauthorized").inc()
-        future = self.socket.send_multipart([identity, protocol.encode(ErrorMsg(rid, UNAUTHORIZED, 401))], zmq.NOBLOCK)
+        future = self.socket.send_multipart(
+            [identity, protocol.encode(ErrorMsg(rid, UNAUTHORIZED, 401))], zmq.NOBLOCK
+        )
         future.add_done_callback(_ignore_outcome)
 
-    def _bad_frame(self, identity: bytes | None, message: str, rid: str | None = None, status: int = 400) -> None:
+    def _bad_frame(
+        self, identity: bytes | None, message: str, rid: str | None = None, status: int = 400
+    ) -> None:
         """A message that is not valid: an error reply if it has a rid, else dropped."""
         answered = identity is not None and bool(rid)
         if self.metrics is not None:
@@ -190,7 +205,10 @@ class ZmqFrontend:
     async def _on_generate(self, identity: bytes, msg: GenerateMsg) -> None:
         key = (identity, msg.rid)
         if key in self.claimed:  # claimed before any await: a single and a batch may share no rid
-            await self._send(identity, ErrorMsg(msg.rid, f"request {msg.rid!r} is already in flight; use a new rid", 400))
+            await self._send(
+                identity,
+                ErrorMsg(msg.rid, f"request {msg.rid!r} is already in flight; use a new rid", 400),
+            )
             return
         self.claimed.add(key)
         try:
@@ -228,7 +246,9 @@ class ZmqFrontend:
         try:
             items, single = await prepare_generate(msg, self.model)
             if msg.stream and not single:
-                raise InvalidRequestError("streaming a batch is not supported; send one request per prompt")
+                raise InvalidRequestError(
+                    "streaming a batch is not supported; send one request per prompt"
+                )
         except InvalidRequestError as e:
             raise Refused(400, str(e)) from None
         client = f"z{identity.hex()}"
@@ -242,20 +262,31 @@ class ZmqFrontend:
             if event.error is not None:
                 await self._send(identity, ErrorMsg(rid, event.error, event.status))
                 return
-            chunk = ChunkMsg(rid, event.text, event.output_ids, present_meta(event.meta_info, options, self.model))
+            chunk = ChunkMsg(
+                rid,
+                event.text,
+                event.output_ids,
+                present_meta(event.meta_info, options, self.model),
+            )
             if (event.text or event.output_ids) and not await self._send(identity, chunk):
                 return  # the client is gone: its call is closed, nothing more to send
             if event.finished:
-                await self._send(identity, FinalMsg(rid, **present_result(event.result, options, self.model)))
+                await self._send(
+                    identity, FinalMsg(rid, **present_result(event.result, options, self.model))
+                )
 
-    async def _reply_final(self, identity: bytes, rid: str, call: Call, single: bool, options: RequestOptions) -> None:
+    async def _reply_final(
+        self, identity: bytes, rid: str, call: Call, single: bool, options: RequestOptions
+    ) -> None:
         events = await call.results()
         failed = batch_error(events, single)
         if failed is not None:
             status, message = failed
             await self._send(identity, ErrorMsg(rid, message, status))
         elif single:
-            await self._send(identity, FinalMsg(rid, **present_result(events[0].result, options, self.model)))
+            await self._send(
+                identity, FinalMsg(rid, **present_result(events[0].result, options, self.model))
+            )
         else:
             results = [present_result(e.result, options, self.model) for e in events]
             await self._send(identity, FinalMsg(rid, results=results))
@@ -283,7 +314,9 @@ class ZmqFrontend:
         the socket's high-water mark of replies unread for SEND_TIMEOUT_S counts as gone
         (its requests are aborted)."""
         try:
-            await asyncio.wait_for(self.socket.send_multipart([identity, protocol.encode(msg)]), SEND_TIMEOUT_S)
+            await asyncio.wait_for(
+                self.socket.send_multipart([identity, protocol.encode(msg)]), SEND_TIMEOUT_S
+            )
             return True
         except asyncio.TimeoutError:
             self._client_gone(identity, "the ZeroMQ client does not read its replies")

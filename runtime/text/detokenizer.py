@@ -10,7 +10,6 @@ from spruce.runtime.core.request import Req
 from spruce.runtime.text.stop import find_regex_stop, find_stop, stop_prefix_len
 from spruce.runtime.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
-
 CUSTOM_PARAMS_NOTE = "Spruce runs no custom logit processors; custom_params changed nothing"
 
 
@@ -65,7 +64,9 @@ class OutputText:
         found = find_stop(text, self.stops) if self.stops else None
         if found is not None:
             matches.append((found[0], found[0] + len(found[1])))
-        regex_found = find_regex_stop(text, self.stop_regex) if finished and self.stop_regex else None
+        regex_found = (
+            find_regex_stop(text, self.stop_regex) if finished and self.stop_regex else None
+        )
         if regex_found is not None:
             matches.append(regex_found[:2])
         if not matches:
@@ -126,7 +127,9 @@ def _schema_report(req: Req) -> dict[str, Any] | None:
         return None
     token_bytes = req.cursor.grammar.vocab.token_bytes
     data = b"".join(token_bytes[i] for i in req.output_ids if i < len(token_bytes))
-    return schema_report(req.cursor.grammar.spec, data.decode("utf-8", errors="replace"))  # the compiled spec: decided
+    return schema_report(
+        req.cursor.grammar.spec, data.decode("utf-8", errors="replace")
+    )  # the compiled spec: decided
 
 
 def _pairs(top):

@@ -20,7 +20,9 @@ def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
 STOP_REGEX_TAIL_TOKENS = 256  # a stop_regex match must lie within the output's last tokens
 
 
-def find_regex_stop(text: str, patterns: tuple[str, ...], start: int = 0) -> tuple[int, int, str] | None:
+def find_regex_stop(
+    text: str, patterns: tuple[str, ...], start: int = 0
+) -> tuple[int, int, str] | None:
     """Earliest match of any stop regex in text[start:]: (match start, match end, pattern).
     Matched in linear time (RE2, see constrained/core/linear_regex.py): this runs after every token."""
     best = None

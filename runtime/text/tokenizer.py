@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -73,10 +74,12 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------
 
     @classmethod
-    def from_folder(cls, folder: str, config: dict[str, Any] | None = None) -> "Tokenizer":
+    def from_folder(cls, folder: str, config: dict[str, Any] | None = None) -> Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
-            raise ModelLoadError(f"{folder} has no tokenizer.json (Spruce needs the fast tokenizer file)")
+            raise ModelLoadError(
+                f"{folder} has no tokenizer.json (Spruce needs the fast tokenizer file)"
+            )
         backend = tokenizers.Tokenizer.from_file(path)
         tok_config = _read_json(os.path.join(folder, "tokenizer_config.json"))
         gen_config = _read_json(os.path.join(folder, "generation_config.json"))
@@ -85,7 +88,9 @@ class Tokenizer:
         eos = _as_list(gen_config.get("eos_token_id")) or _as_list(config.get("eos_token_id"))
         eos_tok = _token_id(backend, tok_config.get("eos_token"))
         eos = set(eos) | ({eos_tok} if eos_tok is not None else set())
-        template = tok_config.get("chat_template") or _read_text(os.path.join(folder, "chat_template.jinja"))
+        template = tok_config.get("chat_template") or _read_text(
+            os.path.join(folder, "chat_template.jinja")
+        )
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(
@@ -97,7 +102,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(
@@ -195,7 +200,12 @@ class IncrementalDetokenizer:
     UTF-8 character. Decodes a small window (prefix_offset..) so that tokenizers which
     strip a leading space still join pieces correctly."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-4:]) if prompt_ids else []
@@ -207,7 +217,9 @@ class IncrementalDetokenizer:
         """Appends ids; returns the newly complete text (possibly empty)."""
         self.ids.extend(new_ids)
         decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        prefix_text = decode(
+            self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
         full_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
@@ -219,7 +231,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of a stream: whatever is held back (a trailing broken character)."""
         full_text = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        prefix_text = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
         delta = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
@@ -288,7 +302,9 @@ def _raise(message: str) -> None:
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -304,7 +320,9 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 
 # What the server passes to every chat template; request kwargs may not replace them.
-TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
+TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"}
+)
 
 
 @lru_cache(maxsize=16)
@@ -313,7 +331,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     blocks, loop controls, the generation tag, tojson with its keywords, raise_exception,
     strftime_now); cached by source. A syntax error is a jinja2.TemplateError."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
@@ -335,7 +355,7 @@ def read_chat_template(path: str) -> str:
         except (ValueError, AttributeError):
             template = None
         if not isinstance(template, str):
-            raise ModelLoadError(f"{path} has no \"chat_template\" string")
+            raise ModelLoadError(f'{path} has no "chat_template" string')
         return template
     try:
         compile_chat_template(text)

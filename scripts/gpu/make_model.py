@@ -1,6 +1,13 @@
 """Writes a random-weight model with SmolLM2-135M-Instruct's exact shape and tokenizer
 (the real weights are too large to send to the GPU machine)."""
-import json, shutil, sys, torch, transformers
+
+import json
+import shutil
+import sys
+
+import torch
+import transformers
+
 out = sys.argv[1]
 here = sys.argv[2]
 config = json.load(open(f"{here}/config.json"))

@@ -12,7 +12,11 @@ from spruce.constrained import ConstraintError, ConstraintSpec, GrammarCompiler,
 
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 LOOKAHEAD = {"type": "string", "pattern": "^(?!foo)[a-z]+$"}  # llguidance refuses lookaround
-REMOTE = {"type": "object", "properties": {"part": {"$ref": "https://example.com/p.json"}}, "required": ["part"]}
+REMOTE = {
+    "type": "object",
+    "properties": {"part": {"$ref": "https://example.com/p.json"}},
+    "required": ["part"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,10 @@ def test_auto_leaves_the_check_to_the_compile_and_says_so():
     ids=["llguidance named", "strict", "spruce named"],
 )
 def test_without_a_backend_to_fall_back_to_the_front_door_decides(options):
-    spec = make_spec(json_schema=UNIQUE if options.get("schema_mode") != "strict" else {"type": "integer"}, **options)
+    spec = make_spec(
+        json_schema=UNIQUE if options.get("schema_mode") != "strict" else {"type": "integer"},
+        **options,
+    )
     assert spec.fallback is None
     with pytest.raises(ConstraintError):
         make_spec(json_schema=LOOKAHEAD, backend="llguidance")
@@ -71,7 +78,9 @@ def test_options_reach_the_fallback_conversion(compiler):
 
 
 def test_a_compile_error_that_is_not_a_refusal_does_not_fall_back(tiny_tokenizer):
-    small = GrammarCompiler(tiny_tokenizer, grammar_bytes=1000)  # under llguidance's matcher estimate
+    small = GrammarCompiler(
+        tiny_tokenizer, grammar_bytes=1000
+    )  # under llguidance's matcher estimate
     try:
         with pytest.raises(ConstraintError, match="memory budget"):
             small.compile(make_spec(json_schema=UNIQUE))

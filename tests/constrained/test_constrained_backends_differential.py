@@ -14,8 +14,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from spruce.constrained import GrammarCompiler, make_spec
 from test_constrained_grammars import allowed_ids, byte_token_ids, mutate
+
+from spruce.constrained import GrammarCompiler, make_spec
 
 BACKENDS = ("spruce", "llguidance", "outlines")
 EXAMPLES = 12

@@ -16,8 +16,8 @@ from test_constrained_helpers import tiny_compiler  # noqa: F401  (a fixture)
 from spruce.constrained import ConstraintError, make_spec
 from spruce.constrained.automaton.byte_dfa import DEAD, ByteDFA
 from spruce.constrained.automaton.byte_nfa import _utf8_sequences, build_nfa
-from spruce.constrained.core.patterns import JSON_NUMBER, JSON_STRING, json_value_regex
 from spruce.constrained.automaton.token_trie import TokenTrie
+from spruce.constrained.core.patterns import JSON_NUMBER, JSON_STRING, json_value_regex
 
 REGEXES = [
     JSON_STRING, JSON_NUMBER, r"(a|b)*a(a|b){3}", r"\w+\s[^a-c]{2,3}", r".x?", r"(?:ab|a)(?:bc|c)*",
@@ -69,7 +69,11 @@ def test_utf8_sequences_cover_each_code_point_exactly_once():
         if 0xD800 <= code <= 0xDFFF:
             continue
         data = chr(code).encode()
-        hits = [s for s in sequences if len(s) == len(data) and all(a <= b <= c for (a, c), b in zip(s, data))]
+        hits = [
+            s
+            for s in sequences
+            if len(s) == len(data) and all(a <= b <= c for (a, c), b in zip(s, data))
+        ]
         assert len(hits) == 1, hex(code)
 
 
@@ -99,13 +103,19 @@ def test_any_json_at_depth_three_is_cheap_to_build():
     assert nfa.num_states < 50_000 and time.perf_counter() - start < 5
 
 
-@pytest.mark.parametrize("regex", [JSON_STRING, r"[a-c]+x?", r'\{"name":"[a-z]{1,8}"\}', "(x|cafe)+"])
-def test_the_trie_walk_equals_walking_every_token(tiny_compiler, tiny_tokenizer, regex):  # noqa: F811
+@pytest.mark.parametrize(
+    "regex", [JSON_STRING, r"[a-c]+x?", r'\{"name":"[a-z]{1,8}"\}', "(x|cafe)+"]
+)
+def test_the_trie_walk_equals_walking_every_token(tiny_compiler, tiny_tokenizer, regex):
     grammar = tiny_compiler.compile(make_spec(regex=regex))
     vocab, rng = tiny_compiler.vocab, random.Random(0)
     state = grammar.initial_state
     for _ in range(6):
-        walked = {i for i, data in enumerate(vocab.token_bytes) if data and grammar.dfa.walk(state, data) != DEAD}
+        walked = {
+            i
+            for i, data in enumerate(vocab.token_bytes)
+            if data and grammar.dfa.walk(state, data) != DEAD
+        }
         assert set(np.flatnonzero(vocab.trie.allowed(grammar.dfa, state)).tolist()) == walked
         if not walked:
             break
@@ -118,7 +128,9 @@ def test_the_trie_walk_equals_walking_every_token_with_long_tokens(regex):
     the walk does one node at a time."""
     rng = random.Random(1)
     lengths = [rng.randint(1, 6) for _ in range(3000)] + [rng.randint(10, 40) for _ in range(40)]
-    tokens = [b""] + [bytes(rng.choice(b'abcd"' if n < 10 else b"abc") for _ in range(n)) for n in lengths]
+    tokens = [b""] + [
+        bytes(rng.choice(b'abcd"' if n < 10 else b"abc") for _ in range(n)) for n in lengths
+    ]
     trie, dfa = TokenTrie(tokens), ByteDFA(build_nfa(regex))
     for prefix in [b"", b"ab", b'"a']:
         state = dfa.walk(dfa.initial, prefix)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+
 from spruce.constrained.convert import Conversion, SpecConverter
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.spec import make_spec
@@ -28,10 +29,19 @@ def converter():
 
 
 def test_worker_result_equals_in_process_conversion(converter):
-    got = converter.make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
-    want = make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict")
+    got = converter.make_spec(
+        backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict"
+    )
+    want = make_spec(
+        backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict"
+    )
     assert (got, got.regex, got.unenforced) == (want, want.regex, want.unenforced)
-    assert converter.make_spec(backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict") is got  # cached
+    assert (
+        converter.make_spec(
+            backend="spruce", json_schema=SCHEMA, whitespace_pattern="[ ]?", schema_mode="strict"
+        )
+        is got
+    )  # cached
 
 
 def test_errors_come_back_as_constraint_errors(converter):
@@ -52,7 +62,9 @@ def test_conversion_past_its_deadline_is_stopped_and_the_next_one_works(converte
         converter.make_spec(backend="spruce", json_schema=WIDE, timeout_s=0.01)
     assert time.monotonic() - start < 5
     # the killed worker is replaced; the same schema converts given time, other schemas too
-    assert converter.make_spec(backend="spruce", json_schema=WIDE, timeout_s=60).regex.startswith(r"\{")
+    assert converter.make_spec(backend="spruce", json_schema=WIDE, timeout_s=60).regex.startswith(
+        r"\{"
+    )
     assert converter.make_spec(backend="spruce", json_schema={"type": "integer"}).regex
 
 
@@ -68,7 +80,10 @@ def test_a_slow_conversion_does_not_hold_up_a_quick_one(converter):
 
     threading.Thread(target=slow).start()
     time.sleep(0.2)
-    assert converter.make_spec(backend="spruce", json_schema={"type": "boolean"}).regex == "(?:true|false)"
+    assert (
+        converter.make_spec(backend="spruce", json_schema={"type": "boolean"}).regex
+        == "(?:true|false)"
+    )
     assert not slow_done.is_set()  # the quick one came back while the slow one still runs
     assert slow_done.wait(120)
 
@@ -77,6 +92,7 @@ def test_conversion_carries_whitespace_and_deadline():
     conversion = Conversion(whitespace_pattern="[ ]?", timeout_s=0.001)
     with pytest.raises(ConstraintError, match="not converted within"):
         conversion.spec(json_schema={**WIDE, "title": "not cached yet"})
-    assert Conversion(whitespace_pattern="[ ]?").schema_regex(SCHEMA) == make_spec(
-        json_schema=SCHEMA, whitespace_pattern="[ ]?", backend="spruce"
-    ).regex
+    assert (
+        Conversion(whitespace_pattern="[ ]?").schema_regex(SCHEMA)
+        == make_spec(json_schema=SCHEMA, whitespace_pattern="[ ]?", backend="spruce").regex
+    )

@@ -10,14 +10,17 @@ import json
 import re
 
 import pytest
-from spruce.constrained import ConstraintError, unpack_bitmask
-from spruce.constrained.schema.json_schema import SchemaRegex, canonical_instance, convert_schema
-from spruce.constrained.report import excused
-from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
 from support import DATA_DIR
 from test_constrained_helpers import tiny_compiler  # noqa: F401  (a fixture)
 
-CORPUS = sorted((DATA_DIR / "schemastore").glob("*.json")) + sorted((DATA_DIR / "schemas_kinds").glob("*.json"))
+from spruce.constrained import ConstraintError, unpack_bitmask
+from spruce.constrained.report import excused
+from spruce.constrained.schema.json_schema import SchemaRegex, canonical_instance, convert_schema
+from spruce.constrained.spec import JSON_SCHEMA, ConstraintSpec
+
+CORPUS = sorted((DATA_DIR / "schemastore").glob("*.json")) + sorted(
+    (DATA_DIR / "schemas_kinds").glob("*.json")
+)
 MIN_PASSING = 126  # measured 130 of 150 (default options: objects closed, oversized parts relaxed)
 
 
@@ -42,12 +45,17 @@ def _check(path) -> tuple[bool, list[str]]:
     if converted is None:
         return False, []
     regex = re.compile(converted.regex)
-    accepted = [v for v in entry["invalid"] if regex.fullmatch(canonical_instance(v, converted.orders))]
+    accepted = [
+        v for v in entry["invalid"] if regex.fullmatch(canonical_instance(v, converted.orders))
+    ]
     unexcused = [
         canonical_instance(v, converted.orders) for v in accepted
         if not excused(entry["schema"], v, converted.unenforced)
     ]  # fmt: skip
-    passed = all(regex.fullmatch(canonical_instance(v, converted.orders)) for v in entry["valid"]) and not accepted
+    passed = (
+        all(regex.fullmatch(canonical_instance(v, converted.orders)) for v in entry["valid"])
+        and not accepted
+    )
     return passed, unexcused
 
 
@@ -70,13 +78,20 @@ def test_the_written_kinds_pass_exactly():
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
-def test_valid_examples_walk_through_the_grammar_token_by_token(tiny_compiler, tiny_tokenizer, path):  # noqa: F811
+def test_valid_examples_walk_through_the_grammar_token_by_token(
+    tiny_compiler, tiny_tokenizer, path
+):
     """Every valid example the regex accepts, tokenized: each token is in its state's mask and
     the grammar accepts at the end."""
     converted = _converted(path)
     if converted is None:
         pytest.skip("refused at the regex level")
-    spec = ConstraintSpec(JSON_SCHEMA, json.dumps(_load(path)["schema"]), converted.regex, unenforced=converted.unenforced)
+    spec = ConstraintSpec(
+        JSON_SCHEMA,
+        json.dumps(_load(path)["schema"]),
+        converted.regex,
+        unenforced=converted.unenforced,
+    )
     grammar = tiny_compiler.compile(spec)
     for value in _load(path)["valid"]:
         text = canonical_instance(value, converted.orders)

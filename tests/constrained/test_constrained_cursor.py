@@ -13,6 +13,7 @@ import torch
 from test_constrained_helpers import build_merge_tokenizer, generate, tiny_compiler  # noqa: F401
 
 from spruce.constrained import (
+    ConstraintError,
     ConstraintSpec,
     GrammarCompiler,
     allocate_bitmask,
@@ -21,7 +22,6 @@ from spruce.constrained import (
     unpack_bitmask,
 )
 from spruce.constrained.core.bitmask import pack_token_ids
-from spruce.constrained import ConstraintError
 from spruce.runtime.text.tokenizer import Tokenizer
 
 
@@ -80,7 +80,9 @@ def test_every_eos_id_is_allowed_and_special_tokens_never(tiny_llama_dir, tiny_t
 
 
 def test_mask_and_accept_token_agree(tiny_compiler, tiny_tokenizer):
-    grammar = tiny_compiler.compile(make_spec(json_schema={"type": "array", "items": {"type": "number"}}))
+    grammar = tiny_compiler.compile(
+        make_spec(json_schema={"type": "array", "items": {"type": "number"}})
+    )
     gen = generate(grammar, tiny_tokenizer, seed=3)
     cursor = grammar.cursor()
     for token_id in gen.ids[:12]:
@@ -126,7 +128,9 @@ def test_rollback_restores_the_exact_state(tiny_compiler, tiny_tokenizer):
         probe = cursor.copy()
         probe.rollback(n)
         assert probe.num_accepted == len(ids) - n
-        assert (_allowed(probe, tiny_compiler.vocab_size), probe.jump_forward_text()) == snapshots[-n]
+        assert (_allowed(probe, tiny_compiler.vocab_size), probe.jump_forward_text()) == snapshots[
+            -n
+        ]
     with pytest.raises(ValueError):
         cursor.rollback(len(ids) + 1)
 
@@ -258,7 +262,9 @@ def test_the_deadline_counts_from_the_build_start_not_the_queue(tiny_tokenizer):
     compiler.close()
 
 
-@pytest.mark.parametrize("spec", [ConstraintSpec("regex", "[unclosed", "[unclosed"), ConstraintSpec("regex", "(a", "(a")])
+@pytest.mark.parametrize(
+    "spec", [ConstraintSpec("regex", "[unclosed", "[unclosed"), ConstraintSpec("regex", "(a", "(a")]
+)
 def test_a_bad_spec_fails_its_future_with_constraint_error(tiny_compiler, spec):
     with pytest.raises(ConstraintError):
         tiny_compiler.submit(spec).result(10)
@@ -273,7 +279,9 @@ def no_size_cap(monkeypatch):
     monkeypatch.setattr("spruce.constrained.spec.check_regex_size", lambda regex, tree=None: None)
 
 
-def test_a_build_past_its_deadline_is_stopped_and_fails_its_own_future_only(tiny_tokenizer, no_size_cap):
+def test_a_build_past_its_deadline_is_stopped_and_fails_its_own_future_only(
+    tiny_tokenizer, no_size_cap
+):
     compiler = GrammarCompiler(tiny_tokenizer, timeout_s=2)
     compiler.compile(make_spec(regex="warm[0-9]"))  # the worker is up
     start = time.monotonic()

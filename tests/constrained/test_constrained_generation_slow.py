@@ -8,14 +8,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import DATA_DIR, bundled_gguf_path
+
 from spruce.constrained import ConstraintError
-from spruce.constrained.spec import make_spec
-from spruce.constrained.schema.json_schema import convert_schema
 from spruce.constrained.automaton.limits import regex_size
 from spruce.constrained.report import excused, validate_output
+from spruce.constrained.schema.json_schema import convert_schema
 from spruce.constrained.schema.schema_context import Context, SchemaOptions
 from spruce.constrained.schema.schema_size import subtree_keywords
-from support import DATA_DIR, bundled_gguf_path
+from spruce.constrained.spec import make_spec
 
 pytestmark = pytest.mark.slow
 COUNT = 20
@@ -47,21 +48,35 @@ def test_the_most_complex_schemas_generate_valid_or_say_why():
     if bundled_gguf_path() is None:
         pytest.skip("the bundled model is not installed")
     chosen = _most_complex(COUNT)
-    engine = Engine(num_threads=2, kv_memory_gb=0.5, grammar_timeout_s=120)  # 20 builds queue on 2 workers
+    engine = Engine(
+        num_threads=2, kv_memory_gb=0.5, grammar_timeout_s=120
+    )  # 20 builds queue on 2 workers
     prompts = [
-        engine.apply_chat_template([{"role": "user", "content": f"Write a short example {name} file as JSON."}])
+        engine.apply_chat_template(
+            [{"role": "user", "content": f"Write a short example {name} file as JSON."}]
+        )
         for name, _ in chosen
     ]
-    params = [{"json_schema": schema, "temperature": 0, "max_new_tokens": 256} for _, schema in chosen]
+    params = [
+        {"json_schema": schema, "temperature": 0, "max_new_tokens": 256} for _, schema in chosen
+    ]
     outs = engine.generate(prompts, params)
     valid = 0
     for (name, schema), out in zip(chosen, outs):
         report, finish = out["meta_info"]["json_schema"], out["meta_info"]["finish_reason"]["type"]
-        assert report["unenforced"] == list(make_spec(json_schema=schema, check=True).unenforced), name
-        assert {k: report[k] for k in ("valid", "error")} == validate_output(schema, out["text"]), name
+        assert report["unenforced"] == list(make_spec(json_schema=schema, check=True).unenforced), (
+            name
+        )
+        assert {k: report[k] for k in ("valid", "error")} == validate_output(schema, out["text"]), (
+            name
+        )
         if report["valid"]:
             valid += 1
         elif finish != "length":  # a finished output breaks only keywords reported unenforced
-            assert excused(schema, json.loads(out["text"]), report["unenforced"]), f"{name}: {report['error']}"
-    print(f"\n{valid} of {len(chosen)} outputs valid; the others were cut or broke a reported keyword")
+            assert excused(schema, json.loads(out["text"]), report["unenforced"]), (
+                f"{name}: {report['error']}"
+            )
+    print(
+        f"\n{valid} of {len(chosen)} outputs valid; the others were cut or broke a reported keyword"
+    )
     assert valid > 0

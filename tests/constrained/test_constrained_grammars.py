@@ -15,6 +15,8 @@ import sqlite3
 
 import pytest
 import torch
+from support import DATA_DIR, bundled_gguf_path
+
 from spruce.constrained import (
     ConstraintError,
     GrammarCompiler,
@@ -22,7 +24,6 @@ from spruce.constrained import (
     make_spec,
     unpack_bitmask,
 )
-from support import DATA_DIR, bundled_gguf_path
 
 GBNF_DIR = DATA_DIR / "gbnf"
 WALKS = 6  # random walks per grammar

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from support import DATA_DIR
 
 import jsonschema
 import pytest
 import torch
+from support import DATA_DIR
 
 from spruce.constrained import GrammarCompiler, allocate_bitmask, apply_bitmask
 
@@ -27,7 +27,9 @@ class Generation:
     jumps: list = field(default_factory=list)
 
 
-def generate(grammar, tokenizer, seed: int, jump_forward: bool = False, max_steps: int = 4000) -> Generation:
+def generate(
+    grammar, tokenizer, seed: int, jump_forward: bool = False, max_steps: int = 4000
+) -> Generation:
     """Samples under the grammar's mask from random logits until the automaton stops it."""
     vocab_size = grammar.vocab.vocab_size
     eos = grammar.vocab.eos_token_ids
@@ -68,7 +70,9 @@ def assert_valid_json(text: str, schema: dict) -> None:
 
 
 def assert_stopped_by_automaton(gen: Generation) -> None:
-    assert gen.stop in ("eos", "terminated"), f"hit the step limit after {gen.steps} steps: {gen.text[:200]!r}"
+    assert gen.stop in ("eos", "terminated"), (
+        f"hit the step limit after {gen.steps} steps: {gen.text[:200]!r}"
+    )
 
 
 @pytest.fixture(scope="session")

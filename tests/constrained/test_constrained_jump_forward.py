@@ -45,7 +45,9 @@ def _ids(tokenizer, text: str) -> list[int]:
 )
 def test_forced_strings(regex, prefix, forced):
     dfa = ByteDFA(build_nfa(regex))
-    assert dfa.forced_bytes(dfa.walk(dfa.initial, prefix.encode())) == forced.encode("latin-1" if "\xc3" in forced else "utf-8")
+    assert dfa.forced_bytes(dfa.walk(dfa.initial, prefix.encode())) == forced.encode(
+        "latin-1" if "\xc3" in forced else "utf-8"
+    )
 
 
 def test_fixed_keys_are_forced(tiny_compiler, tiny_tokenizer):
@@ -58,7 +60,11 @@ def test_fixed_keys_are_forced(tiny_compiler, tiny_tokenizer):
 def test_jump_at_the_start_and_after_a_value(tiny_compiler, tiny_tokenizer):
     cursor = tiny_compiler.compile(make_spec(json_schema=PERSON)).cursor()
     jump = cursor.jump_forward([], tiny_tokenizer)
-    assert (jump.rollback, jump.new_ids, jump.text) == (0, _ids(tiny_tokenizer, '{"name":"'), '{"name":"')
+    assert (jump.rollback, jump.new_ids, jump.text) == (
+        0,
+        _ids(tiny_tokenizer, '{"name":"'),
+        '{"name":"',
+    )
     ids = list(jump.new_ids)
     for token_id in _ids(tiny_tokenizer, "al") + _ids(tiny_tokenizer, '"'):
         assert cursor.accept_token(token_id)

@@ -74,7 +74,9 @@ def test_the_module_cache_is_bounded_by_compiled_bytes():
     cache = linear_regex._CACHE
     assert 0 < len(cache) < len(patterns)  # the oldest were dropped
     assert cache.nbytes <= linear_regex.MAX_CACHED_BYTES
-    assert cache.nbytes >= len(cache) * 2_000_000  # each counted by its program, not its 20 characters
+    assert (
+        cache.nbytes >= len(cache) * 2_000_000
+    )  # each counted by its program, not its 20 characters
 
 
 def test_schema_patterns_with_leading_lookaheads_are_read_like_the_converter():
@@ -102,7 +104,9 @@ def test_unevaluated_properties_beside_pattern_properties_is_not_checked_with_re
 
 def test_the_finish_report_of_json_python_will_not_read_says_it_could_not_validate():
     report = validate_output({"type": "integer", "minimum": 1}, "1" * 4400)
-    assert report["valid"] is None and "4300 digits" in report["error"]  # valid JSON Python will not read
+    assert (
+        report["valid"] is None and "4300 digits" in report["error"]
+    )  # valid JSON Python will not read
     assert validate_output({"type": "array"}, "[" * 100_000)["valid"] is None
 
 

@@ -68,7 +68,9 @@ def test_sixteen_integer_digits_pass_and_seventeen_do_not(compiler, tiny_tokeniz
     value = {"count": 1, "ratio": 0.5, "maybe": None, "small": 3}
 
     def accepted(number: str) -> bool:
-        text = json.dumps({**value, key: 0}, separators=(",", ":")).replace(f'"{key}":0', f'"{key}":{number}')
+        text = json.dumps({**value, key: 0}, separators=(",", ":")).replace(
+            f'"{key}":0', f'"{key}":{number}'
+        )
         refused, can_end, _ = first_refused(grammar, tiny_tokenizer, text)
         return refused is None and can_end
 

@@ -10,15 +10,20 @@ import tracemalloc
 
 import pytest
 
-from spruce.constrained import ConstraintError, GrammarCompiler, make_spec
-from spruce.constrained import build_worker
-from spruce.constrained.build_worker import BuildRequest, WorkerPool
+from spruce.constrained import ConstraintError, GrammarCompiler, build_worker, make_spec
 from spruce.constrained.automaton.byte_dfa import ByteDFA
-from spruce.constrained.automaton.byte_nfa import _class_template, _ranges_of, _utf8_sequences, build_nfa, parse_regex
+from spruce.constrained.automaton.byte_nfa import (
+    _class_template,
+    _ranges_of,
+    _utf8_sequences,
+    build_nfa,
+    parse_regex,
+)
 from spruce.constrained.automaton.grammar import CompiledGrammar
 from spruce.constrained.automaton.limits import regex_size
-from spruce.constrained.core.memory import BoundedCache, GrammarTooLarge, MaskTooExpensive
 from spruce.constrained.automaton.vocab import TokenVocabulary
+from spruce.constrained.build_worker import BuildRequest, WorkerPool
+from spruce.constrained.core.memory import BoundedCache, GrammarTooLarge, MaskTooExpensive
 
 CLASS_CACHES = (_ranges_of, _class_template, _utf8_sequences)
 GROWING = "(a|b)*a(a|b){24}"  # 2^25 DFA states: each new byte read tends to make a new one
@@ -27,7 +32,11 @@ GROWING = "(a|b)*a(a|b){24}"  # 2^25 DFA states: each new byte read tends to mak
 def giant_class(seed: int, size: int) -> str:
     """A class of `size` code points none of which touch (no range merges)."""
     start = 0x100 + 2 * size * seed
-    return "[" + "".join(chr(c) for c in range(start, start + 2 * size, 2) if not 0xD800 <= c <= 0xDFFF) + "]"
+    return (
+        "["
+        + "".join(chr(c) for c in range(start, start + 2 * size, 2) if not 0xD800 <= c <= 0xDFFF)
+        + "]"
+    )
 
 
 def test_a_bounded_cache_drops_the_least_recently_used_beyond_its_bytes():
@@ -147,7 +156,11 @@ def _token(tokenizer, text: str) -> int:
 
 def _walk(grammar, tokenizer, count: int, seed: int = 0):
     """A cursor over `count` random a/b tokens, each state's mask asked for (as decoding does)."""
-    ids, rng, cursor = [_token(tokenizer, "a"), _token(tokenizer, "b")], random.Random(seed), grammar.cursor()
+    ids, rng, cursor = (
+        [_token(tokenizer, "a"), _token(tokenizer, "b")],
+        random.Random(seed),
+        grammar.cursor(),
+    )
     for _ in range(count):
         assert cursor.accept_token(rng.choice(ids))
         grammar.mask(cursor.state)
@@ -164,7 +177,9 @@ def test_the_counted_bytes_grow_as_a_request_walks_new_states(tiny_tokenizer):
         _walk(grammar, tiny_tokenizer, 200)
         assert grammar.dfa.num_states > states + 100
         grown = grammar.dfa.num_states - states
-        assert compiler.cached_bytes == grammar.nbytes > start + 200 * grown  # rows, state sets, masks
+        assert (
+            compiler.cached_bytes == grammar.nbytes > start + 200 * grown
+        )  # rows, state sets, masks
     finally:
         compiler.close()
 

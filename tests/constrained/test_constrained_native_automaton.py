@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from spruce.constrained import make_spec
 from spruce.constrained.automaton import native
 from spruce.constrained.automaton.byte_dfa import DEAD, ByteDFA, NativeByteDFA
@@ -22,7 +23,9 @@ from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import GrammarTooLarge, MaskTooExpensive, MemoryBudget
 from spruce.constrained.core.patterns import DTYPE_REGEXES
 
-requires_native = pytest.mark.skipif(native.library() is None, reason="no C compiler: the Python path only")
+requires_native = pytest.mark.skipif(
+    native.library() is None, reason="no C compiler: the Python path only"
+)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -51,14 +54,21 @@ def _random_regex(rng: random.Random, depth: int = 0) -> str:
         return _random_regex(rng, depth + 1) + _random_regex(rng, depth + 1)
     if kind == "alt":
         return f"(?:{_random_regex(rng, depth + 1)}|{_random_regex(rng, depth + 1)})"
-    suffix = {"star": "*", "plus": "+", "opt": "?", "count": f"{{{rng.randint(0, 2)},{rng.randint(2, 4)}}}"}[kind]
+    suffix = {
+        "star": "*",
+        "plus": "+",
+        "opt": "?",
+        "count": f"{{{rng.randint(0, 2)},{rng.randint(2, 4)}}}",
+    }[kind]
     return f"(?:{_random_regex(rng, depth + 1)}){suffix}"
 
 
 def _small_vocab() -> list[bytes]:
     rng = random.Random(7)
     alphabet = [b"a", b"b", b"c", b"d", "é".encode(), b"\xc3", b"\xa9"]
-    tokens = [b""] + [b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(400)]
+    tokens = [b""] + [
+        b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(400)
+    ]
     return tokens + [b"ab" * 12, b"a" * 30, b"c" * 40]  # deep, thin branches
 
 
@@ -147,7 +157,9 @@ def test_a_mask_past_its_state_bound_stops_and_resumes():
     """`.*a.{24}` makes a new state at nearly every trie node: a bound of 20 new states stops
     the walk, the states made are kept, and repeated calls finish the same mask."""
     rng = random.Random(5)
-    trie = TokenTrie([b""] + [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 8))) for _ in range(3000)])
+    trie = TokenTrie(
+        [b""] + [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 8))) for _ in range(3000)]
+    )
     nfa = build_nfa(".*a.{24}")
     expected = trie.allowed(_python_dfa(nfa), 0)
     for dfa in _both_paths(nfa):
@@ -181,7 +193,9 @@ def test_a_mask_walk_past_a_tiny_budget_is_refused_and_the_dfa_stays_usable():
     """The C walk's scratch and rows are charged as it goes (a call may stop at the limit
     several times, each time charging what it needs, until the budget refuses)."""
     rng = random.Random(2)
-    trie = TokenTrie([b""] + [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 12))) for _ in range(5000)])
+    trie = TokenTrie(
+        [b""] + [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 12))) for _ in range(5000)]
+    )
     for dfa in _both_paths(build_nfa(".*a.{24}"), budget_bytes=400_000):
         known = dfa.walk(dfa.initial, b"ba")
         with pytest.raises(GrammarTooLarge):
@@ -257,5 +271,7 @@ def test_the_python_path_is_selected_by_the_environment(monkeypatch):
 def test_the_library_is_built_into_the_cache_folder(fresh_library):
     assert native.library() is not None
     built = list((fresh_library / "kernels").iterdir())
-    assert [p.name for p in built] == [native.library_path(native.c_compiler()).name]  # no temp folder left
+    assert [p.name for p in built] == [
+        native.library_path(native.c_compiler()).name
+    ]  # no temp folder left
     assert type(ByteDFA(build_nfa("a"))) is NativeByteDFA

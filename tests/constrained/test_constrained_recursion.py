@@ -12,8 +12,9 @@ import json
 
 import jsonschema
 import pytest
-from spruce.constrained import ConstraintError, GrammarCompiler, make_spec
 from support import bundled_gguf_path, first_refused
+
+from spruce.constrained import ConstraintError, GrammarCompiler, make_spec
 
 TREE = {
     "$defs": {
@@ -240,11 +241,18 @@ SCHEMA = {
     "properties": {"part": {"$ref": REMOTE}, "count": {"type": "integer"}},
     "required": ["part", "count"],
 }
-BESIDE = {"type": "object", "$ref": REMOTE, "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+BESIDE = {
+    "type": "object",
+    "$ref": REMOTE,
+    "properties": {"count": {"type": "integer"}},
+    "required": ["count"],
+}
 
 
 def accepts_value(grammar, tokenizer, value) -> bool:
-    refused, can_end, _ = first_refused(grammar, tokenizer, json.dumps(value, separators=(",", ":")))
+    refused, can_end, _ = first_refused(
+        grammar, tokenizer, json.dumps(value, separators=(",", ":"))
+    )
     return refused is None and can_end
 
 
@@ -266,7 +274,9 @@ def test_a_remote_ref_allows_any_value_and_is_reported(compiler, tokenizer, back
 @pytest.mark.parametrize("backend", ["llguidance", "spruce"])
 def test_an_object_beside_a_remote_ref_stays_open(compiler, tokenizer, backend):
     grammar = compiler.compile(make_spec(json_schema=BESIDE, backend=backend))
-    assert accepts_value(grammar, tokenizer, {"count": 1, "other": [2]})  # the remote part may add it
+    assert accepts_value(
+        grammar, tokenizer, {"count": 1, "other": [2]}
+    )  # the remote part may add it
     assert not accepts_value(grammar, tokenizer, {"count": "1"})
 
 

@@ -35,7 +35,9 @@ def _compound(children):
 
 
 regexes = st.recursive(st.one_of(atoms, repeated_atoms), _compound, max_leaves=8)
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @settings(max_examples=60, **SETTINGS)

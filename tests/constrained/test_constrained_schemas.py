@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -34,7 +34,7 @@ class Person(BaseModel):
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
     color: Color
-    nickname: Optional[str] = Field(default=None, max_length=8)
+    nickname: str | None = Field(default=None, max_length=8)
     pets: list[Pet] = Field(max_length=2)
     height: float = Field(gt=0, lt=3)
 
@@ -53,7 +53,7 @@ OWN_SCHEMAS = {
     "tuple_and_formats": {
         "type": "object",
         "properties": {
-            "pair": {"prefixItems": [{"type": "integer"}, {"const": "x\"y"}]},
+            "pair": {"prefixItems": [{"type": "integer"}, {"const": 'x"y'}]},
             "id": {"type": "string", "format": "uuid"},
             "at": {"type": "string", "format": "date-time"},
             "code": {"type": "string", "pattern": "^[A-Z]{2}.[0-9]$"},

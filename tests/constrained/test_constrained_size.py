@@ -8,9 +8,10 @@ import json
 import re
 
 import pytest
+
 from spruce.constrained import ConstraintError
-from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
 from spruce.constrained.automaton.limits import MAX_EXPANDED_SIZE, regex_lengths, regex_size
+from spruce.constrained.schema.json_schema import canonical_instance, convert_schema
 from spruce.constrained.schema.schema_context import SchemaOptions
 
 ITEM = {
@@ -25,12 +26,19 @@ ITEM = {
 ARRAY_OF_ITEMS = {
     "type": "object",
     "properties": {
-        "spec": {"type": "object", "properties": {"containers": {"type": "array", "items": ITEM, "maxItems": 60}}},
+        "spec": {
+            "type": "object",
+            "properties": {"containers": {"type": "array", "items": ITEM, "maxItems": 60}},
+        },
         "tag": {"type": "string", "maxLength": 8},
     },
     "required": ["spec"],
 }
-BIG_ENUM = {"type": "object", "properties": {"code": {"enum": [f"code-{i:05d}" for i in range(4000)]}}, "required": ["code"]}
+BIG_ENUM = {
+    "type": "object",
+    "properties": {"code": {"enum": [f"code-{i:05d}" for i in range(4000)]}},
+    "required": ["code"],
+}
 
 
 @pytest.mark.parametrize(
@@ -56,7 +64,9 @@ def test_a_format_within_the_length_bounds_needs_no_intersection():
     converted = convert_schema({"type": "string", "format": "email", "maxLength": 100})
     assert converted.unenforced_at == {"maxLength": ["#"]}  # the product automaton is too large
     with pytest.raises(ConstraintError, match="'maxLength' at #"):
-        convert_schema({"type": "string", "format": "email", "maxLength": 100}, SchemaOptions(mode="strict"))
+        convert_schema(
+            {"type": "string", "format": "email", "maxLength": 100}, SchemaOptions(mode="strict")
+        )
 
 
 def test_strict_mode_names_the_paths_that_make_the_regex_large():
@@ -76,8 +86,14 @@ def test_lenient_mode_relaxes_the_heaviest_bound_and_reports_it():
     regex = re.compile(converted.regex)
     many = {"spec": {"containers": [{"name": "x"}] * 65}}  # past maxItems: accepted, reported
     assert regex.fullmatch(canonical_instance(many, converted.orders))
-    assert not regex.fullmatch(canonical_instance({"spec": {"containers": [{"name": "x" * 251}]}}, converted.orders))
-    assert not regex.fullmatch(canonical_instance({"spec": {"containers": [{"name": "x", "mail": "no"}]}}, converted.orders))
+    assert not regex.fullmatch(
+        canonical_instance({"spec": {"containers": [{"name": "x" * 251}]}}, converted.orders)
+    )
+    assert not regex.fullmatch(
+        canonical_instance(
+            {"spec": {"containers": [{"name": "x", "mail": "no"}]}}, converted.orders
+        )
+    )
 
 
 def test_lenient_mode_loosens_a_subtree_it_cannot_shrink_otherwise():
@@ -103,6 +119,13 @@ def test_only_as_many_bounds_are_relaxed_as_the_cap_needs():
     assert converted.unenforced == ("maxLength",)
     relaxed = converted.unenforced_at["maxLength"]
     assert 0 < len(relaxed) < len(names) and regex_size(converted.regex) <= MAX_EXPANDED_SIZE
-    loose, kept = relaxed[0].rsplit("/", 1)[1], next(n for n in names if f"#/properties/{n}" not in relaxed)
-    text = lambda long: json.dumps({n: "x" * (300 if n == long else 1) for n in names}, separators=(",", ":"))  # noqa: E731
-    assert re.fullmatch(converted.regex, text(loose)) and not re.fullmatch(converted.regex, text(kept))
+    loose, kept = (
+        relaxed[0].rsplit("/", 1)[1],
+        next(n for n in names if f"#/properties/{n}" not in relaxed),
+    )
+    text = lambda long: json.dumps(
+        {n: "x" * (300 if n == long else 1) for n in names}, separators=(",", ":")
+    )  # noqa: E731
+    assert re.fullmatch(converted.regex, text(loose)) and not re.fullmatch(
+        converted.regex, text(kept)
+    )

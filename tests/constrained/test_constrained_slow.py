@@ -11,7 +11,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_constrained_helpers import SHARED_SCHEMAS, assert_stopped_by_automaton, assert_valid_json, generate
+from test_constrained_helpers import (
+    SHARED_SCHEMAS,
+    assert_stopped_by_automaton,
+    assert_valid_json,
+    generate,
+)
 
 from spruce.constrained import GrammarCompiler, allocate_bitmask, apply_bitmask
 from spruce.constrained.spec import make_spec as _make_spec
@@ -69,15 +74,25 @@ def test_the_trie_walk_equals_walking_every_token(smollm_compiler, smollm_tokeni
     from spruce.constrained.automaton.byte_dfa import DEAD
 
     vocab = smollm_compiler.vocab
-    for spec in [make_spec(regex='"[^"]{0,40}"'), make_spec(json_schema=SHARED_SCHEMAS[0].read_text())]:
+    for spec in [
+        make_spec(regex='"[^"]{0,40}"'),
+        make_spec(json_schema=SHARED_SCHEMAS[0].read_text()),
+    ]:
         grammar = smollm_compiler.compile(spec)
         gen = generate(grammar, smollm_tokenizer, seed=3)
         cursor, every = grammar.cursor(), max(len(gen.ids) // 4, 1)
         for step, token_id in enumerate(gen.ids):
             if step % every == 0:
                 state = cursor.state
-                walked = {i for i, data in enumerate(vocab.token_bytes) if data and grammar.dfa.walk(state, data) != DEAD}
-                assert set(np.flatnonzero(vocab.trie.allowed(grammar.dfa, state)).tolist()) == walked and walked
+                walked = {
+                    i
+                    for i, data in enumerate(vocab.token_bytes)
+                    if data and grammar.dfa.walk(state, data) != DEAD
+                }
+                assert (
+                    set(np.flatnonzero(vocab.trie.allowed(grammar.dfa, state)).tolist()) == walked
+                    and walked
+                )
             assert cursor.accept_token(token_id)
 
 

@@ -16,11 +16,10 @@ from test_constrained_helpers import (  # noqa: F401  (tiny_compiler is a fixtur
     tiny_compiler,
 )
 
-from spruce.constrained import ConstraintSpec
-from spruce.constrained.spec import make_spec as _make_spec
+from spruce.constrained import ConstraintError, ConstraintSpec
 from spruce.constrained.automaton.limits import MAX_STRING_LENGTH
 from spruce.constrained.core.ranges import integer_range_regex, number_range_regex
-from spruce.constrained import ConstraintError
+from spruce.constrained.spec import make_spec as _make_spec
 from spruce.runtime import errors as runtime_errors
 
 
@@ -37,14 +36,18 @@ def test_no_constraint_is_none_and_two_are_an_error():
 
 def test_spec_is_frozen_and_hashable():
     spec = make_spec(regex="^ab+$")
-    assert spec == ConstraintSpec("regex", "ab+", "ab+") and len({spec, make_spec(regex="ab+")}) == 1
+    assert (
+        spec == ConstraintSpec("regex", "ab+", "ab+") and len({spec, make_spec(regex="ab+")}) == 1
+    )
     with pytest.raises(AttributeError):
         spec.value = "x"
 
 
 def test_the_runtime_error_is_both_a_constraint_and_a_request_error():
     error = runtime_errors.constraint_error(ConstraintError("bad"))
-    assert isinstance(error, runtime_errors.InvalidRequestError) and isinstance(error, ConstraintError)
+    assert isinstance(error, runtime_errors.InvalidRequestError) and isinstance(
+        error, ConstraintError
+    )
     assert str(error) == "bad" and runtime_errors.constraint_error(error) is error
 
 
@@ -68,8 +71,14 @@ def test_bad_regex_is_refused_before_compute(regex, message):
     "schema, message",
     [
         ('{"type": "object",', "not valid JSON"),
-        ({"type": "string", "maxLength": MAX_STRING_LENGTH + 1}, f"{MAX_STRING_LENGTH + 1} is above the cap"),
-        ({"type": "array", "items": {"type": "integer"}, "maxItems": 1000}, "1000 is above the cap"),
+        (
+            {"type": "string", "maxLength": MAX_STRING_LENGTH + 1},
+            f"{MAX_STRING_LENGTH + 1} is above the cap",
+        ),
+        (
+            {"type": "array", "items": {"type": "integer"}, "maxItems": 1000},
+            "1000 is above the cap",
+        ),
         ({"not": {"properties": {"a": {"pattern": "x"}}}}, "'not'"),
         ({"type": "integer", "multipleOf": 7919}, "'multipleOf'"),
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
@@ -98,10 +107,14 @@ def test_allof_objects_are_merged_not_concatenated():
 
 
 def test_whitespace_pattern_is_configurable():
-    spec = make_spec(json_schema={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+    spec = make_spec(
+        json_schema={"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    )
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
     assert spec.regex == r'\{"a":(?:true|false)\}'
-    assert re.fullmatch(make_spec(json_schema=schema, whitespace_pattern="[ ]?").regex, '{ "a" : true }')
+    assert re.fullmatch(
+        make_spec(json_schema=schema, whitespace_pattern="[ ]?").regex, '{ "a" : true }'
+    )
 
 
 CHOICES = ["a.b", "(x)", "c++", "1|2", "", "é中", string.punctuation]
@@ -124,7 +137,12 @@ def test_bad_choices(bad):
 
 @pytest.mark.parametrize(
     "dtype, parse",
-    [(int, int), ("float", float), (bool, {"True": True, "False": False}.__getitem__), (str, json.loads)],
+    [
+        (int, int),
+        ("float", float),
+        (bool, {"True": True, "False": False}.__getitem__),
+        (str, json.loads),
+    ],
 )
 def test_dtype_outputs_parse(tiny_compiler, tiny_tokenizer, dtype, parse):
     grammar = tiny_compiler.compile(make_spec(dtype=dtype))
@@ -157,7 +175,11 @@ def test_number_range_regex_is_exact():
     texts = [f"{i}{f}" for i in range(-25, 26) for f in ("", ".0", ".5", ".05", ".999")]
     for low, high in itertools.product([None, -10, -1, 0, 1, 12], repeat=2):
         for low_ex, high_ex in itertools.product([False, True], repeat=2):
-            if low is not None and high is not None and (low > high or (low == high and (low_ex or high_ex))):
+            if (
+                low is not None
+                and high is not None
+                and (low > high or (low == high and (low_ex or high_ex)))
+            ):
                 continue
             regex = re.compile(number_range_regex(low, high, low_ex, high_ex))
             for text in texts:

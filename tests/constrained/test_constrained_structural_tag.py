@@ -9,13 +9,28 @@ import json
 
 import llguidance
 import pytest
+
+from spruce.constrained.backends.structural_tag import (
+    MAX_DEPTH,
+    MAX_FORMATS,
+    structural_tag_to_lark,
+)
 from spruce.constrained.core.errors import ConstraintError
-from spruce.constrained.backends.structural_tag import MAX_DEPTH, MAX_FORMATS, structural_tag_to_lark
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 
-ARGS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
-NUMBER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+ARGS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+NUMBER = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 FUNCTIONS = [
     {"name": "get_weather", "parameters": ARGS, "strict": True},
     {"name": "count", "parameters": NUMBER, "strict": True},
@@ -25,8 +40,8 @@ IM_START = {"<|im_start|>": 1}  # a special token of the bundled vocabulary
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from spruce.constrained.backends.llguidance import llg_tokenizer
     from spruce.constrained.automaton.vocab import TokenVocabulary
+    from spruce.constrained.backends.llguidance import llg_tokenizer
     from spruce.runtime.models.loading.files import load_tokenizer
 
     tok = load_tokenizer()
@@ -34,7 +49,7 @@ def tokenizer():
 
 
 def outcome(tokenizer, lark: str, text: str | list[int]) -> str:
-    """"accepted" (the whole text, and the grammar may end there), "prefix" (the text, but
+    """ "accepted" (the whole text, and the grammar may end there), "prefix" (the text, but
     not the end) or "refused" (a token of it), fed token by token."""
     tok, llg_tok = tokenizer
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
@@ -61,7 +76,11 @@ def hermes_call(name: str, arguments: dict) -> str:
 
 
 def test_const_string(tokenizer):
-    check(tokenizer, {"type": "const_string", "value": 'Hi "you"\n'}, {'Hi "you"\n': "accepted", "Hi you": "refused"})
+    check(
+        tokenizer,
+        {"type": "const_string", "value": 'Hi "you"\n'},
+        {'Hi "you"\n': "accepted", "Hi you": "refused"},
+    )
 
 
 def test_json_schema(tokenizer):
@@ -75,7 +94,11 @@ def test_grammar_is_gbnf(tokenizer):
 
 
 def test_regex(tokenizer):
-    check(tokenizer, {"type": "regex", "pattern": r"[0-9]{3}/x"}, {"123/x": "accepted", "12a": "refused", "12": "prefix"})
+    check(
+        tokenizer,
+        {"type": "regex", "pattern": r"[0-9]{3}/x"},
+        {"123/x": "accepted", "12a": "refused", "12": "prefix"},
+    )
 
 
 def test_sequence_and_or(tokenizer):
@@ -83,18 +106,31 @@ def test_sequence_and_or(tokenizer):
         {"type": "or", "elements": [{"type": "const_string", "value": "yes"}, {"type": "const_string", "value": "no"}]},
         {"type": "const_string", "value": "!"},
     ]}  # fmt: skip
-    check(tokenizer, fmt, {"yes!": "accepted", "no!": "accepted", "maybe!": "refused", "yes": "prefix"})
+    check(
+        tokenizer,
+        fmt,
+        {"yes!": "accepted", "no!": "accepted", "maybe!": "refused", "yes": "prefix"},
+    )
 
 
 def test_tag_with_any_text_runs_to_its_end(tokenizer):
     think = {"type": "tag", "begin": "<think>", "content": {"type": "any_text"}, "end": "</think>"}
     fmt = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "ok"}]}
-    cases = {"<think>a < b</think>ok": "accepted", "<think>a</think>x": "refused", "<think>a": "prefix"}
+    cases = {
+        "<think>a < b</think>ok": "accepted",
+        "<think>a</think>x": "refused",
+        "<think>a": "prefix",
+    }
     check(tokenizer, fmt, cases)
 
 
 def test_tag_with_several_ends(tokenizer):
-    fmt = {"type": "tag", "begin": "(", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": [")", "]"]}
+    fmt = {
+        "type": "tag",
+        "begin": "(",
+        "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+        "end": [")", "]"],
+    }
     check(tokenizer, fmt, {"(12)": "accepted", "(12]": "accepted", "(12}": "refused"})
 
 
@@ -104,7 +140,11 @@ def test_any_text_excludes(tokenizer):
 
 
 def test_tags_with_separator(tokenizer):
-    tag = {"begin": "<", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": ">"}
+    tag = {
+        "begin": "<",
+        "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+        "end": ">",
+    }
     fmt = {"type": "tags_with_separator", "tags": [tag], "separator": ","}
     check(tokenizer, fmt, {"": "accepted", "<1>,<2>,<3>": "accepted", "<1>;<2>": "refused"})
     check(tokenizer, {**fmt, "at_least_one": True}, {"": "prefix", "<1>": "accepted"})
@@ -131,8 +171,16 @@ def test_triggered_tags_free_text_and_calls(tokenizer):
 
 def test_triggered_tags_flags(tokenizer):
     one = hermes_call("count", {"n": 1})
-    check(tokenizer, {**CALL_TAGS, "at_least_one": True}, {"text first": "refused", one + " then text": "accepted"})
-    check(tokenizer, {**CALL_TAGS, "stop_after_first": True}, {"hi " + one: "accepted", one + one: "refused", one + "x": "refused"})
+    check(
+        tokenizer,
+        {**CALL_TAGS, "at_least_one": True},
+        {"text first": "refused", one + " then text": "accepted"},
+    )
+    check(
+        tokenizer,
+        {**CALL_TAGS, "stop_after_first": True},
+        {"hi " + one: "accepted", one + one: "refused", one + "x": "refused"},
+    )
     both = {**CALL_TAGS, "at_least_one": True, "stop_after_first": True}
     check(tokenizer, both, {one: "accepted", one + " ": "refused", "x": "refused"})
 
@@ -141,7 +189,11 @@ def test_triggered_tags_inside_a_tag_stop_at_its_end(tokenizer):
     region = {"type": "tag", "begin": "<r>", "content": CALL_TAGS, "end": "</r>"}
     fmt = {"type": "sequence", "elements": [region, {"type": "const_string", "value": "!"}]}
     one = hermes_call("count", {"n": 1})
-    check(tokenizer, fmt, {f"<r>a {one} b</r>!": "accepted", "<r>a</r>b": "refused", "<r>a</r>!": "accepted"})
+    check(
+        tokenizer,
+        fmt,
+        {f"<r>a {one} b</r>!": "accepted", "<r>a</r>b": "refused", "<r>a</r>!": "accepted"},
+    )
 
 
 def test_older_form_structures_and_triggers(tokenizer):
@@ -162,10 +214,22 @@ def test_special_token_trigger_is_the_token(tokenizer):
     assert "<[1]>" in lark
     call = tok.encode('text<|im_start|>call {"n": 1}<|im_start|> more', add_special_tokens=False)
     assert 1 in call and outcome(tokenizer, lark, call) == "accepted"
-    spelled = [t for piece in ("text", "<|", "im", "_start", "|>") for t in tok.encode(piece, add_special_tokens=False)]
-    assert outcome(tokenizer, lark, spelled) == "accepted"  # plain text: the token's spelling is no trigger
-    assert outcome(tokenizer, lark, spelled + tok.encode("call", add_special_tokens=False)) == "accepted"
-    assert outcome(tokenizer, lark, tok.encode("x<|im_start|>oops", add_special_tokens=False)) == "refused"
+    spelled = [
+        t
+        for piece in ("text", "<|", "im", "_start", "|>")
+        for t in tok.encode(piece, add_special_tokens=False)
+    ]
+    assert (
+        outcome(tokenizer, lark, spelled) == "accepted"
+    )  # plain text: the token's spelling is no trigger
+    assert (
+        outcome(tokenizer, lark, spelled + tok.encode("call", add_special_tokens=False))
+        == "accepted"
+    )
+    assert (
+        outcome(tokenizer, lark, tok.encode("x<|im_start|>oops", add_special_tokens=False))
+        == "refused"
+    )
 
 
 # -- every tool-call format's auto + strict tag -------------------------------------------
@@ -174,13 +238,23 @@ def test_special_token_trigger_is_the_token(tokenizer):
 def _tool_outputs(name: str) -> dict[str, str]:
     if name in ("hermes", "json"):
         one, two = hermes_call("get_weather", {"city": "Oslo"}), hermes_call("count", {"n": 2})
-        return {f"Sure. {one} {two} ok": "accepted", hermes_call("count", {"n": "2"}): "refused", "No call.": "accepted"}
+        return {
+            f"Sure. {one} {two} ok": "accepted",
+            hermes_call("count", {"n": "2"}): "refused",
+            "No call.": "accepted",
+        }
     if name == "llama3_json":
-        one, two = '{"name": "get_weather", "parameters": {"city": "Oslo"}}', '{"name": "count", "parameters": {"n": 2}}'
+        one, two = (
+            '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            '{"name": "count", "parameters": {"n": 2}}',
+        )
         return {f"{one}; {two}": "accepted", '{"name": "count", "parameters": {"n": "x"}}': "refused",
                 "No call.": "accepted", "<|python_tag|>" + one: "accepted", '{"other": 1}': "refused"}  # fmt: skip
     if name == "mistral":
-        one, two = '{"name": "get_weather", "arguments": {"city": "Oslo"}}', '{"name": "count", "arguments": {"n": 2}}'
+        one, two = (
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+            '{"name": "count", "arguments": {"n": 2}}',
+        )
         return {f"[TOOL_CALLS][{one}, {two}]": "accepted", f"[{one}]": "accepted", "No call.": "accepted",
                 '[{"name": "count", "arguments": {"n": null}}]': "refused", f"[{one}] more": "refused"}  # fmt: skip
     assert name == "pythonic"
@@ -200,7 +274,9 @@ def test_auto_needs_a_strict_function_and_frees_the_others(tokenizer):
     loose = [{**f, "strict": False} for f in FUNCTIONS]
     assert strict_auto_tag(TOOL_CALL_FORMATS["hermes"], loose, parallel=True) is None
     mixed = [FUNCTIONS[0], {**FUNCTIONS[1], "strict": None}]
-    lark = structural_tag_to_lark(strict_auto_tag(TOOL_CALL_FORMATS["hermes"], mixed, True)["structural_tag"])
+    lark = structural_tag_to_lark(
+        strict_auto_tag(TOOL_CALL_FORMATS["hermes"], mixed, True)["structural_tag"]
+    )
     assert outcome(tokenizer, lark, hermes_call("count", {"anything": [1]})) == "accepted"
     assert outcome(tokenizer, lark, hermes_call("get_weather", {"town": "x"})) == "refused"
 
@@ -270,6 +346,9 @@ def test_depth_and_size_are_bounded():
         deep = {"type": "sequence", "elements": [deep]}
     with pytest.raises(ConstraintError, match=f"nests formats over {MAX_DEPTH} deep"):
         structural_tag_to_lark({"format": deep})
-    wide = {"type": "or", "elements": [{"type": "const_string", "value": str(i)} for i in range(MAX_FORMATS)]}
+    wide = {
+        "type": "or",
+        "elements": [{"type": "const_string", "value": str(i)} for i in range(MAX_FORMATS)],
+    }
     with pytest.raises(ConstraintError, match=f"has over {MAX_FORMATS} formats"):
         structural_tag_to_lark({"format": wide})

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support import bundled_gguf_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -25,7 +24,9 @@ EXPECTED = {
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled SmolLM2 model is not installed"),
+    pytest.mark.skipif(
+        bundled_gguf_path() is None, reason="the bundled SmolLM2 model is not installed"
+    ),
 ]
 
 
@@ -43,14 +44,20 @@ def run_example(name: str, env_address: str | None, timeout: float = 60) -> str:
     if env_address:
         env["SPRUCE_ADDRESS"] = env_address
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / name)], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(EXAMPLES / name)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
 def test_every_example_is_tested():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")) == sorted(EXPECTED)
+    assert sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")) == sorted(
+        EXPECTED
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

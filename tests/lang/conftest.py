@@ -5,6 +5,7 @@ both transports."""
 from __future__ import annotations
 
 import pytest
+
 import spruce.lang as sl
 
 TRANSPORTS = ("zmq", "http")

@@ -9,7 +9,9 @@ import pytest
 from spruce.lang import bench
 
 
-@pytest.mark.skipif(importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="no spruce serve")
+@pytest.mark.skipif(
+    importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="no spruce serve"
+)
 def test_bench_prints_the_ratio(tiny_llama_dir, capsys):
     bench.main([
         "--model", str(tiny_llama_dir), "--num-programs", "4", "--num-shots", "2", "--max-tokens", "2",

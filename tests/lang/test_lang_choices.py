@@ -36,7 +36,11 @@ def test_greedy_token_selection_compares_token_by_token():
     out = call(sl.greedy_token_selection)
     # column 0: -1.0, -1.0, -1.2 -> "ab" and "cde" tie; column 1: -0.5 vs -0.2 -> "cde"
     assert out.decision == "cde"
-    assert out.meta_info["greedy_logprob_matrix"] == [[-1.0, -0.5, -0.75], [-1.0, -0.2, -3.0], [-1.2, -1.2, -1.2]]
+    assert out.meta_info["greedy_logprob_matrix"] == [
+        [-1.0, -0.5, -0.75],
+        [-1.0, -0.2, -3.0],
+        [-1.2, -1.2, -1.2],
+    ]
 
 
 def test_unconditional_likelihood_normalized_subtracts_the_promptless_logprobs():
@@ -64,7 +68,9 @@ def test_choice_tokens_start_where_the_tokenizations_differ():
 def test_choice_tokens_with_and_without_a_merge():
     backend = FakeBackend()
     prefix = "Answer:"
-    rows = choice_token_logprobs(backend, prefix, [" yes", "!"], len(backend.tokenizer.encode(prefix)))
+    rows = choice_token_logprobs(
+        backend, prefix, [" yes", "!"], len(backend.tokenizer.encode(prefix))
+    )
     # " yes" starts a new piece; "!" joins the prefix's ":" into one piece ":!"
     assert [backend.tokenizer.decode([t for _, t in r]) for r in rows] == [" yes", ":!"]
 
@@ -93,7 +99,9 @@ def test_a_merge_beyond_the_window_widens_it():
 
 def test_select_sends_one_commit_and_one_batched_request():
     backend = FakeBackend()
-    out = score_choices(backend, "Pick one:", [" red", " green", " blue"], sl.token_length_normalized)
+    out = score_choices(
+        backend, "Pick one:", [" red", " green", " blue"], sl.token_length_normalized
+    )
     assert out.decision in (" red", " green", " blue")
     commit, batch = backend.requests
     assert commit.sampling_params == {"max_new_tokens": 0} and commit.text == "Pick one:"
@@ -103,7 +111,9 @@ def test_select_sends_one_commit_and_one_batched_request():
 
 def test_unconditional_method_adds_one_batched_request():
     backend = FakeBackend()
-    out = score_choices(backend, "Pick one:", [" red", " blue"], sl.unconditional_likelihood_normalized)
+    out = score_choices(
+        backend, "Pick one:", [" red", " blue"], sl.unconditional_likelihood_normalized
+    )
     last = backend.requests[-1]
     assert last.input_ids == [[t for _, t in r] for r in out.meta_info["input_token_logprobs"]]
     assert last.logprob_start_len == 0 and len(backend.requests) == 3

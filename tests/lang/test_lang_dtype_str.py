@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import spruce.lang as sl
 from spruce.constrained.automaton.byte_dfa import DEAD, ByteDFA

@@ -16,7 +16,8 @@ from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="spruce serve is not available"
+    importlib.util.find_spec("spruce.runtime.server.launch") is None,
+    reason="spruce serve is not available",
 )
 GREEDY = {"temperature": 0}
 
@@ -50,7 +51,11 @@ def test_gen_stores_variables(endpoint):
 
 
 CHOICES = ["Paris", "London", "the quick brown fox"]
-METHODS = [sl.token_length_normalized, sl.greedy_token_selection, sl.unconditional_likelihood_normalized]
+METHODS = [
+    sl.token_length_normalized,
+    sl.greedy_token_selection,
+    sl.unconditional_likelihood_normalized,
+]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: type(m).__name__)
@@ -77,13 +82,17 @@ def test_select_scores_equal_a_direct_computation(endpoint, tokenizer, method):
     assert meta["normalized_prompt_logprobs"] == pytest.approx(means)
     if method is sl.unconditional_likelihood_normalized:
         uncond = [_input_ids_logprobs(endpoint, [t for _, t in r]) for r in rows]
-        expected = [sum(c[0] - (u[0] or 0) for c, u in zip(r, ur)) / len(r) for r, ur in zip(rows, uncond)]
+        expected = [
+            sum(c[0] - (u[0] or 0) for c, u in zip(r, ur)) / len(r) for r, ur in zip(rows, uncond)
+        ]
         assert meta["scores"] == pytest.approx(expected, abs=1e-3)
     elif method is sl.token_length_normalized:
         assert meta["scores"] == pytest.approx(means)
         assert state["city"] == CHOICES[means.index(max(means))]
     else:
-        assert meta["greedy_logprob_matrix"][0][: len(rows[0])] == pytest.approx([lp for lp, _ in rows[0]])
+        assert meta["greedy_logprob_matrix"][0][: len(rows[0])] == pytest.approx(
+            [lp for lp, _ in rows[0]]
+        )
 
 
 def _input_ids_logprobs(endpoint, ids: list[int]) -> list[list]:
@@ -150,7 +159,9 @@ def test_fork_children_reuse_the_parents_prefix(endpoint):
 def test_run_batch_of_fifty(endpoint):
     questions = [f"What is {i} plus {i}?" for i in range(50)]
     start = time.monotonic()
-    states = qa.run_batch([{"question": q} for q in questions], backend=endpoint, max_new_tokens=4, **GREEDY)
+    states = qa.run_batch(
+        [{"question": q} for q in questions], backend=endpoint, max_new_tokens=4, **GREEDY
+    )
     assert all(s.ok for s in states), [s.error() for s in states if not s.ok][:1]
     assert all(s.text().startswith("Question: " + q) for s, q in zip(states, questions))
     assert time.monotonic() - start < 120
@@ -191,7 +202,9 @@ def test_messages_have_the_roles_and_contents(endpoint):
 @pytest.mark.parametrize("scheme", ["tcp", "http"])
 def test_an_unreachable_endpoint_errors_quickly(scheme):
     start = time.monotonic()
-    with pytest.raises(sl.RuntimeUnavailableError, match="no Spruce runtime answered at .*127.0.0.1"):
+    with pytest.raises(
+        sl.RuntimeUnavailableError, match="no Spruce runtime answered at .*127.0.0.1"
+    ):
         sl.RuntimeEndpoint(f"{scheme}://127.0.0.1:{free_port()}")
     assert time.monotonic() - start < 5
 

@@ -12,7 +12,16 @@ import zmq
 import spruce.lang as sl
 from spruce.lang.launcher import free_port
 from spruce.runtime.protocol.dsl import (
-    AbortMsg, ChunkMsg, ErrorMsg, FinalMsg, FlushCacheMsg, GenerateMsg, InfoMsg, ModelInfoMsg, decode, encode,
+    AbortMsg,
+    ChunkMsg,
+    ErrorMsg,
+    FinalMsg,
+    FlushCacheMsg,
+    GenerateMsg,
+    InfoMsg,
+    ModelInfoMsg,
+    decode,
+    encode,
 )  # fmt: skip
 
 
@@ -98,7 +107,9 @@ def router():
 def test_an_unreachable_runtime_fails_fast_naming_the_address():
     address = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    with pytest.raises(sl.RuntimeUnavailableError, match=f"no Spruce runtime answered at {address}") as info:
+    with pytest.raises(
+        sl.RuntimeUnavailableError, match=f"no Spruce runtime answered at {address}"
+    ) as info:
         sl.RuntimeEndpoint(address, connect_timeout=2)
     assert time.monotonic() - start < 5
     assert info.value.address == address
@@ -109,7 +120,10 @@ def test_model_info_generate_and_batch(router):
     try:
         assert endpoint.model_info()["model"] == "fake" and endpoint.chat_template is None
         assert endpoint.generate(generate_msg("abc")).text == "cba"
-        assert [r["text"] for r in endpoint.generate(generate_msg(["ab", "cd"])).results] == ["ba", "dc"]
+        assert [r["text"] for r in endpoint.generate(generate_msg(["ab", "cd"])).results] == [
+            "ba",
+            "dc",
+        ]
         endpoint.flush_cache()
     finally:
         endpoint.close()

@@ -122,7 +122,9 @@ class FakeBackend(Backend):
         }
         if msg.return_logprob:
             meta["input_token_logprobs"] = self._prompt_logprobs(ids, msg.logprob_start_len)
-            meta["output_token_logprobs"] = [[fake_logprob(p, t), t] for p, t in zip([*ids, *output], output)]
+            meta["output_token_logprobs"] = [
+                [fake_logprob(p, t), t] for p, t in zip([*ids, *output], output)
+            ]
         self._insert(ids + output)
         return {"text": self.tokenizer.decode(output), "output_ids": output, "meta_info": meta}
 
@@ -130,7 +132,9 @@ class FakeBackend(Backend):
         n = params.get("max_new_tokens", 128)
         if params.get("choices"):
             choices = params["choices"]
-            return self.tokenizer.encode(choices[zlib.crc32(bytes(str(ids), "ascii")) % len(choices)])
+            return self.tokenizer.encode(
+                choices[zlib.crc32(bytes(str(ids), "ascii")) % len(choices)]
+            )
         seed = zlib.crc32(bytes(str(ids), "ascii"))
         text = "".join(" " + WORDS[(seed + i) % len(WORDS)] for i in range(n))
         for stop in params.get("stop") or ():

@@ -8,10 +8,12 @@ import importlib.util
 import re
 
 import pytest
+
 import spruce.lang as sl
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("spruce.runtime.server.launch") is None, reason="spruce serve is not available"
+    importlib.util.find_spec("spruce.runtime.server.launch") is None,
+    reason="spruce serve is not available",
 )
 GBNF = 'root ::= "Hello" | "Hi"'
 LARK = 'start: NUMBER ("+" NUMBER)*\nNUMBER: /[1-9][0-9]?/'
@@ -29,7 +31,9 @@ def test_gen_follows_an_ebnf_and_a_lark_grammar(endpoint):
     for state in states:
         assert state.ok, state.error()
         assert state["greeting"] in ("Hello", "Hi")
-        total = state["sum"] if SUM.fullmatch(state["sum"]) else state["sum"] + "1"  # cut by max_tokens
+        total = (
+            state["sum"] if SUM.fullmatch(state["sum"]) else state["sum"] + "1"
+        )  # cut by max_tokens
         assert SUM.fullmatch(total) and eval(total) > 0, state["sum"]
         assert state.text() == f"Greet me: {state['greeting']}\nNow a sum: {state['sum']}"
 
@@ -54,17 +58,24 @@ def test_two_constraints_in_one_gen_are_refused():
 
 @pytest.mark.slow
 def test_engine_generate_follows_grammars_on_the_bundled_model():
-    from spruce.runtime import Engine
     from support import bundled_gguf_path
+
+    from spruce.runtime import Engine
 
     if bundled_gguf_path() is None:
         pytest.skip("the bundled model is not installed")
     engine = Engine(num_threads=1, kv_memory_gb=0.25)
     prompt = engine.apply_chat_template([{"role": "user", "content": "Say hello."}])
-    greetings = engine.generate([prompt] * 2, {"ebnf": GBNF, "temperature": 0.7, "seed": 1, "max_new_tokens": 8})
+    greetings = engine.generate(
+        [prompt] * 2, {"ebnf": GBNF, "temperature": 0.7, "seed": 1, "max_new_tokens": 8}
+    )
     assert [r["text"] in ("Hello", "Hi") for r in greetings] == [True, True], greetings
-    prompt = engine.apply_chat_template([{"role": "user", "content": "Write a sum of small numbers."}])
-    sums = engine.generate([prompt] * 2, {"lark": LARK, "temperature": 0.7, "seed": 2, "max_new_tokens": 16})
+    prompt = engine.apply_chat_template(
+        [{"role": "user", "content": "Write a sum of small numbers."}]
+    )
+    sums = engine.generate(
+        [prompt] * 2, {"lark": LARK, "temperature": 0.7, "seed": 2, "max_new_tokens": 16}
+    )
     for result in sums:
         text = result["text"]
         assert SUM.fullmatch(text) or (result["meta_info"]["finish_reason"]["type"] == "length"

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
+
 import spruce.lang as sl
 from spruce.runtime.protocol.dsl import ChunkMsg, FinalMsg, GenerateMsg
 

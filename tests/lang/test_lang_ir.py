@@ -10,8 +10,8 @@ import pytest
 
 import spruce.lang as sl
 from spruce.lang.ir import Arg, Fork, Gen, Join, RoleBegin, RoleEnd, Select, Text, Var, dsl_keywords
-from spruce.runtime.errors import ConstraintError
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.errors import ConstraintError
 
 
 class Person(pydantic.BaseModel):
@@ -28,7 +28,11 @@ def test_gen_keywords_follow_sampling_params():
 
 def test_gen_keeps_only_given_fields_in_sampling_params_names():
     node = sl.gen("x", 16, stop="\n", temperature=0, return_logprob=True)
-    assert node == Gen("x", (("max_new_tokens", 16), ("temperature", 0), ("stop", ("\n",))), (("return_logprob", True),))
+    assert node == Gen(
+        "x",
+        (("max_new_tokens", 16), ("temperature", 0), ("stop", ("\n",))),
+        (("return_logprob", True),),
+    )
     assert sl.gen("x", temperature=0, max_tokens=16, stop=["\n"], return_logprob=True) == node
     assert sl.gen().sampling == ()
 
@@ -41,8 +45,13 @@ def test_gen_unknown_keyword_lists_the_known_ones():
 def test_gen_json_schema_from_pydantic_dict_or_text():
     from_model = sl.gen("p", json_schema=Person).sampling_params["json_schema"]
     assert json.loads(from_model) == Person.model_json_schema()
-    assert json.loads(sl.gen("p", json_schema={"type": "integer"}).sampling_params["json_schema"]) == {"type": "integer"}
-    assert sl.gen("p", json_schema='{"type": "string"}').sampling_params["json_schema"] == '{"type": "string"}'
+    assert json.loads(
+        sl.gen("p", json_schema={"type": "integer"}).sampling_params["json_schema"]
+    ) == {"type": "integer"}
+    assert (
+        sl.gen("p", json_schema='{"type": "string"}').sampling_params["json_schema"]
+        == '{"type": "string"}'
+    )
 
 
 def test_gen_dtype_becomes_a_regex():
@@ -60,7 +69,9 @@ def test_gen_dtype_becomes_a_regex():
 
 def test_choices_are_checked():
     picked = sl.gen("c", choices=["a", "b"], choices_method=sl.greedy_token_selection, max_tokens=4)
-    assert picked == Select("c", ("a", "b"), 0.0, sl.greedy_token_selection)  # SGLang: gen with choices selects
+    assert picked == Select(
+        "c", ("a", "b"), 0.0, sl.greedy_token_selection
+    )  # SGLang: gen with choices selects
     assert sl.gen("c", choices=["a"]) == sl.select("c", ["a"])
     with pytest.raises(sl.ProgramError, match="choices_method=...\\) needs choices"):
         sl.gen("c", choices_method=sl.greedy_token_selection)
@@ -103,7 +114,10 @@ def test_trace_gives_the_ir_without_a_backend():
         RoleBegin("user"), Arg("question"), RoleEnd("user"),
         RoleBegin("assistant"), Gen("answer", (("max_new_tokens", 8), ("stop", ("\n",)))), RoleEnd("assistant"),
     ]  # fmt: skip
-    assert nodes[9:11] == [Text("Choice: "), Select("pick", ("a", "b"), 0.0, sl.greedy_token_selection)]
+    assert nodes[9:11] == [
+        Text("Choice: "),
+        Select("pick", ("a", "b"), 0.0, sl.greedy_token_selection),
+    ]
     fork = nodes[11]
     assert isinstance(fork, Fork) and fork.size == 2
     assert fork.branches == (
@@ -137,5 +151,7 @@ def test_an_http_address_selects_the_http_transport():
     from spruce.lang.launcher import free_port
 
     address = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(sl.RuntimeUnavailableError, match=f"no Spruce runtime answered at {address}"):
+    with pytest.raises(
+        sl.RuntimeUnavailableError, match=f"no Spruce runtime answered at {address}"
+    ):
         sl.RuntimeEndpoint(address, api_key="secret")

@@ -113,8 +113,12 @@ def test_a_template_with_a_default_system_prompt():
         s += sl.assistant(sl.gen("reply", max_tokens=1))
 
     state = prog.run(backend=backend)
-    assert backend.requests[0].text == "<|im_start|>system\nDefault<|im_end|>\n<|im_start|>user\nHello"
-    assert state.text() == ChatTemplate(smol_like).render(state.messages(), add_generation_prompt=False)
+    assert (
+        backend.requests[0].text == "<|im_start|>system\nDefault<|im_end|>\n<|im_start|>user\nHello"
+    )
+    assert state.text() == ChatTemplate(smol_like).render(
+        state.messages(), add_generation_prompt=False
+    )
 
 
 def test_role_misuse_is_an_error(backend):
@@ -124,7 +128,9 @@ def test_role_misuse_is_an_error(backend):
         s += sl.assistant_end()
 
     state = prog.run(backend=backend)
-    assert isinstance(state.error(), sl.ProgramError) and "cannot end a assistant block" in str(state.error())
+    assert isinstance(state.error(), sl.ProgramError) and "cannot end a assistant block" in str(
+        state.error()
+    )
 
 
 def test_roles_need_a_chat_template():
@@ -136,7 +142,8 @@ def test_roles_need_a_chat_template():
 
 
 @pytest.mark.parametrize(
-    "method", [sl.token_length_normalized, sl.greedy_token_selection, sl.unconditional_likelihood_normalized]
+    "method",
+    [sl.token_length_normalized, sl.greedy_token_selection, sl.unconditional_likelihood_normalized],
 )
 def test_select_scores_match_a_direct_computation(backend, method):
     @sl.function
@@ -155,9 +162,13 @@ def test_select_scores_match_a_direct_computation(backend, method):
     means = [sum(lp for lp, _ in row) / len(row) for row in expected_rows]
     assert meta["normalized_prompt_logprobs"] == pytest.approx(means)
     if method is sl.unconditional_likelihood_normalized:
-        uncond = [backend.token_logprobs(backend.tokenizer.decode([t for _, t in row])) for row in expected_rows]
+        uncond = [
+            backend.token_logprobs(backend.tokenizer.decode([t for _, t in row]))
+            for row in expected_rows
+        ]
         expected = [
-            sum(c[0] - (u[0] or 0.0) for c, u in zip(row, urow)) / len(row) for row, urow in zip(expected_rows, uncond)
+            sum(c[0] - (u[0] or 0.0) for c, u in zip(row, urow)) / len(row)
+            for row, urow in zip(expected_rows, uncond)
         ]
         assert meta["scores"] == pytest.approx(expected)
     elif method is sl.token_length_normalized:
@@ -165,7 +176,9 @@ def test_select_scores_match_a_direct_computation(backend, method):
     decision = state["pick"]
     assert decision in ("yes", "no way", "maybe") and state.text() == "The answer is " + decision
     if method is not sl.greedy_token_selection:
-        assert decision == ["yes", "no way", "maybe"][max(range(3), key=lambda i: meta["scores"][i])]
+        assert (
+            decision == ["yes", "no way", "maybe"][max(range(3), key=lambda i: meta["scores"][i])]
+        )
 
 
 def test_select_with_temperature_samples_a_choice(backend):
@@ -193,7 +206,10 @@ def test_fork_commits_the_prefix_then_runs_children_in_parallel():
     backend = FakeBackend(delay=0.2)
     state = branches.run(backend=backend)
     commit = backend.requests[0]
-    assert commit.sampling_params == {"max_new_tokens": 0} and commit.text == "Shared prompt with some words. "
+    assert (
+        commit.sampling_params == {"max_new_tokens": 0}
+        and commit.text == "Shared prompt with some words. "
+    )
     assert backend.max_in_flight == 3  # the three children's gens overlapped
     ideas = state["idea"]
     assert isinstance(ideas, list) and len(ideas) == 3 and all(isinstance(x, str) for x in ideas)
@@ -230,18 +246,24 @@ def few_shot(s, question):
 
 def test_run_batch_hints_the_common_prefix_and_keeps_failures_apart(backend):
     questions = [f"what is {i}" for i in range(49)] + ["boom"]
-    states = few_shot.run_batch([{"question": q} for q in questions], backend=backend, num_threads=8)
+    states = few_shot.run_batch(
+        [{"question": q} for q in questions], backend=backend, num_threads=8
+    )
     assert len(states) == 50
     hint = backend.requests[0]
     # the common prefix, cut before its last space (the next word's token starts there)
     assert hint.sampling_params == {"max_new_tokens": 0} and hint.text == FEW_SHOT + "Q: what is"
     assert all(s.ok for s in states[:-1]) and all(s["answer"] for s in states[:-1])
     assert isinstance(states[-1].error(), ValueError) and not states[-1].ok
-    assert [s.text().split("\nA:")[-2][-len(q) :] for s, q in zip(states[:3], questions)] == questions[:3]
+    assert [
+        s.text().split("\nA:")[-2][-len(q) :] for s, q in zip(states[:3], questions)
+    ] == questions[:3]
 
 
 def test_run_batch_progress_bar_and_defaults(backend, capsys):
-    states = qa.run_batch([{"question": "a"}, {"question": "b"}], backend=backend, progress_bar=True, temperature=0)
+    states = qa.run_batch(
+        [{"question": "a"}, {"question": "b"}], backend=backend, progress_bar=True, temperature=0
+    )
     assert all(s.ok for s in states)
     gens = [r for r in backend.requests if r.sampling_params["max_new_tokens"]]
     assert len(gens) == 2 and all(r.sampling_params.get("temperature") == 0 for r in gens)
@@ -255,7 +277,10 @@ def test_streaming_gives_the_same_text_as_not_streaming(backend):
     state = qa.run(question="Stream?", backend=backend, stream=True)
     chunks = list(state.text_iter())
     assert len(chunks) > 1 and "".join(chunks) == state.text() == expected.text()
-    assert "".join(qa.run(question="Stream?", backend=backend, stream=True).text_iter("answer")) == expected["answer"]
+    assert (
+        "".join(qa.run(question="Stream?", backend=backend, stream=True).text_iter("answer"))
+        == expected["answer"]
+    )
     assert all(r.stream for r in backend.requests[1:])
 
 

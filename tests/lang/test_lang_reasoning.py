@@ -4,9 +4,10 @@ block, `<name>_reasoning_content` the reasoning; the program text keeps the whol
 from __future__ import annotations
 
 import pytest
+from test_lang_fakes import FakeBackend
+
 import spruce.lang as sl
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
-from test_lang_fakes import FakeBackend
 
 
 class ThinkingBackend(FakeBackend):

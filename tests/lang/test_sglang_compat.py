@@ -16,6 +16,7 @@ import re
 
 import pytest
 import requests
+
 import spruce.lang as sgl
 from spruce.lang.sglang_options import translate_sglang_options
 
@@ -389,7 +390,9 @@ def test_sglang_server_options_map_to_spruces():
 
 
 def test_sglang_options_without_a_spruce_meaning_are_refused():
-    with pytest.raises(sgl.ProgramError, match="trust_remote_code=True has no Spruce equivalent: .*own model"):
+    with pytest.raises(
+        sgl.ProgramError, match="trust_remote_code=True has no Spruce equivalent: .*own model"
+    ):
         sgl.Runtime(trust_remote_code=True)
     with pytest.raises(sgl.ProgramError, match="no fp8"):
         sgl.Runtime(kv_cache_dtype="fp8_e5m2")

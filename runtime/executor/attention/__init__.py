@@ -6,8 +6,12 @@ import importlib
 import importlib.util
 import os
 
-from spruce.runtime.executor.attention.base import AttentionBackend, AttentionOptions, ForwardContext
 from spruce.runtime.errors import SpruceError
+from spruce.runtime.executor.attention.base import (
+    AttentionBackend,
+    AttentionOptions,
+    ForwardContext,
+)
 
 # name -> "module:Class", imported on use so GPU-only packages are optional
 ATTENTION_BACKENDS = {
@@ -39,16 +43,27 @@ def resolve_backend(name: str, device: str, options: AttentionOptions | None = N
         raise SpruceError(f"unknown attention backend {name!r} (known: {known})")
     needs = _NEEDS.get(name)
     if needs and not _importable(needs):
-        raise SpruceError(f"attention backend {name!r} needs the {needs} package: pip install 'spruce[gpu]'")
+        raise SpruceError(
+            f"attention backend {name!r} needs the {needs} package: pip install 'spruce[gpu]'"
+        )
     if name == "flashinfer" and not on_gpu:
-        raise SpruceError("attention backend 'flashinfer' needs a CUDA GPU; use --attention-backend native")
+        raise SpruceError(
+            "attention backend 'flashinfer' needs a CUDA GPU; use --attention-backend native"
+        )
     if name == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SpruceError("attention backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing)")
+        raise SpruceError(
+            "attention backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for testing)"
+        )
     return name
 
 
 def create_backend(
-    name: str, pool, req_to_token, num_heads: int, head_dim: int, options: AttentionOptions | None = None
+    name: str,
+    pool,
+    req_to_token,
+    num_heads: int,
+    head_dim: int,
+    options: AttentionOptions | None = None,
 ) -> AttentionBackend:
     """The backend `name` (or its alias) for this pool; a backend that cannot implement
     `options` (sliding windows, soft-capping) refuses with SpruceError."""

@@ -13,7 +13,11 @@ from __future__ import annotations
 import torch
 
 from spruce.runtime.errors import SpruceError
-from spruce.runtime.executor.attention.base import AttentionBackend, AttentionOptions, ForwardContext
+from spruce.runtime.executor.attention.base import (
+    AttentionBackend,
+    AttentionOptions,
+    ForwardContext,
+)
 
 WORKSPACE_BYTES = 256 * 2**20
 
@@ -26,7 +30,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         device = pool.device
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=True
+        )
         self.paged_prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.ragged_prefill = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
         self.kv_heads = pool.shape.kv_heads
@@ -40,7 +46,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         if ctx.is_decode:
             kv_indices = self._page_indices(ctx, seq_lens)
             last = torch.ones_like(seq_lens, dtype=torch.int32)
-            self.decode.plan(kv_indptr, kv_indices, last, *common, 1, q_data_type=dtype, kv_data_type=dtype)
+            self.decode.plan(
+                kv_indptr, kv_indices, last, *common, 1, q_data_type=dtype, kv_data_type=dtype
+            )
             ctx.backend_state = "decode"
         elif max(ctx.prefix_lens_cpu) == 0:
             self.ragged_prefill.plan(qo_indptr, qo_indptr, *common, causal=True, q_data_type=dtype)
@@ -48,7 +56,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             kv_indices = self._page_indices(ctx, seq_lens)
             last = torch.ones_like(seq_lens, dtype=torch.int32)
-            self.paged_prefill.plan(qo_indptr, kv_indptr, kv_indices, last, *common, 1, causal=True, q_data_type=dtype)
+            self.paged_prefill.plan(
+                qo_indptr, kv_indptr, kv_indices, last, *common, 1, causal=True, q_data_type=dtype
+            )
             ctx.backend_state = "paged"
 
     def _page_indices(self, ctx: ForwardContext, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -61,7 +71,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.pool.write(layer, ctx.out_slots, k, v)
         if ctx.backend_state == "ragged":
             return self.ragged_prefill.run(q, k, v)
-        cache = (self.pool.k[layer][:, None], self.pool.v[layer][:, None])  # [slots, page=1, heads, dim]
+        cache = (
+            self.pool.k[layer][:, None],
+            self.pool.v[layer][:, None],
+        )  # [slots, page=1, heads, dim]
         wrapper = self.decode if ctx.backend_state == "decode" else self.paged_prefill
         return wrapper.run(q, cache)
 

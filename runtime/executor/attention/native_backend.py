@@ -78,7 +78,9 @@ class NativeAttentionBackend(AttentionBackend):
         if on_cpu and pool.shape.dtype in KERNELS:
             kernel = CpuDecodeAttention()
             self.cpu_kernel = kernel if kernel.available else None
-        self.cpu_prefill = on_cpu  # extends in float32 through the C prefill kernel when it is built
+        self.cpu_prefill = (
+            on_cpu  # extends in float32 through the C prefill kernel when it is built
+        )
 
     def prepare(self, ctx: ForwardContext) -> None:
         starts = ctx.extend_start_loc_cpu
@@ -92,7 +94,9 @@ class NativeAttentionBackend(AttentionBackend):
     def _decode_group(self, ctx: ForwardContext, ids: list[int], starts: list[int]) -> _DecodeGroup:
         device = ctx.positions.device
         seq_lens = [ctx.prefix_lens_cpu[b] + 1 for b in ids]
-        table_rows = ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
+        table_rows = (
+            ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
+        )
         rows = torch.tensor([starts[b] for b in ids], device=device)
         group = _DecodeGroup(rows, table_rows, torch.tensor(seq_lens, device=device))
         if self.cpu_kernel is None:
@@ -133,21 +137,40 @@ class NativeAttentionBackend(AttentionBackend):
             return self._attend_decode(q, layer, window, state.decode)
         o = torch.empty_like(q)
         if state.decode is not None:
-            o[state.decode.rows] = self._attend_decode(q[state.decode.rows], layer, window, state.decode)
+            o[state.decode.rows] = self._attend_decode(
+                q[state.decode.rows], layer, window, state.decode
+            )
         for ext in state.extends:
             span = slice(ext.start, ext.start + ext.length)
             o[span] = self._attend_extend(q[span], k[span], v[span], layer, window, ext)
         return o
 
-    def _attend_decode(self, q, layer: int, window, group: _DecodeGroup, new_kv=None) -> torch.Tensor:
+    def _attend_decode(
+        self, q, layer: int, window, group: _DecodeGroup, new_kv=None
+    ) -> torch.Tensor:
         if self.cpu_kernel is not None:
-            k_cache, v_cache, scales = self.pool.k[layer], self.pool.v[layer], self.pool.scales(layer)
+            k_cache, v_cache, scales = (
+                self.pool.k[layer],
+                self.pool.v[layer],
+                self.pool.scales(layer),
+            )
             table = self.req_to_token.table
             return self.cpu_kernel(
-                q, k_cache, v_cache, table, group.table_rows, group.seq_lens, self.scale, new_kv, window, scales
+                q,
+                k_cache,
+                v_cache,
+                table,
+                group.table_rows,
+                group.seq_lens,
+                self.scale,
+                new_kv,
+                window,
+                scales,
             )
         k, v = self.pool.read(layer, group.slots, q.dtype)  # [B, L, KH, D]
-        o = self._attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), group.masks[window], False)
+        o = self._attention(
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), group.masks[window], False
+        )
         return o[:, :, 0, :]
 
     def _attend_extend(self, q, k, v, layer: int, window, ext: _Extend) -> torch.Tensor:
@@ -159,7 +182,11 @@ class NativeAttentionBackend(AttentionBackend):
                 return o
         mask = ext.masks[window]
         o = self._attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, mask is None
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            mask,
+            mask is None,
         )
         return o[0].transpose(0, 1)
 
@@ -171,7 +198,9 @@ class NativeAttentionBackend(AttentionBackend):
             )
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-        scores = torch.tanh(q.float() @ k.transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        scores = (
+            torch.tanh(q.float() @ k.transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        )
         if is_causal:
             lq, lk = scores.shape[-2:]
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)

@@ -11,7 +11,6 @@ import torch
 
 from spruce.runtime.executor.kernels.cpu_library import load_library
 
-
 # the kernel for each cache dtype
 KERNELS = {
     torch.float32: "spruce_decode_attention_f32",
@@ -65,7 +64,9 @@ class CpuDecodeAttention:
             batch, heads, k_cache.shape[1], dim, scale, window or 0,
         )  # fmt: skip
         if failed:
-            raise ValueError(f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})")
+            raise ValueError(
+                f"CPU attention kernel: unsupported shape (heads {heads}, head_dim {dim})"
+            )
         return out.to(dtype)
 
 
@@ -84,7 +85,12 @@ def _rows_strided(x: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of `length` new tokens (cpu_prefill_attention.c): q [length, H, D],
     k / v [prefix + length, KH, D] (the cached prefix's keys first), float32 CPU tensors whose

@@ -29,7 +29,9 @@ def rms_norm(
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape
         res_ptr = residual.data_ptr()
-    load_library().spruce_rms_norm(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    load_library().spruce_rms_norm(
+        x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), rows, dim, eps
+    )
     return out, (x if residual is None else residual)
 
 
@@ -42,13 +44,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary_(
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
     """Rotates, in place, the first `heads` head vectors of every row of x [N, >= heads *
     head_dim] (rows may be strided, columns contiguous); cos / sin [positions, head_dim / 2]."""
     assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     positions = positions.to(torch.int64).contiguous()
     load_library().spruce_rotary(
-        x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
     )
 
 
@@ -58,12 +74,18 @@ GEMV_MAX_ROWS = 4
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, k] @ weight.T (+ bias); a few rows (batch-1 decode) go through the C kernel,
     which streams the weights once, others through torch."""
-    plain = weight.dtype == torch.float32 and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+    plain = (
+        weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+    )
     if x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS or not plain or not usable(x):
         return torch.nn.functional.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape
     y = torch.empty(x.shape[0], n)
     bias_ptr = None if bias is None else bias.data_ptr()
-    load_library().spruce_gemv(x.data_ptr(), x.shape[0], k, weight.data_ptr(), bias_ptr, n, y.data_ptr())
+    load_library().spruce_gemv(
+        x.data_ptr(), x.shape[0], k, weight.data_ptr(), bias_ptr, n, y.data_ptr()
+    )
     return y

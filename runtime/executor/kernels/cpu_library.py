@@ -36,10 +36,18 @@ from pathlib import Path
 logger = logging.getLogger("spruce")
 
 _HERE = Path(__file__).parent
-PER_ISA_SOURCES = [_HERE / "cpu_decode_attention.c", _HERE / "cpu_prefill_attention.c", _HERE / "cpu_layer_ops.c"]
+PER_ISA_SOURCES = [
+    _HERE / "cpu_decode_attention.c",
+    _HERE / "cpu_prefill_attention.c",
+    _HERE / "cpu_layer_ops.c",
+]
 PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
-HEADERS = [_HERE / "cpu_decode_attention_impl.h", _HERE / "cpu_vector.h", _HERE / "cpu_register_vector.h"]
+HEADERS = [
+    _HERE / "cpu_decode_attention_impl.h",
+    _HERE / "cpu_vector.h",
+    _HERE / "cpu_register_vector.h",
+]
 HEADERS += [_HERE / "cpu_quant.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
@@ -57,14 +65,61 @@ _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     # q, q_stride, k_new, v_new, new_stride, new_slots, k_cache, v_cache, k_scale, v_scale, table, table_stride,
     # rows, seq_lens, out, batch, heads, kv_heads, dim, scale, window (0: none)
-    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
+    "spruce_decode_attention_f32": [
+        _P,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _P,
+        _P,
+    ]
     + [_I64] * 4
     + [_F32, _I64],
     # q, q_stride, k, v, kv_stride, out, length, prefix, heads, kv_heads, dim, scale, window (0: none)
-    "spruce_prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64],
-    "spruce_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32],  # x, residual, weight, out, rows, dim, eps
+    "spruce_prefill_attention": [
+        _P,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _I64,
+    ],
+    "spruce_rms_norm": [
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _F32,
+    ],  # x, residual, weight, out, rows, dim, eps
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
-    "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin
+    "spruce_rotary": [
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _P,
+    ],  # x, row_stride, rows, heads, dim, pos, cos, sin
     "spruce_gemv": [_P, _I64, _I64, _P, _P, _I64, _P],  # x, rows, k, weight, bias, n, y
     "spruce_quantize_rows_q16": [_P, _I64, _I64, _P, _P, _P, _I64],  # x, rows, k, qx, dx, sx, isa
     # type, blocks, n, k, qx, dx, sx, rows, bias, y, y_stride, isa
@@ -80,7 +135,11 @@ SIGNATURES = {
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
 SIGNATURES["spruce_decode_attention_i8"] = SIGNATURES["spruce_decode_attention_f32"]
 # the float kernels: one function per instruction set, `<name>_<isa>`
-PER_ISA_KERNELS = ("spruce_decode_attention_f32", "spruce_decode_attention_f16", "spruce_decode_attention_i8")
+PER_ISA_KERNELS = (
+    "spruce_decode_attention_f32",
+    "spruce_decode_attention_f16",
+    "spruce_decode_attention_i8",
+)
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 
@@ -101,7 +160,9 @@ _isa: str | None = None  # the float kernels' variant the plain names are bound 
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SPRUCE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "spruce")
+    root = os.environ.get("SPRUCE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "spruce"
+    )
     return Path(root) / "kernels"
 
 
@@ -167,7 +228,9 @@ def load_library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        logger.warning("CPU kernels unavailable (%s %s); using the torch path", e, detail.decode()[:200])
+        logger.warning(
+            "CPU kernels unavailable (%s %s); using the torch path", e, detail.decode()[:200]
+        )
         return None
     for name, argtypes in SIGNATURES.items():
         names = [f"{name}_{isa}" for isa in ISA_FLAGS] if name in PER_ISA_KERNELS else [name]
@@ -194,7 +257,9 @@ def startup_isa() -> str:
     wanted = os.environ.get("SPRUCE_CPU_ISA")
     if wanted and wanted not in available_isas():
         here = available_isas()
-        logger.warning("SPRUCE_CPU_ISA=%s: not one this CPU runs (%s); using %s", wanted, here, best)
+        logger.warning(
+            "SPRUCE_CPU_ISA=%s: not one this CPU runs (%s); using %s", wanted, here, best
+        )
         wanted = None
     return wanted or best
 

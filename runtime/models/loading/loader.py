@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from spruce.runtime.errors import ModelLoadError
-from spruce.runtime.models.config import ModelConfig
-from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.distributed import TPGroup
+from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.models import model_class
+from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.loading.files import checkpoint_kind, default_model_path
+from spruce.runtime.models.loading.quantize import QuantizedTensor, check_quantization, quantize
 from spruce.runtime.models.loading.sharded import read_safetensors_slices, slice_state_dict
 from spruce.runtime.models.parallel import parallelize, shard_config
-from spruce.runtime.models.loading.quantize import QuantizedTensor, check_quantization, quantize
 from spruce.runtime.models.weights import spruce_names
-from spruce.runtime.models import model_class
 from spruce.runtime.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("spruce")
@@ -132,7 +132,9 @@ def _read_hf_folder(folder: str, tp: TPGroup | None = None):
         shard_config(config, tp.world)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise ModelLoadError(f"{folder} has no *.safetensors weights (PyTorch .bin files are not loaded)")
+        raise ModelLoadError(
+            f"{folder} has no *.safetensors weights (PyTorch .bin files are not loaded)"
+        )
     if tp is not None:
         state_dict = read_safetensors_slices(files, config, tp.rank, tp.world)
     else:
@@ -162,8 +164,12 @@ def _read_gguf(path: str, dtype: torch.dtype, keep_quantized: bool):
 
 
 def _build(
-    config: ModelConfig, state_dict: dict[str, Any], dtype: torch.dtype, device: torch.device,
-    quantization: str, tp: TPGroup | None = None,
+    config: ModelConfig,
+    state_dict: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+    tp: TPGroup | None = None,
 ) -> nn.Module:
     cls = model_class(config)
     with torch.device("meta"):
@@ -182,13 +188,19 @@ def _build(
     return model.eval().requires_grad_(False)
 
 
-def _quantized_weights(model: nn.Module, state_dict: dict[str, Any], quantization: str) -> dict[str, QuantizedTensor]:
+def _quantized_weights(
+    model: nn.Module, state_dict: dict[str, Any], quantization: str
+) -> dict[str, QuantizedTensor]:
     """The linear and embedding weights to keep quantized, in `quantization` (`auto`: as
     they come); state_dict is updated to hold them."""
     out = {}
     for name, module in model.named_modules():
         weight = state_dict.get(f"{name}.weight")
-        if not isinstance(module, (nn.Linear, nn.Embedding)) or weight is None or weight.shape[-1] % 32:
+        if (
+            not isinstance(module, (nn.Linear, nn.Embedding))
+            or weight is None
+            or weight.shape[-1] % 32
+        ):
             continue
         if quantization != "auto" and getattr(weight, "qtype", None) != quantization:
             floats = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight

@@ -34,7 +34,10 @@ class QuantizedTensor:
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        assert self.blocks.dtype == torch.uint8 and tuple(self.blocks.shape) == (n, row_bytes(self.qtype, k))
+        assert self.blocks.dtype == torch.uint8 and tuple(self.blocks.shape) == (
+            n,
+            row_bytes(self.qtype, k),
+        )
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.qtype, self.blocks.contiguous(), self.shape[1])
@@ -46,7 +49,9 @@ class QuantizedTensor:
 
 def check_quantization(name: str) -> str:
     if name not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {name!r} (supported: {', '.join(QUANTIZATIONS)})")
+        raise ModelLoadError(
+            f"unknown quantization {name!r} (supported: {', '.join(QUANTIZATIONS)})"
+        )
     return name
 
 
@@ -54,7 +59,9 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedTensor:
     """A float [n, k] weight (k a multiple of 32) in `qtype` blocks."""
     n, k = weight.shape
     if k % 32:
-        raise ModelLoadError(f"cannot quantize a weight with rows of {k} values to {qtype} (blocks of 32)")
+        raise ModelLoadError(
+            f"cannot quantize a weight with rows of {k} values to {qtype} (blocks of 32)"
+        )
     values = weight.detach().to(torch.float32).numpy().reshape(-1, 32)
     blocks = _QUANTIZERS[qtype](values)
     raw = torch.from_numpy(blocks.view(np.uint8).reshape(n, -1).copy())
@@ -95,7 +102,9 @@ def _quantize_q4_0(x: np.ndarray) -> np.ndarray:
 def _quantize_q4_1(x: np.ndarray) -> np.ndarray:
     low, high = x.min(axis=1), x.max(axis=1)
     d = (high - low) / np.float32(15)
-    q = np.minimum(15, ((x - low[:, None]) * _inverse(d)[:, None] + np.float32(0.5)).astype(np.int8))
+    q = np.minimum(
+        15, ((x - low[:, None]) * _inverse(d)[:, None] + np.float32(0.5)).astype(np.int8)
+    )
     out = _empty_blocks("q4_1", len(x))
     out["d"], out["m"], out["qs"] = d, low, _pack_nibbles(q.astype(np.uint8))
     return out

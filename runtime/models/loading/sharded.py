@@ -8,6 +8,7 @@ GGUF files are read whole (dequantized: ranks hold float weights) and then slice
 from __future__ import annotations
 
 import torch
+
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.config import ModelConfig
 from spruce.runtime.models.parallel import pad_rows, take_slice, weight_slice

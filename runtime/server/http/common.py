@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+
 from spruce.runtime.protocol.ipc import Ready
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
@@ -32,24 +34,40 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
 }
 
+
 class ApiError(Exception):
     """An error answered to the client as an OpenAI error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_object(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+def error_object(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    return {
+        "message": message,
+        "type": ERROR_TYPES.get(status, "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> bytes:
     return orjson.dumps({"error": error_object(status, message, param, code)})
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    return Response(error_body(status, message, param, code), status_code=status, media_type="application/json")
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> Response:
+    return Response(
+        error_body(status, message, param, code), status_code=status, media_type="application/json"
+    )
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -75,6 +93,7 @@ class ServerState:
     def in_flight(self) -> int:
         return self.manager.in_flight
 
+
 def validation_message(errors: list[dict]) -> str:
     parts = []
     for err in errors[:5]:
@@ -91,6 +110,7 @@ def first_param(errors: list[dict]) -> str | None:
         if loc:
             return ".".join(loc)
     return None
+
 
 async def json_body(request: Request) -> dict:
     body = await request.body()
@@ -170,8 +190,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-
-def stream_error(event: Event, nothing_sent: bool, message: str | None = None, with_index: bool = True) -> bytes:
+def stream_error(
+    event: Event, nothing_sent: bool, message: str | None = None, with_index: bool = True
+) -> bytes:
     """A request of a stream failed. Before the first chunk the error is the response's own
     HTTP status (raised); after it, an SSE error event (with the request's index, or
     OpenAI's bare `{"error": ...}`)."""

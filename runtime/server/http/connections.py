@@ -57,4 +57,6 @@ class HeaderDeadlineProtocol(H11Protocol):
 
 def header_deadline_protocol(header_timeout_s: float) -> type[HeaderDeadlineProtocol]:
     """The protocol class for uvicorn's `http=` setting, with this deadline."""
-    return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+    return type(
+        "HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s}
+    )

@@ -7,7 +7,6 @@ import hmac
 from spruce.runtime.server.http.common import error_body
 from spruce.runtime.server.native import too_large
 
-
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 ANY_INTERFACE = ("0.0.0.0", "::")
 
@@ -43,7 +42,9 @@ class GuardMiddleware:
                 message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
                 return await _send_error(send, 401, message, code="invalid_api_key")
         if self.app is None:
-            return await _send_error(send, 503, "the model is still loading; retry when /health answers 200")
+            return await _send_error(
+                send, 503, "the model is still loading; retry when /health answers 200"
+            )
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, too_large(self.max_bytes))
@@ -52,7 +53,9 @@ class GuardMiddleware:
             if body is None:
                 return await _send_error(send, 413, too_large(self.max_bytes))
             if not _declared_json(headers.get(b"content-type"), body):
-                message = "send the request body as JSON with the header 'Content-Type: application/json'"
+                message = (
+                    "send the request body as JSON with the header 'Content-Type: application/json'"
+                )
                 return await _send_error(send, 415, message, code="unsupported_media_type")
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
@@ -122,4 +125,3 @@ async def _send_error(send, status: int, message: str, code: str | None = None) 
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-

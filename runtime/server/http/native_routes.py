@@ -4,17 +4,34 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.http.common import (
-    SSE_DONE, ApiError, ServerState, all_results, client_key, error_response, json_body, json_response,
-    server_of, sse, stream_error, stream_response,
+    SSE_DONE,
+    ApiError,
+    ServerState,
+    all_results,
+    client_key,
+    error_response,
+    json_body,
+    json_response,
+    server_of,
+    sse,
+    stream_error,
+    stream_response,
 )  # fmt: skip
-from spruce.runtime.server.native import batch_error, flush_cache, prepare_generate, present_meta, present_result
+from spruce.runtime.server.native import (
+    batch_error,
+    flush_cache,
+    prepare_generate,
+    present_meta,
+    present_result,
+)
 from spruce.runtime.server.request_manager import Call, SchedulerUnavailable
 
 STATS_TIMEOUT_S = 5.0
@@ -69,7 +86,7 @@ def native_routes() -> APIRouter:
         data = await json_body(request)
         rid = data.get("rid")
         if not isinstance(rid, str):
-            raise ApiError(400, "give the request id to abort as {\"rid\": \"...\"}", param="rid")
+            raise ApiError(400, 'give the request id to abort as {"rid": "..."}', param="rid")
         manager = server_of(request).manager
         rids = manager.in_flight_matching(HTTP_RID_PREFIX + rid)
         manager.abort(rids)
@@ -83,7 +100,9 @@ def native_routes() -> APIRouter:
             server.metrics.refresh(await server.manager.control("stats", STATS_TIMEOUT_S))
         except SchedulerUnavailable:
             pass  # serve the last known gauges
-        return Response(server.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            server.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
@@ -95,7 +114,9 @@ def native_routes() -> APIRouter:
         call = server.manager.submit(items, rids, client_rids, client=client_key(request))
         shown = (items[0].options, server.model)  # how results are shown (return_text_in_logprobs)
         if msg.stream:
-            return await stream_response(request, call, _generate_stream(call, lambda m: present_meta(m, *shown)))
+            return await stream_response(
+                request, call, _generate_stream(call, lambda m: present_meta(m, *shown))
+            )
         events = await all_results(request, call)
         failed = batch_error(events, single)
         if failed is not None:
@@ -127,7 +148,9 @@ def _generate_msg(data: dict) -> tuple[GenerateMsg, Any]:
     unknown = sorted(set(data) - set(known))
     if unknown:
         shown = [name[:64] for name in unknown[:5]]
-        raise ApiError(400, f"unknown field(s) {shown} in /generate; known: rid, {', '.join(known)}")
+        raise ApiError(
+            400, f"unknown field(s) {shown} in /generate; known: rid, {', '.join(known)}"
+        )
     msg = GenerateMsg(rid="", **data)
     if msg.sampling_params is None:
         msg.sampling_params = {}
@@ -139,7 +162,11 @@ def _request_ids(rids: Any, n: int, single: bool) -> list[str]:
         return [uuid.uuid4().hex for _ in range(n)]
     if isinstance(rids, str):
         rids = [rids] if single else [f"{rids}-{i}" for i in range(n)]
-    if not isinstance(rids, list) or len(rids) != n or not all(isinstance(r, str) and r for r in rids):
+    if (
+        not isinstance(rids, list)
+        or len(rids) != n
+        or not all(isinstance(r, str) and r for r in rids)
+    ):
         raise ApiError(400, f"rid must be a string or a list of {n} strings", param="rid")
     return rids
 

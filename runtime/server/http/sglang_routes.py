@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+
 from spruce.runtime.server.http.common import (
     ApiError,
     error_response,
@@ -77,7 +78,11 @@ async def tokenize(request: Request) -> Response:
     limit = model.limits.request.max_tokenize_chars
     chars = sum(len(p) for p in prompts)
     if chars > limit:
-        raise ApiError(400, f"prompt has {chars} characters; the limit is {limit} (--max-tokenize-chars)", param="prompt")
+        raise ApiError(
+            400,
+            f"prompt has {chars} characters; the limit is {limit} (--max-tokenize-chars)",
+            param="prompt",
+        )
     tokens = await model.pools.tokenize.run(_encode_all, model.tokenizer, prompts, add_special)
     counts = [len(t) for t in tokens]
     single = not isinstance(prompt, list)
@@ -93,12 +98,18 @@ async def detokenize(request: Request) -> Response:
     data = await json_body(request)
     tokens = data.get("tokens")
     if not isinstance(tokens, list):
-        raise ApiError(400, "tokens must be a list of token ids or a list of such lists", param="tokens")
+        raise ApiError(
+            400, "tokens must be a list of token ids or a list of such lists", param="tokens"
+        )
     model = server_of(request).model
     limit = model.limits.request.max_detokenize_ids
     count = sum(len(t) if isinstance(t, list) else 1 for t in tokens)
     if count > limit:
-        raise ApiError(400, f"tokens has {count} token ids; the limit is {limit} (--max-detokenize-ids)", param="tokens")
+        raise ApiError(
+            400,
+            f"tokens has {count} token ids; the limit is {limit} (--max-detokenize-ids)",
+            param="tokens",
+        )
     single, texts = await model.pools.tokenize.run(_decode_all, model, tokens)
     return json_response({"text": texts[0] if single else texts})
 
@@ -112,7 +123,9 @@ def _decode_all(model, tokens: list) -> tuple[bool, list[str]]:
     single = all(_is_token(t) for t in tokens)
     batch = [tokens] if single else tokens
     if not all(isinstance(b, list) and all(_is_token(t) for t in b) for b in batch):
-        raise ApiError(400, "tokens must be a list of token ids or a list of such lists", param="tokens")
+        raise ApiError(
+            400, "tokens must be a list of token ids or a list of such lists", param="tokens"
+        )
     vocab = model.limits.vocab_size
     if any(t >= vocab for b in batch for t in b):
         raise ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="tokens")

@@ -9,17 +9,21 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
-from spruce.constrained.core.errors import ConstraintError
-from spruce.constrained.report import schema_report
+
 from spruce.constrained.backends.llguidance_text import nested_lark
 from spruce.constrained.convert import Conversion
+from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.report import schema_report
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 from spruce.runtime.core.validation import constraint_spec, named_error
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
-from spruce.runtime.server.openai.custom_tools import CustomCallStream, custom_call, custom_constraint
-from spruce.runtime.server.openai.sglang_fields import check_continue_final, continued
+from spruce.runtime.server.openai.custom_tools import (
+    CustomCallStream,
+    custom_call,
+    custom_constraint,
+)
 from spruce.runtime.server.openai.schemas import (
     ChatMessage,
     ChatRequest,
@@ -28,9 +32,14 @@ from spruce.runtime.server.openai.schemas import (
     NamedCustomToolChoice,
     NamedToolChoice,
 )
-from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallFormat, tool_call_format
-from spruce.runtime.server.openai.tool_tags import strict_auto_tag
+from spruce.runtime.server.openai.sglang_fields import check_continue_final, continued
+from spruce.runtime.server.openai.tool_parsers import (
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    tool_call_format,
+)
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
+from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 from spruce.runtime.text.reasoning import ReasoningFormat, reasoning_format
 from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS
 
@@ -66,7 +75,10 @@ class ToolPlan:
 
     @classmethod
     def of(
-        cls, req: ChatRequest, fmt: ToolCallFormat | None = None, conversion: Conversion | None = None
+        cls,
+        req: ChatRequest,
+        fmt: ToolCallFormat | None = None,
+        conversion: Conversion | None = None,
     ) -> ToolPlan:
         """The plan; required / named calls convert their schemas with `conversion` (the
         server's whitespace and deadline; default Conversion())."""
@@ -79,9 +91,19 @@ class ToolPlan:
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         if isinstance(choice, NamedCustomToolChoice):
             customs = {t["custom"]["name"]: t["custom"] for t in given if t["type"] == "custom"}
-            return cls(tools, "custom", fmt, _custom_constraint(customs, choice.custom.name, conversion), choice.custom.name)
+            return cls(
+                tools,
+                "custom",
+                fmt,
+                _custom_constraint(customs, choice.custom.name, conversion),
+                choice.custom.name,
+            )
         if choice == "required" and not tools:
-            raise ApiError(400, 'tool_choice "required" needs function tools (name a custom tool instead)', param="tool_choice")
+            raise ApiError(
+                400,
+                'tool_choice "required" needs function tools (name a custom tool instead)',
+                param="tool_choice",
+            )
         if not tools or choice == "none":
             return cls(tools, "none", fmt, None)
         functions = [t["function"] for t in tools]
@@ -138,7 +160,11 @@ def _constraint(
 def _custom_constraint(customs: dict[str, dict], name: str, conversion: Conversion) -> dict | None:
     """The constraint of the named custom tool's input, checked (a bad grammar is a 400)."""
     if name not in customs:
-        raise ApiError(400, f"tool_choice names the custom tool {name!r}, which is not in tools", param="tool_choice")
+        raise ApiError(
+            400,
+            f"tool_choice names the custom tool {name!r}, which is not in tools",
+            param="tool_choice",
+        )
     constraint = custom_constraint(customs[name])
     try:
         if constraint is not None:
@@ -149,11 +175,13 @@ def _custom_constraint(customs: dict[str, dict], name: str, conversion: Conversi
 
 
 def _strict_auto(fmt: ToolCallFormat, functions: list[dict], parallel: bool) -> dict | None:
-    """"auto" with a `strict` function: {"structural_tag": ...} (free text, exact calls)."""
+    """ "auto" with a `strict` function: {"structural_tag": ...} (free text, exact calls)."""
     try:
         return strict_auto_tag(fmt, functions, parallel)
     except ValueError as e:
-        raise ApiError(400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools") from None
+        raise ApiError(
+            400, f"cannot constrain tool calls in the {fmt.name} format: {e}", param="tools"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,14 @@ from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParam
 from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
 from spruce.runtime.errors import ConstraintError, InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
-from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
-from spruce.runtime.server.openai.vllm_fields import vllm_constraints
 from spruce.runtime.server.openai.schemas import (
     MAX_TOP_LOGPROBS,
     ChatRequest,
     ResponseFormat,
     SamplingRequest,
 )  # fmt: skip
+from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
+from spruce.runtime.server.openai.vllm_fields import vllm_constraints
 
 
 def check_model(server: ServerState, name: str) -> None:
@@ -31,7 +31,9 @@ def check_model(server: ServerState, name: str) -> None:
         )  # fmt: skip
 
 
-def sampling_params(req: SamplingRequest, max_new_tokens: int, tool_constraint: dict | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingRequest, max_new_tokens: int, tool_constraint: dict | None = None
+) -> SamplingParams:
     """The request's SamplingParams (checked with the rest of the request by `choices`)."""
     fields = req.extensions()
     fields["max_new_tokens"] = max_new_tokens
@@ -53,15 +55,21 @@ def add_constraint(fields: dict, req: SamplingRequest, tool_constraint: dict | N
     sources = constraint_sources(fields, req, tool_constraint)
     if len(sources) > 1:
         names = [name for name, _ in sources]
-        raise ApiError(400, f"give at most one output constraint; got {', '.join(names)}", param=names[1])
+        raise ApiError(
+            400, f"give at most one output constraint; got {', '.join(names)}", param=names[1]
+        )
     for _, constraint in sources:
         fields.update(constraint)
 
 
-def constraint_sources(fields: dict, req: SamplingRequest, tool_constraint: dict | None = None) -> list[tuple[str, dict]]:
+def constraint_sources(
+    fields: dict, req: SamplingRequest, tool_constraint: dict | None = None
+) -> list[tuple[str, dict]]:
     """Each output constraint the request gives: (the name the request gave it by,
     {SamplingParams field: value}). The guided_* fields are taken out of `fields`."""
-    sources = [(name, {name: fields[name]}) for name in CONSTRAINT_FIELDS if fields.get(name) is not None]
+    sources = [
+        (name, {name: fields[name]}) for name in CONSTRAINT_FIELDS if fields.get(name) is not None
+    ]
     sources += vllm_constraints(fields, req.structured_outputs)
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
@@ -91,7 +99,9 @@ def request_error(e: InvalidRequestError, req: SamplingRequest) -> ApiError:
         return ApiError(400, message)
     name, given = sources[0]
     field = next(iter(given))
-    if message.startswith((f"{field}:", f"{field}.")) and name != field:  # `structural_tag.format...` too
+    if (
+        message.startswith((f"{field}:", f"{field}.")) and name != field
+    ):  # `structural_tag.format...` too
         message = name + message[len(field) :]
     return ApiError(400, message, param=name)
 
@@ -106,7 +116,10 @@ async def choices(
         return_logprob=logprobs, logprob_start_len=0 if echo and logprobs else -1, top_logprobs_num=top,
         stream=req.stream, timeout_s=req.timeout_s,
     )  # fmt: skip
-    seeded = [base if base.seed is None or i == 0 else base.replace(seed=base.seed + i) for i in range(req.n)]
+    seeded = [
+        base if base.seed is None or i == 0 else base.replace(seed=base.seed + i)
+        for i in range(req.n)
+    ]
     try:
         return await server.model.prepare_all([(ids, sampling) for sampling in seeded], options)
     except InvalidRequestError as e:
@@ -135,7 +148,9 @@ def chat_top_logprobs(req: ChatRequest) -> int:
     if not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        raise ApiError(
+            400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
     return req.top_logprobs
 
 

@@ -9,18 +9,40 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from spruce.runtime.server.http.common import (
-    ApiError, ServerState, all_results, client_key, json_response, server_of, stream_response,
-)  # fmt: skip
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.server.native import batch_error
-from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, chat_prompt, server_formats
-from spruce.runtime.server.openai.mapping import (
-    check_model, chat_top_logprobs, choices, completion_prompts, completion_top_logprobs, openai_names,
-    request_error, sampling_params,
+from spruce.runtime.server.http.common import (
+    ApiError,
+    ServerState,
+    all_results,
+    client_key,
+    json_response,
+    server_of,
+    stream_response,
 )  # fmt: skip
-from spruce.runtime.server.openai.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse
+from spruce.runtime.server.native import batch_error
+from spruce.runtime.server.openai.chat_prompt import (
+    ChatPrompt,
+    ToolPlan,
+    chat_prompt,
+    server_formats,
+)
+from spruce.runtime.server.openai.mapping import (
+    chat_top_logprobs,
+    check_model,
+    choices,
+    completion_prompts,
+    completion_top_logprobs,
+    openai_names,
+    request_error,
+    sampling_params,
+)  # fmt: skip
+from spruce.runtime.server.openai.schemas import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    parse,
+)
 from spruce.runtime.server.openai.views import ChatView, CompletionView
 from spruce.runtime.server.request_manager import Call, Event
 
@@ -49,7 +71,9 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     top = completion_top_logprobs(req.logprobs)
-    prompts = await server.model.pools.tokenize.run(completion_prompts, req.prompt, server, req.n)  # off the loop
+    prompts = await server.model.pools.tokenize.run(
+        completion_prompts, req.prompt, server, req.n
+    )  # off the loop
     items = []
     for ids in prompts:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -70,7 +94,9 @@ async def chat_completions(request: Request) -> Response:
     top = chat_top_logprobs(req)
     # rendering, tokenizing and converting tool / answer schemas take a while for big
     # requests: off the event loop (schemas also stop at their deadline, in a worker process)
-    tools, prompt, base, answer_spec = await server.model.pools.convert.run(_chat_request, req, server)
+    tools, prompt, base, answer_spec = await server.model.pools.convert.run(
+        _chat_request, req, server
+    )
     items = await choices(server, prompt.ids, base, req, req.logprobs, top)
     call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, prompt, tools, answer_spec)
@@ -79,16 +105,22 @@ async def chat_completions(request: Request) -> Response:
     return json_response(view.response(await _results(request, call)))
 
 
-def _chat_request(req: ChatRequest, server: ServerState) -> tuple[ToolPlan, ChatPrompt, SamplingParams, Any]:
+def _chat_request(
+    req: ChatRequest, server: ServerState
+) -> tuple[ToolPlan, ChatPrompt, SamplingParams, Any]:
     """(the tool plan, the rendered prompt, the sampling, the answer's own constraint spec)."""
     conversion = server.model.limits.conversion
     tools = ToolPlan.of(req, server_formats(server)[1], conversion)
     prompt = chat_prompt(req, tools, server)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
         max_tokens = max(server.model.context_length - len(prompt.ids), 0)
     try:
-        base, answer_spec = prompt.constrain(sampling_params(req, max_tokens, tools.constraint), conversion)
+        base, answer_spec = prompt.constrain(
+            sampling_params(req, max_tokens, tools.constraint), conversion
+        )
     except InvalidRequestError as e:
         raise request_error(e, req) from None
     return tools, prompt, base, answer_spec

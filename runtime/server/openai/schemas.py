@@ -15,7 +15,14 @@ from spruce.runtime.server.openai.vllm_fields import GUIDED_FIELDS
 MAX_TOP_LOGPROBS = 20  # OpenAI's; the server's --max-top-logprobs may be lower
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "best_of"} | ACCEPTED_FIELDS
+IGNORED_FIELDS = {
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "best_of",
+} | ACCEPTED_FIELDS
 SAMPLING_EXTENSIONS = set(SamplingParams.field_names()) - {"max_new_tokens"}
 KNOWN_EXTENSIONS = SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES) | set(GUIDED_FIELDS)
 
@@ -48,7 +55,9 @@ class ResponseFormat(_Strict):
 
     def structural_tag(self) -> dict[str, Any]:
         """The structural tag as the constraint takes it (the fields that were given)."""
-        return self.model_dump(exclude_none=True, include={"type", "format", "structures", "triggers"})
+        return self.model_dump(
+            exclude_none=True, include={"type", "format", "structures", "triggers"}
+        )
 
 
 class StructuredOutputs(_Strict):
@@ -83,7 +92,9 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
-    timeout_s: float | None = None  # Spruce's: the request's deadline (default: --request-timeout-s)
+    timeout_s: float | None = (
+        None  # Spruce's: the request's deadline (default: --request-timeout-s)
+    )
 
     def extensions(self) -> dict[str, Any]:
         """The extra fields that are SamplingParams fields; anything unknown is a 400."""
@@ -159,7 +170,9 @@ class CustomFormat(_Strict):
     @model_validator(mode="after")
     def _grammar_given(self) -> CustomFormat:
         if (self.type == "grammar") != (self.grammar is not None):
-            raise ValueError('a custom tool\'s format is {"type": "text"} or {"type": "grammar", "grammar": {...}}')
+            raise ValueError(
+                'a custom tool\'s format is {"type": "text"} or {"type": "grammar", "grammar": {...}}'
+            )
         return self
 
 
@@ -178,8 +191,13 @@ class Tool(_Strict):
 
     @model_validator(mode="after")
     def _definition_given(self) -> Tool:
-        if (self.function is None, self.custom is None) != (self.type != "function", self.type != "custom"):
-            raise ValueError(f'a tool of type {self.type!r} needs its definition under "{self.type}" (only)')
+        if (self.function is None, self.custom is None) != (
+            self.type != "function",
+            self.type != "custom",
+        ):
+            raise ValueError(
+                f'a tool of type {self.type!r} needs its definition under "{self.type}" (only)'
+            )
         return self
 
 
@@ -203,11 +221,19 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomToolChoice | None
+    ) = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
-    separate_reasoning: bool = True  # False: the reasoning block stays in content (with --reasoning-parser)
-    continue_final_message: bool = False  # SGLang's: continue the last (assistant) message, no new turn
+    chat_template_kwargs: dict[str, Any] | None = (
+        None  # more template variables, e.g. {"enable_thinking": false}
+    )
+    separate_reasoning: bool = (
+        True  # False: the reasoning block stays in content (with --reasoning-parser)
+    )
+    continue_final_message: bool = (
+        False  # SGLang's: continue the last (assistant) message, no new turn
+    )
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

@@ -45,4 +45,8 @@ def continued(text: str, final_content: str) -> str:
 
 def check_continue_final(messages: list[Any], continue_final_message: bool) -> None:
     if continue_final_message and (not messages or messages[-1].role != "assistant"):
-        raise ApiError(400, "continue_final_message needs an assistant message last", param="continue_final_message")
+        raise ApiError(
+            400,
+            "continue_final_message needs an assistant message last",
+            param="continue_final_message",
+        )

@@ -28,7 +28,13 @@ from typing import Any, ClassVar
 from spruce.constrained.convert import Conversion
 from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.server.openai.json_prefix import object_members, skip_space
-from spruce.runtime.server.openai.tool_tags import ANY_OBJECT, call_tags, calls_list, calls_or_text, structural
+from spruce.runtime.server.openai.tool_tags import (
+    ANY_OBJECT,
+    call_tags,
+    calls_list,
+    calls_or_text,
+    structural,
+)
 from spruce.runtime.text.stop import stop_prefix_len
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -358,7 +364,9 @@ class PythonicFormat(ToolCallFormat):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         arguments = {k.arg: self._value(k.value) for k in node.keywords}
-        return PartialCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False), True)
+        return PartialCall(
+            node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False), True
+        )
 
     def _value(self, node: ast.AST) -> Any:
         if isinstance(node, ast.Name) and node.id in self.literal_names:
@@ -395,7 +403,12 @@ class PythonicFormat(ToolCallFormat):
 
     def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
         tags = [self._call_tag(f) for f in functions]
-        calls = {"type": "tag", "begin": "[", "content": calls_list(tags, ", ", parallel), "end": "]"}
+        calls = {
+            "type": "tag",
+            "begin": "[",
+            "content": calls_list(tags, ", ", parallel),
+            "end": "]",
+        }
         return calls_or_text(calls, "[")
 
     def _call_tag(self, function: dict[str, Any]) -> dict[str, Any]:
@@ -405,7 +418,12 @@ class PythonicFormat(ToolCallFormat):
         required = set(parameters.get("required") or [])
         self._check_optional(function, properties, required)
         items = [(k, s, k in required) for k, s in properties.items()]
-        return {"type": "tag", "begin": function["name"] + "(", "content": _arguments_format(items, True), "end": ")"}
+        return {
+            "type": "tag",
+            "begin": function["name"] + "(",
+            "content": _arguments_format(items, True),
+            "end": ")",
+        }
 
 
 def _arguments_format(items: list[tuple[str, Any, bool]], first: bool) -> dict[str, Any]:
@@ -414,7 +432,10 @@ def _arguments_format(items: list[tuple[str, Any, bool]], first: bool) -> dict[s
         return {"type": "const_string", "value": ""}
     (name, schema, required), rest = items[0], items[1:]
     key = {"type": "const_string", "value": ("" if first else ", ") + name + "="}
-    value = {"type": "json_schema", "json_schema": schema if isinstance(schema, (dict, bool)) else {}}
+    value = {
+        "type": "json_schema",
+        "json_schema": schema if isinstance(schema, (dict, bool)) else {},
+    }
     this = {"type": "sequence", "elements": [key, value, _arguments_format(rest, False)]}
     if required:
         return this

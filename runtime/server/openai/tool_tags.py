@@ -40,7 +40,9 @@ def calls_or_text(calls: dict, opening: str, marker: str | None = None) -> dict[
     text = {"type": "regex", "pattern": rf"\s*(?:[^\s{re.escape(opening)}][\s\S]*)?"}
     elements = [text, calls]
     if marker:
-        elements.append({"type": "sequence", "elements": [{"type": "const_string", "value": marker}, calls]})
+        elements.append(
+            {"type": "sequence", "elements": [{"type": "const_string", "value": marker}, calls]}
+        )
     return structural({"type": "or", "elements": elements})
 
 

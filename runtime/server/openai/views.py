@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from spruce.runtime.server.http.common import SSE_DONE, ServerState, sse, stream_error
 from spruce.constrained.spec import ConstraintSpec
+from spruce.runtime.server.http.common import SSE_DONE, ServerState, sse, stream_error
 from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, answer_report
 from spruce.runtime.server.openai.chat_stream import AnswerStream
 from spruce.runtime.server.openai.mapping import openai_names
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from spruce.runtime.server.request_manager import Call, Event
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
@@ -44,7 +46,9 @@ class _View:
 
     response_object: str  # the OpenAI "object" of a whole (non-streamed) response
 
-    def __init__(self, server: ServerState, req: SamplingRequest, prefix: str, prompt_lens: list[int]) -> None:
+    def __init__(
+        self, server: ServerState, req: SamplingRequest, prefix: str, prompt_lens: list[int]
+    ) -> None:
         self.req = req
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -62,7 +66,9 @@ class _View:
         """Prompt tokens count once per prompt (not per choice); cached: its first choice's."""
         metas = {i: e.result["meta_info"] for i, e in self.done.items()}
         n = self.req.n
-        cached = sum(metas[p * n]["cached_tokens"] for p in range(len(self.prompt_lens)) if p * n in metas)
+        cached = sum(
+            metas[p * n]["cached_tokens"] for p in range(len(self.prompt_lens)) if p * n in metas
+        )
         completion = sum(m["completion_tokens"] for m in metas.values())
         return usage(sum(self.prompt_lens), completion, cached)
 
@@ -92,7 +98,9 @@ class _View:
 class CompletionView(_View):
     response_object = "text_completion"
 
-    def __init__(self, server: ServerState, req: CompletionRequest, prompts: list[list[int]], top: int) -> None:
+    def __init__(
+        self, server: ServerState, req: CompletionRequest, prompts: list[list[int]], top: int
+    ) -> None:
         super().__init__(server, req, "cmpl", [len(p) for p in prompts])
         self.top = top
         self.echo_texts = [server.model.tokenizer.decode(p) for p in prompts] if req.echo else None
@@ -128,7 +136,12 @@ class CompletionView(_View):
                 continue
             text = e.text if e.index in offsets else self._echo(e.index) + e.text
             offset = offsets.get(e.index, 0)
-            choice = {"index": e.index, "text": text, "logprobs": None, "finish_reason": finish_reason(e.meta_info)}
+            choice = {
+                "index": e.index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason(e.meta_info),
+            }
             if self.req.logprobs is not None:
                 choice["logprobs"] = self._logprobs(e.meta_info, offset)
             offsets[e.index] = offset + len(text)
@@ -149,7 +162,9 @@ class ChatView(_View):
         super().__init__(server, req, "chatcmpl", [len(prompt.ids)])
         self.prompt = prompt
         self.tools = tools
-        self.answer_spec = answer_spec  # a constraint wrapped after a reasoning block (ChatPrompt.constrain)
+        self.answer_spec = (
+            answer_spec  # a constraint wrapped after a reasoning block (ChatPrompt.constrain)
+        )
 
     def _choice(self, e: Event) -> dict[str, Any]:
         meta = e.result["meta_info"]
@@ -181,7 +196,10 @@ class ChatView(_View):
         return {"content": self.tokens.chat_logprobs(entries, tops)}
 
     async def stream(self, call: Call) -> AsyncIterator[bytes]:
-        answers = {i: AnswerStream(self.prompt, self.tools, self.req.separate_reasoning) for i in range(self.req.n)}
+        answers = {
+            i: AnswerStream(self.prompt, self.tools, self.req.separate_reasoning)
+            for i in range(self.req.n)
+        }
         started: set[int] = set()
         async for e in call:
             if e.error is not None:
@@ -211,7 +229,9 @@ class ChatView(_View):
             out.append(self._chunk(e.index, {}, reason))
         return out
 
-    def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> bytes:
+    def _chunk(
+        self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None
+    ) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return sse(self.envelope([choice], "chat.completion.chunk"))
 
@@ -229,7 +249,10 @@ class TokenText:
 
     def chat_logprobs(self, entries: list, tops: list) -> list[dict[str, Any]]:
         return [
-            {**self._entry(token, logprob), "top_logprobs": [self._entry(t, lp) for lp, t in (top or [])]}
+            {
+                **self._entry(token, logprob),
+                "top_logprobs": [self._entry(t, lp) for lp, t in (top or [])],
+            }
             for (logprob, token), top in zip(entries, tops)
         ]
 

@@ -13,16 +13,22 @@ from __future__ import annotations
 from typing import Any
 
 from llguidance.gbnf_to_lark import is_lark_syntax
+
 from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
 
 # vLLM's names -> SamplingParams fields ("grammar": ebnf or lark, by its text)
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choices", "guided_grammar": "grammar"}
+GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choices",
+    "guided_grammar": "grammar",
+}
 STRUCTURED_FIELDS = {"json": "json_schema", "regex": "regex", "choice": "choices", "grammar": "grammar",
                      "structural_tag": "structural_tag"}  # fmt: skip
 
 
 def grammar_field(text: Any) -> str:
-    """"lark" for a grammar in Lark syntax, else "ebnf" (a non-string is left for
+    """ "lark" for a grammar in Lark syntax, else "ebnf" (a non-string is left for
     SamplingParams to refuse, as ebnf)."""
     return "lark" if isinstance(text, str) and is_lark_syntax(text) else "ebnf"
 
@@ -30,7 +36,11 @@ def grammar_field(text: Any) -> str:
 def vllm_constraints(extra: dict[str, Any], structured: Any) -> list[tuple[str, dict[str, Any]]]:
     """(the name the request gave it by, {SamplingParams field: value}) for each vLLM
     constraint given; the guided_* fields are taken out of `extra`."""
-    out = [(name, _field(GUIDED_FIELDS[name], extra.pop(name))) for name in list(extra) if name in GUIDED_FIELDS]
+    out = [
+        (name, _field(GUIDED_FIELDS[name], extra.pop(name)))
+        for name in list(extra)
+        if name in GUIDED_FIELDS
+    ]
     if structured is None:
         return out
     for key, name in STRUCTURED_FIELDS.items():

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 
-from spruce.runtime.bench import grammar_bench
 from support import DATA_DIR
 
-SMALL = {"name": "small", "schema": {"type": "integer", "minimum": 3}, "valid": [3, 40], "invalid": [2, "x"]}
+from spruce.runtime.bench import grammar_bench
+
+SMALL = {
+    "name": "small",
+    "schema": {"type": "integer", "minimum": 3},
+    "valid": [3, 40],
+    "invalid": [2, "x"],
+}
 
 
 def corpus() -> list[dict]:
     names = ("agripparc-1.2", "agripparc-1.3")
-    return [json.loads((DATA_DIR / "schemastore" / f"{n}.json").read_text()) for n in names] + [SMALL]
+    return [json.loads((DATA_DIR / "schemastore" / f"{n}.json").read_text()) for n in names] + [
+        SMALL
+    ]
 
 
 def test_every_engine_gets_a_row_with_sane_figures():
@@ -81,9 +89,15 @@ def test_invalid_examples_accepted_and_refusals_are_counted():
     assert loose["compiled"] and not loose["passed"] and loose["accepted_invalid"] == 2
     assert len(loose["masks"]) >= 2 * len(SMALL["valid"])  # a mask per token and one at the end
     refused = grammar_bench.measure(_Refuses(), "json_schema", SMALL, texts, tokenizer)
-    assert not refused["compiled"] and not refused["passed"] and "not this schema" in refused["error"]
+    assert (
+        not refused["compiled"] and not refused["passed"] and "not this schema" in refused["error"]
+    )
     figures = grammar_bench.summary([loose, refused])
-    assert figures["compiled"] == 1 and figures["passed"] == 0 and figures["invalid_accepted_schemas"] == 1
+    assert (
+        figures["compiled"] == 1
+        and figures["passed"] == 0
+        and figures["invalid_accepted_schemas"] == 1
+    )
 
 
 def test_the_regex_set_passes_on_spruce():

@@ -6,21 +6,35 @@ from __future__ import annotations
 
 import json
 import re
-from support import DATA_DIR
 
 import jsonschema
 import pytest
+from support import DATA_DIR
+from test_engine import GREEDY, make_engine, prompts
 
 from spruce.runtime import ConstraintError
-from test_engine import GREEDY, make_engine, prompts
 
 SCHEMAS = sorted((DATA_DIR / "schemas").glob("*.json"))  # the shared schemas
 OWN_SCHEMAS = {
-    "flags": {"type": "object", "properties": {"on": {"type": "boolean"}, "n": {"type": "null"}}, "required": ["on", "n"]},
-    "matrix": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}, "maxItems": 3},
+    "flags": {
+        "type": "object",
+        "properties": {"on": {"type": "boolean"}, "n": {"type": "null"}},
+        "required": ["on", "n"],
+    },
+    "matrix": {
+        "type": "array",
+        "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        "maxItems": 3,
+    },
     "nested": {
         "type": "object",
-        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string", "enum": ["x", "y z"]}}, "required": ["b"]}},
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "string", "enum": ["x", "y z"]}},
+                "required": ["b"],
+            }
+        },
         "required": ["a"],
     },
 }
@@ -36,7 +50,9 @@ def engine(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def engine_no_jump(tiny_llama_dir):
-    return make_engine(tiny_llama_dir, kv_memory_gb=0.05, disable_jump_forward=True, grammar_backend="spruce")
+    return make_engine(
+        tiny_llama_dir, kv_memory_gb=0.05, disable_jump_forward=True, grammar_backend="spruce"
+    )
 
 
 def load_schemas() -> dict[str, dict]:
@@ -63,7 +79,14 @@ def test_every_schema_validates_under_random_logits(engine, name):
 
 @pytest.mark.parametrize(
     "regex",
-    [r"[a-c]{2,5}", r"(cat|dog|bird)s?", r"\d{3}-\d{4}", r"(x|cafe)+", r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){0,2}", r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?"],
+    [
+        r"[a-c]{2,5}",
+        r"(cat|dog|bird)s?",
+        r"\d{3}-\d{4}",
+        r"(x|cafe)+",
+        r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){0,2}",
+        r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?",
+    ],
 )
 def test_regex_outputs_full_match(engine, regex):
     params = [{**SAMPLED, "max_new_tokens": 40, "regex": regex, "seed": s} for s in range(4)]
@@ -82,7 +105,9 @@ def test_choices_and_pydantic(engine):
     assert out["text"] in {"Paris", "Berlin", "Rome"}
     from spruce.runtime import SamplingParams
 
-    city = engine.generate("x", SamplingParams(temperature=1.0, max_new_tokens=200, json_schema=City, seed=2))
+    city = engine.generate(
+        "x", SamplingParams(temperature=1.0, max_new_tokens=200, json_schema=City, seed=2)
+    )
     City.model_validate_json(city["text"])
 
 
@@ -91,7 +116,11 @@ def test_unconstrained_request_unchanged_in_a_mixed_batch(engine):
     alone = engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
     batch = engine.generate(
         input_ids=[p, p[:5], p[:9]],
-        sampling_params=[GREEDY, {**SAMPLED, "regex": "[0-9]{4}"}, {**SAMPLED, "json_schema": OWN_SCHEMAS["flags"]}],
+        sampling_params=[
+            GREEDY,
+            {**SAMPLED, "regex": "[0-9]{4}"},
+            {**SAMPLED, "json_schema": OWN_SCHEMAS["flags"]},
+        ],
     )
     assert batch[0]["output_ids"] == alone
     assert re.fullmatch("[0-9]{4}", batch[1]["text"])
@@ -99,7 +128,9 @@ def test_unconstrained_request_unchanged_in_a_mixed_batch(engine):
 
 def count_steps(engine, schema: dict, seeds: int = 3) -> tuple[int, list[dict]]:
     engine.core.step_log = []
-    outs = engine.generate(["Fill in:"] * seeds, [{**SAMPLED, "json_schema": schema, "seed": s} for s in range(seeds)])
+    outs = engine.generate(
+        ["Fill in:"] * seeds, [{**SAMPLED, "json_schema": schema, "seed": s} for s in range(seeds)]
+    )
     steps = len(engine.core.step_log)
     engine.core.step_log = None
     return steps, outs
@@ -117,7 +148,10 @@ def test_jump_forward_cuts_forward_passes(engine, engine_no_jump):
 
 
 def test_jump_forward_respects_max_new_tokens(engine):
-    out = engine.generate("x", {"temperature": 1.0, "max_new_tokens": 3, "json_schema": ALL_SCHEMAS["order"], "seed": 0})
+    out = engine.generate(
+        "x",
+        {"temperature": 1.0, "max_new_tokens": 3, "json_schema": ALL_SCHEMAS["order"], "seed": 0},
+    )
     assert out["meta_info"]["completion_tokens"] <= 3
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -125,7 +159,13 @@ def test_jump_forward_respects_max_new_tokens(engine):
 BAD_CONSTRAINTS = [
     ({"regex": "(unclosed"}, "invalid regex"),
     ({"json_schema": "{not json"}, "not valid JSON"),
-    ({"json_schema": {"type": "object", "not": {"properties": {"a": {"pattern": "x"}}}}, "schema_mode": "strict"}, "not"),
+    (
+        {
+            "json_schema": {"type": "object", "not": {"properties": {"a": {"pattern": "x"}}}},
+            "schema_mode": "strict",
+        },
+        "not",
+    ),
     ({"choices": []}, "non-empty list"),
 ]
 
@@ -142,7 +182,13 @@ def test_compile_timeout_aborts_only_that_request(tiny_llama_dir):
     # the spruce backend: its build is a worker's round trip (an llguidance build, bounded by
     # its own limits, can finish within the microsecond)
     engine = make_engine(tiny_llama_dir, grammar_timeout_s=1e-6, grammar_backend="spruce")
-    slow = {**SAMPLED, "json_schema": {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 40} for i in range(6)}}}
+    slow = {
+        **SAMPLED,
+        "json_schema": {
+            "type": "object",
+            "properties": {f"k{i}": {"type": "string", "maxLength": 40} for i in range(6)},
+        },
+    }
     with pytest.raises(ConstraintError):
         engine.generate("x", slow)
     assert engine.generate("x", GREEDY)["meta_info"]["completion_tokens"] == 16
@@ -159,6 +205,7 @@ def test_compile_failure_reaches_a_streaming_client(tiny_llama_dir):
 @pytest.mark.slow
 def test_bundled_model_schemas_with_and_without_jump_forward():
     from support import bundled_gguf_path
+
     from spruce.runtime import Engine
 
     if bundled_gguf_path() is None:
@@ -166,15 +213,24 @@ def test_bundled_model_schemas_with_and_without_jump_forward():
     on = Engine(num_threads=1, kv_memory_gb=0.5)
     off = Engine(loaded=on.core.loaded, num_threads=1, kv_memory_gb=0.5, disable_jump_forward=True)
     names = sorted(n for n in ALL_SCHEMAS if n not in OWN_SCHEMAS)
-    prompts = [on.apply_chat_template([{"role": "user", "content": f"An example {n.replace('_', ' ')} as JSON."}]) for n in names]
-    params = [{"json_schema": ALL_SCHEMAS[n], "temperature": 0, "max_new_tokens": 400} for n in names]
+    prompts = [
+        on.apply_chat_template(
+            [{"role": "user", "content": f"An example {n.replace('_', ' ')} as JSON."}]
+        )
+        for n in names
+    ]
+    params = [
+        {"json_schema": ALL_SCHEMAS[n], "temperature": 0, "max_new_tokens": 400} for n in names
+    ]
     with_jump, without = on.generate(prompts, params), off.generate(prompts, params)
     for name, a, b in zip(names, with_jump, without):
         check_valid(a, ALL_SCHEMAS[name])
         check_valid(b, ALL_SCHEMAS[name])
     same = sum(a["text"] == b["text"] for a, b in zip(with_jump, without))
     jumped = sum(a["meta_info"]["jump_forward_tokens"] for a in with_jump)
-    print(f"\nidentical texts with and without jump-forward: {same}/{len(names)}; jump-forwarded tokens: {jumped}")
+    print(
+        f"\nidentical texts with and without jump-forward: {same}/{len(names)}; jump-forwarded tokens: {jumped}"
+    )
     assert jumped > 0
 
 
@@ -183,7 +239,9 @@ def test_llguidance_outputs_validate_and_jump_forward(tiny_llama_dir, name):
     """Schemas whose values are bounded (booleans, null, enums): random logits end them."""
     engine = make_engine(tiny_llama_dir, kv_memory_gb=0.05, grammar_backend="llguidance")
     schema = ALL_SCHEMAS[name]
-    outs = engine.generate(["Fill in:"] * 3, [{**SAMPLED, "json_schema": schema, "seed": s} for s in range(3)])
+    outs = engine.generate(
+        ["Fill in:"] * 3, [{**SAMPLED, "json_schema": schema, "seed": s} for s in range(3)]
+    )
     for out in outs:
         check_valid(out, schema)
     assert sum(o["meta_info"]["jump_forward_tokens"] for o in outs) > 0

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from support import add_request
 
 from spruce.runtime import Engine, InvalidRequestError, SamplingParams
 from spruce.runtime.core.request import Req
 from spruce.runtime.errors import SpruceError
 from spruce.runtime.executor.sampler import Sampler
-
-from support import add_request
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
@@ -65,7 +64,9 @@ def test_cpu_default_cache_is_float16_and_batch_invariant(tiny_llama_dir):
     assert engine.core.runner.pool.shape.dtype == torch.float16
     batch = prompts(8, seed=1)
     together = ids_of(engine.generate(input_ids=batch, sampling_params=GREEDY))
-    assert together == [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    assert together == [
+        engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch
+    ]
     engine.shutdown()
 
 
@@ -77,7 +78,9 @@ def test_int8_cache_is_batch_invariant_and_cpu_only(tiny_llama_dir):
     assert pool.shape.dtype == torch.int8 and pool.scales(0) is not None
     batch = prompts(8, seed=1)
     together = ids_of(engine.generate(input_ids=batch, sampling_params=GREEDY))
-    assert together == [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch]
+    assert together == [
+        engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in batch
+    ]
     with pytest.raises(SpruceError, match="CPU only"):
         engine.core._kv_dtype("cuda")
     engine.shutdown()
@@ -85,7 +88,9 @@ def test_int8_cache_is_batch_invariant_and_cpu_only(tiny_llama_dir):
 
 def test_requests_join_while_others_decode(engine):
     first, second = prompts(2, seed=2)
-    expected = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (first, second)]
+    expected = [
+        engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in (first, second)
+    ]
     core = engine.core
     a = add_request(core, first, GREEDY)
     for _ in range(5):
@@ -123,8 +128,11 @@ def test_retraction_keeps_outputs_and_frees_every_slot(tiny_llama_dir, engine, d
     expected = ids_of(engine.generate(input_ids=batch, sampling_params=params))
     # ~4 requests' worth of slots, no reserve at admission: decoding must retract
     small = make_engine(
-        tiny_llama_dir, kv_memory_gb=400 * 512 / 2**30, context_length=200,
-        decode_reserve_ratio=0.0, disable_radix_cache=disable_radix_cache,
+        tiny_llama_dir,
+        kv_memory_gb=400 * 512 / 2**30,
+        context_length=200,
+        decode_reserve_ratio=0.0,
+        disable_radix_cache=disable_radix_cache,
     )
     got = ids_of(small.generate(input_ids=batch, sampling_params=params))
     assert got == expected
@@ -159,7 +167,9 @@ def test_sampling_respects_top_p_support(engine):
     # with top_p tiny only the most likely token survives: equals greedy
     p = prompts(1, seed=8)[0]
     greedy = engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
-    nucleus = engine.generate(input_ids=p, sampling_params={**GREEDY, "temperature": 1.0, "top_p": 1e-6})
+    nucleus = engine.generate(
+        input_ids=p, sampling_params={**GREEDY, "temperature": 1.0, "top_p": 1e-6}
+    )
     assert nucleus["output_ids"] == greedy
 
 
@@ -185,7 +195,9 @@ def test_min_new_tokens_suppresses_stop_tokens(engine):
     stopped = engine.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [first]})
     assert stopped["output_ids"] == [first]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
-    held = engine.generate(input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [first], "min_new_tokens": 5})
+    held = engine.generate(
+        input_ids=p, sampling_params={**GREEDY, "stop_token_ids": [first], "min_new_tokens": 5}
+    )
     assert len(held["output_ids"]) >= 5 and first not in held["output_ids"][:5]
 
 
@@ -200,7 +212,9 @@ def test_stop_string_split_across_tokens_is_trimmed(engine):
             if a.isprintable() and b.isprintable() and a.strip() and b.strip():
                 stop = a[-1] + b[0]
                 full = out["text"]
-                res = engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 24, "stop": [stop]})
+                res = engine.generate(
+                    input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 24, "stop": [stop]}
+                )
                 assert res["text"] == full[: full.index(stop)]
                 assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
                 return
@@ -213,7 +227,9 @@ def test_stop_string_streaming_never_leaks(engine):
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     if not stop.strip():
         pytest.skip("degenerate text")
-    chunks = engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 24, "stop": stop}, stream=True)
+    chunks = engine.generate(
+        input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 24, "stop": stop}, stream=True
+    )
     assert "".join(c["text"] for c in chunks) == full[: full.index(stop)]
 
 
@@ -224,8 +240,11 @@ def test_prompt_logprobs_equal_transformers(engine, hf):
     p = prompts(1, seed=12, lo=20, hi=21)[0]
     engine.generate(input_ids=p, sampling_params=GREEDY)  # cached first: must be recomputed
     out = engine.generate(
-        input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 2},
-        return_logprob=True, logprob_start_len=0, top_logprobs_num=3,
+        input_ids=p,
+        sampling_params={**GREEDY, "max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
     )
     info = out["meta_info"]
     with torch.no_grad():
@@ -233,7 +252,9 @@ def test_prompt_logprobs_equal_transformers(engine, hf):
     got = info["input_token_logprobs"]
     assert got[0] == [None, p[0]]
     expected = [float(ref[i - 1, p[i]]) for i in range(1, len(p))]
-    torch.testing.assert_close(torch.tensor([g[0] for g in got[1:]]), torch.tensor(expected), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([g[0] for g in got[1:]]), torch.tensor(expected), atol=1e-4, rtol=0
+    )
     assert [g[1] for g in got] == p
     top = info["input_top_logprobs"][1]
     assert [t[1] for t in top] == ref[0].topk(3).indices.tolist()
@@ -244,12 +265,24 @@ def test_prompt_logprobs_equal_transformers(engine, hf):
 
 def test_prompt_logprobs_from_a_start_position(engine):
     p = prompts(1, seed=13, lo=30, hi=31)[0]
-    full = engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
-    part = engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True, logprob_start_len=10)
+    full = engine.generate(
+        input_ids=p,
+        sampling_params={**GREEDY, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    part = engine.generate(
+        input_ids=p,
+        sampling_params={**GREEDY, "max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=10,
+    )
     tail = full["meta_info"]["input_token_logprobs"][10:]
     got = part["meta_info"]["input_token_logprobs"]
     assert [g[1] for g in got] == [t[1] for t in tail]
-    torch.testing.assert_close(torch.tensor([g[0] for g in got]), torch.tensor([t[0] for t in tail]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([g[0] for g in got]), torch.tensor([t[0] for t in tail]), atol=1e-4, rtol=0
+    )
 
 
 def test_max_new_tokens_zero_caches_prompt(engine):
@@ -285,14 +318,22 @@ BAD_PARAMS = [
 def test_bad_sampling_params_are_rejected(engine, params, message):
     with pytest.raises(InvalidRequestError, match=message):
         engine.generate(input_ids=[5, 6, 7], sampling_params=params)
-    assert engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 16
+    assert (
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"][
+            "completion_tokens"
+        ]
+        == 16
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
         ({"input_ids": [5] * 1024}, "context is 1024 tokens"),
-        ({"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 100}}, "exceeds the context length"),
+        (
+            {"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 100}},
+            "exceeds the context length",
+        ),
         ({"input_ids": []}, "empty"),
         ({"input_ids": [5, 999999]}, "token ids in"),
         ({"prompt": 5}, "prompt must be a string"),
@@ -303,7 +344,10 @@ def test_bad_sampling_params_are_rejected(engine, params, message):
 def test_bad_requests_are_rejected_and_engine_keeps_serving(engine, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
         engine.generate(**kwargs)
-    assert engine.generate(prompt="hello", sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 16
+    assert (
+        engine.generate(prompt="hello", sampling_params=GREEDY)["meta_info"]["completion_tokens"]
+        == 16
+    )
 
 
 def test_unknown_engine_option(tiny_llama_dir):
@@ -312,12 +356,19 @@ def test_unknown_engine_option(tiny_llama_dir):
 
 
 def test_request_limits_are_configurable(tiny_llama_dir):
-    with Engine(str(tiny_llama_dir), request_limits={"max_stop_strings": 1, "max_batch_size": 2}) as engine:
+    with Engine(
+        str(tiny_llama_dir), request_limits={"max_stop_strings": 1, "max_batch_size": 2}
+    ) as engine:
         with pytest.raises(InvalidRequestError, match="at most 1"):
             engine.generate("hi", {"stop": ["a", "b"], "max_new_tokens": 2})
         with pytest.raises(InvalidRequestError, match="max-batch-size"):
             engine.generate(["a", "b", "c"], {"max_new_tokens": 2})
-        assert engine.generate("hi", {"stop": ["a"], "max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
+        assert (
+            engine.generate("hi", {"stop": ["a"], "max_new_tokens": 2})["meta_info"][
+                "completion_tokens"
+            ]
+            <= 2
+        )
     with pytest.raises(InvalidRequestError, match="unknown \\['max_stops'\\]"):
         Engine(str(tiny_llama_dir), request_limits={"max_stops": 1})
 
@@ -337,7 +388,10 @@ def test_long_chunked_prompts_in_a_small_pool_finish(tiny_llama_dir, engine):
     params = {**GREEDY, "max_new_tokens": 8}
     expected = ids_of(engine.generate(input_ids=batch, sampling_params=params))
     small = make_engine(
-        tiny_llama_dir, kv_memory_gb=250 * 512 / 2**30, context_length=200,
-        chunked_prefill_size=32, decode_reserve_ratio=0.0,
+        tiny_llama_dir,
+        kv_memory_gb=250 * 512 / 2**30,
+        context_length=200,
+        chunked_prefill_size=32,
+        decode_reserve_ratio=0.0,
     )
     assert ids_of(small.generate(input_ids=batch, sampling_params=params)) == expected

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from support import stream_ids
 
 from spruce.constrained import ConstraintSpec, make_spec
 from spruce.runtime import Engine
@@ -23,7 +24,6 @@ from spruce.runtime.core.validation import ValidRequest
 from spruce.runtime.engine import core as core_module
 from spruce.runtime.executor.sampler import Sampler
 from spruce.runtime.scheduler.faults import MAX_FAILURES_ALONE, RequestFault
-from support import stream_ids
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -97,7 +97,9 @@ def test_a_forward_pass_raising_once_mid_batch_changes_no_output(engine, batch, 
     assert_idle_and_exact(engine)
 
 
-def test_a_request_that_breaks_every_pass_is_aborted_and_the_others_finish(engine, batch, clean, monkeypatch):
+def test_a_request_that_breaks_every_pass_is_aborted_and_the_others_finish(
+    engine, batch, clean, monkeypatch
+):
     poison = [7, 7, 7, 7, 7, 7, 7, 7, 7, 7]
     forward = engine.core.runner.forward
 
@@ -109,7 +111,10 @@ def test_a_request_that_breaks_every_pass_is_aborted_and_the_others_finish(engin
     monkeypatch.setattr(engine.core.runner, "forward", breaks_on_poison)
     core = engine.core
     bad = core.add_request(ValidRequest(poison, SamplingParams(**GREEDY), RequestOptions(), None))
-    good = [core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None)) for p in batch[:4]]
+    good = [
+        core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None))
+        for p in batch[:4]
+    ]
     failed_before = core.scheduler.stats.failed_steps
     while core.has_work():
         core.step()
@@ -133,18 +138,26 @@ def test_a_sampling_row_that_raises_aborts_that_request_alone(engine, batch, cle
 
     monkeypatch.setattr(Sampler, "_generator_of", broken_for_seed_13)
     core = engine.core
-    good = [core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None)) for p in batch[:6]]
+    good = [
+        core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None))
+        for p in batch[:6]
+    ]
     sampled = SamplingParams(temperature=0.8, seed=13, max_new_tokens=12)
     bad = core.add_request(ValidRequest(batch[6], sampled, RequestOptions(), None))
     while core.has_work():
         core.step()
-    assert bad.finish_reason.type == "abort" and bad.finish_reason.message == "sampling failed (see the server log)"
+    assert (
+        bad.finish_reason.type == "abort"
+        and bad.finish_reason.message == "sampling failed (see the server log)"
+    )
     assert isinstance(bad.error, RequestFault)
     assert [r.output_ids for r in good] == clean[:6]
     assert_idle_and_exact(engine)
 
 
-def test_the_failing_request_raises_from_its_own_generate_call_only(engine, batch, clean, monkeypatch):
+def test_the_failing_request_raises_from_its_own_generate_call_only(
+    engine, batch, clean, monkeypatch
+):
     generator_of = Sampler._generator_of
 
     def broken_for_seed_13(self, req: Req):
@@ -154,12 +167,16 @@ def test_the_failing_request_raises_from_its_own_generate_call_only(engine, batc
 
     monkeypatch.setattr(Sampler, "_generator_of", broken_for_seed_13)
     with pytest.raises(RequestFault, match=r"sampling failed \(see the server log\)"):
-        engine.generate(input_ids=batch[:2], sampling_params=[GREEDY, {"temperature": 0.8, "seed": 13}])
+        engine.generate(
+            input_ids=batch[:2], sampling_params=[GREEDY, {"temperature": 0.8, "seed": 13}]
+        )
     assert output_ids(engine.generate(input_ids=batch[:3], sampling_params=GREEDY)) == clean[:3]
     assert_idle_and_exact(engine)
 
 
-def test_interleaved_calls_each_get_their_own_output_and_only_theirs_fails(engine, batch, clean, monkeypatch):
+def test_interleaved_calls_each_get_their_own_output_and_only_theirs_fails(
+    engine, batch, clean, monkeypatch
+):
     generator_of = Sampler._generator_of
 
     def broken_for_seed_13(self, req: Req):
@@ -169,7 +186,9 @@ def test_interleaved_calls_each_get_their_own_output_and_only_theirs_fails(engin
 
     monkeypatch.setattr(Sampler, "_generator_of", broken_for_seed_13)
     good = engine.generate(input_ids=batch[:2], sampling_params=GREEDY, stream=True)
-    bad = engine.generate(input_ids=batch[2], sampling_params={"temperature": 0.8, "seed": 13}, stream=True)
+    bad = engine.generate(
+        input_ids=batch[2], sampling_params={"temperature": 0.8, "seed": 13}, stream=True
+    )
     first = next(good)  # steps run by this call also carry the other call's news
     middle = engine.generate(input_ids=batch[3], sampling_params=GREEDY)  # a whole call in between
     bad_chunks = list(bad)
@@ -177,13 +196,21 @@ def test_interleaved_calls_each_get_their_own_output_and_only_theirs_fails(engin
     assert middle["output_ids"] == clean[3]
     for i in range(2):
         assert sum((c["output_ids"] for c in good_chunks if c["index"] == i), []) == clean[i]
-    assert bad_chunks[-1]["finished"] and bad_chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert bad_chunks[-1]["meta_info"]["finish_reason"]["message"] == "sampling failed (see the server log)"
+    assert (
+        bad_chunks[-1]["finished"]
+        and bad_chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    )
+    assert (
+        bad_chunks[-1]["meta_info"]["finish_reason"]["message"]
+        == "sampling failed (see the server log)"
+    )
     assert not engine._live and not engine._news
     assert_idle_and_exact(engine)
 
 
-def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(engine, batch, clean, monkeypatch):
+def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(
+    engine, batch, clean, monkeypatch
+):
     mask = engine.core.grammar_mask
     victim = {}
 
@@ -195,9 +222,15 @@ def test_a_grammar_mask_that_raises_for_one_row_aborts_that_request_alone(engine
     monkeypatch.setattr(engine.core, "grammar_mask", broken_for_victim)
     core = engine.core
     constraint = make_spec(regex="[a-z ]{1,20}")
-    fine = core.add_request(ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), constraint))
-    victim["req"] = core.add_request(ValidRequest(batch[1], SamplingParams(**GREEDY), RequestOptions(), constraint))
-    plain = core.add_request(ValidRequest(batch[2], SamplingParams(**GREEDY), RequestOptions(), None))
+    fine = core.add_request(
+        ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), constraint)
+    )
+    victim["req"] = core.add_request(
+        ValidRequest(batch[1], SamplingParams(**GREEDY), RequestOptions(), constraint)
+    )
+    plain = core.add_request(
+        ValidRequest(batch[2], SamplingParams(**GREEDY), RequestOptions(), None)
+    )
     while core.has_work():
         core.step()
     assert victim["req"].finish_reason.type == "abort"
@@ -233,15 +266,22 @@ def test_prompt_logprobs_that_raise_abort_that_request_alone(engine, batch, clea
     assert_idle_and_exact(engine)
 
 
-def test_a_grammar_build_past_its_deadline_fails_its_request_while_others_run(tiny_llama_dir, batch, clean):
+def test_a_grammar_build_past_its_deadline_fails_its_request_while_others_run(
+    tiny_llama_dir, batch, clean
+):
     engine = make_engine(tiny_llama_dir, grammar_timeout_s=2)
     core = engine.core
     engine.generate("warm up", {"max_new_tokens": 2, "regex": "[a-z]+"})  # a build worker is up
     huge = "(?:[ab]{1000}){1000}"  # a million NFA positions: seconds to build (past make_spec's size cap)
     exploding = ConstraintSpec("regex", huge, huge)
     start = time.monotonic()
-    stuck = core.add_request(ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), exploding))
-    others = [core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None)) for p in batch[:4]]
+    stuck = core.add_request(
+        ValidRequest(batch[0], SamplingParams(**GREEDY), RequestOptions(), exploding)
+    )
+    others = [
+        core.add_request(ValidRequest(p, SamplingParams(**GREEDY), RequestOptions(), None))
+        for p in batch[:4]
+    ]
     finished_at = {}
     while core.has_work():
         for req in core.step():
@@ -249,7 +289,10 @@ def test_a_grammar_build_past_its_deadline_fails_its_request_while_others_run(ti
                 finished_at[req.rid] = time.monotonic() - start
     assert [r.output_ids for r in others] == clean[:4]
     assert max(finished_at[r.rid] for r in others) < 2  # not held up by the build
-    assert stuck.finish_reason.type == "abort" and "not compiled within 2 s" in stuck.finish_reason.message
+    assert (
+        stuck.finish_reason.type == "abort"
+        and "not compiled within 2 s" in stuck.finish_reason.message
+    )
     assert 2 <= finished_at[stuck.rid] < 4
     assert_idle_and_exact(engine)
     engine.shutdown()
@@ -267,7 +310,10 @@ def test_a_tiny_temperature_that_bypassed_validation_samples_by_argmax(engine, b
 
 def test_the_sampler_keeps_bad_rows_to_themselves():
     sampler = Sampler(vocab_size=8, eos_token_ids=frozenset({0}), device=torch.device("cpu"))
-    reqs = [Req(f"r{i}", [1, 2], SamplingParams(temperature=t)) for i, t in enumerate([0, 0.7, 0.7, 1e-30])]
+    reqs = [
+        Req(f"r{i}", [1, 2], SamplingParams(temperature=t))
+        for i, t in enumerate([0, 0.7, 0.7, 1e-30])
+    ]
     logits = torch.randn(4, 8)
     logits[1, 3] = float("nan")  # NaN from the model
     logits[2] = float("-inf")  # every token masked
@@ -322,15 +368,22 @@ def test_a_request_that_breaks_the_step_fails_alone_next_to_a_stream(tiny_llama_
     server = start_faulty_server(tiny_llama_dir, tmp_path)
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            body = {"input_ids": list(range(20, 40)), "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+            body = {
+                "input_ids": list(range(20, 40)),
+                "sampling_params": {**GREEDY, "max_new_tokens": 400},
+            }
             alone = stream_ids(client, body)
             client.post("/flush_cache")
             idle = kv_slots_used(client)
             started, streamed = threading.Event(), {}
-            thread = threading.Thread(target=lambda: streamed.update(ids=stream_ids(client, body, started)))
+            thread = threading.Thread(
+                target=lambda: streamed.update(ids=stream_ids(client, body, started))
+            )
             thread.start()
             assert started.wait(60)
-            bad = client.post("/generate", json={"input_ids": POISON + [5], "sampling_params": GREEDY})
+            bad = client.post(
+                "/generate", json={"input_ids": POISON + [5], "sampling_params": GREEDY}
+            )
             thread.join(120)
             assert bad.status_code == 500 and "poison" in bad.text
             assert streamed["ids"] == alone and len(alone) == 400

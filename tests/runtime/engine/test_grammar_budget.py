@@ -41,7 +41,10 @@ def test_a_grammar_past_its_budget_aborts_its_request_and_the_other_finishes(eng
 
 def test_the_engine_serves_the_next_constrained_request(engine):
     out = engine.generate("z", SMALL)
-    assert re.fullmatch("[0-9]{4}", out["text"]) and out["meta_info"]["finish_reason"]["type"] != "abort"
+    assert (
+        re.fullmatch("[0-9]{4}", out["text"])
+        and out["meta_info"]["finish_reason"]["type"] != "abort"
+    )
 
 
 def test_without_a_stream_the_error_is_a_constraint_error(engine):

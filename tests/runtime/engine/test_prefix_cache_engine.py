@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from spruce.runtime import InvalidRequestError
 from support import add_request
 from test_engine import GREEDY, ids_of, make_engine
+
+from spruce.runtime import InvalidRequestError
 
 
 def random_ids(seed: int, n: int) -> list[int]:
@@ -40,7 +40,9 @@ def shared_prefix_prompts() -> list[list[int]]:
 
 def test_cache_hits_give_the_same_outputs(cached, uncached):
     prompts = shared_prefix_prompts()
-    expected = [uncached.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    expected = [
+        uncached.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts
+    ]
     one_by_one = [cached.generate(input_ids=p, sampling_params=GREEDY) for p in prompts]
     assert ids_of(one_by_one) == expected
     assert [r["meta_info"]["cached_tokens"] for r in one_by_one[1:4]] == [80, 120, 95]
@@ -85,14 +87,19 @@ def test_chunked_prefill_shares_its_prefix_while_running(tiny_llama_dir):
         core.step()
     assert second.cached_tokens >= 64
     alone = make_engine(tiny_llama_dir, disable_radix_cache=True)
-    assert second.output_ids == alone.generate(input_ids=prefix + [8, 8], sampling_params=GREEDY)["output_ids"]
+    assert (
+        second.output_ids
+        == alone.generate(input_ids=prefix + [8, 8], sampling_params=GREEDY)["output_ids"]
+    )
 
 
 def test_eviction_and_retraction_under_a_small_pool(tiny_llama_dir, uncached):
     prompts = [random_ids(20, 50) + random_ids(100 + i, 20) for i in range(12)]
     params = {**GREEDY, "max_new_tokens": 30}
     expected = ids_of(uncached.generate(input_ids=prompts, sampling_params=params))
-    small = make_engine(tiny_llama_dir, kv_memory_gb=300 * 512 / 2**30, context_length=150, decode_reserve_ratio=0.0)
+    small = make_engine(
+        tiny_llama_dir, kv_memory_gb=300 * 512 / 2**30, context_length=150, decode_reserve_ratio=0.0
+    )
     for _ in range(2):  # the second round starts with a full cache that must be evicted
         assert ids_of(small.generate(input_ids=prompts, sampling_params=params)) == expected
     stats = small.stats()

@@ -20,11 +20,15 @@ def test_a_backtracking_stop_regex_finishes_with_the_constrained_output(engine):
     result = engine.generate("x", sampling_params=params)
     assert result["text"] == "a" * 64
     assert result["meta_info"]["finish_reason"]["type"] in ("stop", "length")
-    plain = engine.generate("x", sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    plain = engine.generate(
+        "x", sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    )
     assert len(plain["output_ids"]) == 4
 
 
-@pytest.mark.parametrize(("pattern", "reason"), [(r"(a)\1", "backreferences"), ("a(?=b)", "lookaround")])
+@pytest.mark.parametrize(
+    ("pattern", "reason"), [(r"(a)\1", "backreferences"), ("a(?=b)", "lookaround")]
+)
 def test_a_stop_regex_the_linear_engine_cannot_take_is_refused(engine, pattern, reason):
     with pytest.raises(InvalidRequestError, match=f"stop_regex .*{reason}"):
         engine.generate("x", sampling_params={"max_new_tokens": 4, "stop_regex": pattern})

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.errors import SpruceError
-from spruce.runtime.models.loading.loader import load_model
+from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
+from spruce.runtime.models.loading.loader import load_model
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -32,7 +32,10 @@ def test_auto_picks_a_gpu_backend():
 
 
 def test_unknown_backend_lists_known_ones():
-    with pytest.raises(SpruceError, match="unknown attention backend 'flash'.*auto, flashinfer, native, triton, torch"):
+    with pytest.raises(
+        SpruceError,
+        match="unknown attention backend 'flash'.*auto, flashinfer, native, triton, torch",
+    ):
         resolve_backend("flash", "cpu")
 
 
@@ -47,7 +50,9 @@ def test_forced_gpu_backend_on_cpu_is_a_clear_error(monkeypatch):
 
 def run_mixed_batch(loaded, backend: str) -> list[torch.Tensor]:
     """Prefill two prompts (one in two chunks), then a mixed step: decode + extend."""
-    runner = ModelRunner(loaded, num_slots=512, max_requests=4, max_context_len=128, attention_backend=backend)
+    runner = ModelRunner(
+        loaded, num_slots=512, max_requests=4, max_context_len=128, attention_backend=backend
+    )
     rows = [runner.req_to_token.alloc_row() for _ in range(3)]
     a, b, c = list(range(5, 30)), list(range(40, 52)), list(range(60, 80))
 
@@ -55,8 +60,16 @@ def run_mixed_batch(loaded, backend: str) -> list[torch.Tensor]:
         return ForwardItem(row, prefix, ids, runner.pool.alloc(len(ids)), all_logits)
 
     out = [runner.forward([item(rows[0], 0, a), item(rows[1], 0, b[:7])]).logits]
-    out.append(runner.forward([item(rows[1], 7, b[7:]), item(rows[0], 25, [3]), item(rows[2], 0, c)]).logits)
-    out.append(runner.forward([item(rows[0], 26, [4]), item(rows[1], 12, [9]), item(rows[2], 20, [11])]).logits)
+    out.append(
+        runner.forward(
+            [item(rows[1], 7, b[7:]), item(rows[0], 25, [3]), item(rows[2], 0, c)]
+        ).logits
+    )
+    out.append(
+        runner.forward(
+            [item(rows[0], 26, [4]), item(rows[1], 12, [9]), item(rows[2], 20, [11])]
+        ).logits
+    )
     return out
 
 
@@ -84,8 +97,13 @@ def test_auto_skips_flashinfer_for_models_it_cannot_attend(monkeypatch):
 
     monkeypatch.setattr(attention, "_importable", lambda module: True)
     assert resolve_backend("auto", "cuda", attention.AttentionOptions(scale=0.2)) == "flashinfer"
-    assert resolve_backend("auto", "cuda", attention.AttentionOptions(layer_windows=(8, None))) == "triton"
-    assert resolve_backend("auto", "cuda", attention.AttentionOptions(logit_softcap=50.0)) == "triton"
+    assert (
+        resolve_backend("auto", "cuda", attention.AttentionOptions(layer_windows=(8, None)))
+        == "triton"
+    )
+    assert (
+        resolve_backend("auto", "cuda", attention.AttentionOptions(logit_softcap=50.0)) == "triton"
+    )
 
 
 def test_flashinfer_refuses_sliding_windows_in_one_line():
@@ -93,7 +111,9 @@ def test_flashinfer_refuses_sliding_windows_in_one_line():
     from spruce.runtime.executor.attention.flashinfer_backend import refuse_unsupported
 
     refuse_unsupported(AttentionOptions(scale=0.1))
-    with pytest.raises(SpruceError, match="'flashinfer' does not implement sliding-window attention"):
+    with pytest.raises(
+        SpruceError, match="'flashinfer' does not implement sliding-window attention"
+    ):
         refuse_unsupported(AttentionOptions(layer_windows=(4096, None)))
 
 
@@ -111,6 +131,10 @@ def test_int8_cache_without_the_c_kernel_equals_with_it(tiny_llama_dir):
         row = runner.req_to_token.alloc_row()
         logits = [runner.forward([ForwardItem(row, 0, [5, 9, 2, 7], runner.pool.alloc(4))]).logits]
         for step in range(6):
-            logits.append(runner.forward([ForwardItem(row, 4 + step, [11 + step], runner.pool.alloc(1))]).logits)
+            logits.append(
+                runner.forward(
+                    [ForwardItem(row, 4 + step, [11 + step], runner.pool.alloc(1))]
+                ).logits
+            )
         results.append(torch.cat(logits))
     torch.testing.assert_close(results[0], results[1], atol=1e-4, rtol=1e-4)

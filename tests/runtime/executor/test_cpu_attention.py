@@ -20,7 +20,13 @@ def to_cache(k, v, dtype):
         k, v = k.to(dtype), v.to(dtype)
         return k, v, None, k.float(), v.float()
     (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
-    return kq, vq, (ks, vs), dequantize_int8(kq, ks, torch.float32), dequantize_int8(vq, vs, torch.float32)
+    return (
+        kq,
+        vq,
+        (ks, vs),
+        dequantize_int8(kq, ks, torch.float32),
+        dequantize_int8(vq, vs, torch.float32),
+    )
 
 
 def reference(q, k_cache, v_cache, table, rows, seq_lens, scale, window=None):
@@ -51,7 +57,10 @@ def kernel(cpu_isa) -> CpuDecodeAttention:
     return built_kernel()
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(4, 4, 16), (9, 3, 64), (8, 2, 128), (6, 3, 80), (16, 1, 96), (14, 2, 64), (28, 4, 128)],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_matches_reference(kernel, heads, kv_heads, dim, threads, cache_dtype):
@@ -80,7 +89,9 @@ def test_stores_new_tokens_then_attends(kernel, cache_dtype):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, batch = 9, 3, 64, 4
     k_cache, v_cache, scales, _, _ = to_cache(
-        torch.randn(300, kv_heads, dim, generator=g), torch.randn(300, kv_heads, dim, generator=g), cache_dtype
+        torch.randn(300, kv_heads, dim, generator=g),
+        torch.randn(300, kv_heads, dim, generator=g),
+        cache_dtype,
     )
     seq_lens = torch.tensor([1, 17, 40, 5])
     table = (torch.randperm(299, generator=g)[:200] + 1).int().view(4, 50)
@@ -94,11 +105,29 @@ def test_stores_new_tokens_then_attends(kernel, cache_dtype):
     if scales is None:
         want[0][new_slots], want[1][new_slots] = k.to(cache_dtype), v.to(cache_dtype)
     else:
-        (want[0][new_slots], want[2][new_slots]), (want[1][new_slots], want[3][new_slots]) = map(quantize_int8, (k, v))
-    got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, new_slots), scales=scales)
+        (want[0][new_slots], want[2][new_slots]), (want[1][new_slots], want[3][new_slots]) = map(
+            quantize_int8, (k, v)
+        )
+    got = kernel(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        seq_lens,
+        dim**-0.5,
+        new_kv=(k, v, new_slots),
+        scales=scales,
+    )
     assert all(torch.equal(a, b) for a, b in zip((k_cache, v_cache, *(scales or ())), want))
-    k_read, v_read = (want[0].float(), want[1].float()) if scales is None else (
-        dequantize_int8(want[0], want[2], torch.float32), dequantize_int8(want[1], want[3], torch.float32))
+    k_read, v_read = (
+        (want[0].float(), want[1].float())
+        if scales is None
+        else (
+            dequantize_int8(want[0], want[2], torch.float32),
+            dequantize_int8(want[1], want[3], torch.float32),
+        )
+    )
     want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -108,7 +137,15 @@ def test_rejects_unsupported_shape():
     q = torch.zeros(1, 4, 40)
     cache = torch.zeros(4, 4, 40)
     with pytest.raises(ValueError, match="unsupported shape"):
-        kernel(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]), torch.tensor([1]), 1.0)
+        kernel(
+            q,
+            cache,
+            cache,
+            torch.zeros(1, 4, dtype=torch.int32),
+            torch.tensor([0]),
+            torch.tensor([1]),
+            1.0,
+        )
 
 
 def test_bfloat16_activations_are_computed_in_float32(kernel):
@@ -120,7 +157,10 @@ def test_bfloat16_activations_are_computed_in_float32(kernel):
     table = torch.arange(100, dtype=torch.int32).view(2, 50)
     rows, seq_lens = torch.tensor([0, 1]), torch.tensor([20, 50])
     q = torch.randn(2, 9, 64, generator=g).bfloat16()
-    k, v = torch.randn(2, 3, 64, generator=g).bfloat16(), torch.randn(2, 3, 64, generator=g).bfloat16()
+    k, v = (
+        torch.randn(2, 3, 64, generator=g).bfloat16(),
+        torch.randn(2, 3, 64, generator=g).bfloat16(),
+    )
     slots = torch.tensor([19, 99])
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, new_kv=(k, v, slots))
     assert got.dtype == torch.bfloat16
@@ -138,13 +178,26 @@ def test_sliding_window_reads_the_last_tokens_only(kernel, window):
     rows, seq_lens = torch.tensor([2, 0, 1]), torch.tensor([1, 45, 100])
     q = torch.randn(3, 8, 64, generator=g)
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window=window)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got,
+        reference(q, k_cache, v_cache, table, rows, seq_lens, 0.125, window),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # (heads, kv_heads, dim): the specialized shapes (group 1, 3, 4, 6, 7 at head_dim 64 and 128),
 # run-time shapes (group 2, head_dim 16, 96), and groups above one pass's 16 heads
 SHAPES = [(4, 4, 64), (9, 3, 64), (8, 2, 64), (14, 2, 64), (4, 4, 128), (12, 4, 128), (8, 2, 128)]
-SHAPES += [(24, 4, 128), (28, 4, 128), (6, 3, 16), (4, 2, 96), (16, 1, 64), (20, 1, 64), (40, 2, 32)]
+SHAPES += [
+    (24, 4, 128),
+    (28, 4, 128),
+    (6, 3, 16),
+    (4, 2, 96),
+    (16, 1, 64),
+    (20, 1, 64),
+    (40, 2, 32),
+]
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
@@ -157,14 +210,19 @@ def test_every_variant_every_shape(kernel, heads, kv_heads, dim, cache_dtype):
     seq_lens = torch.tensor([1, 15, 16, 17, 47, 150])
     batch = len(seq_lens)
     k_cache, v_cache, scales, k_read, v_read = to_cache(
-        torch.randn(slots_total, kv_heads, dim, generator=g), torch.randn(slots_total, kv_heads, dim, generator=g),
+        torch.randn(slots_total, kv_heads, dim, generator=g),
+        torch.randn(slots_total, kv_heads, dim, generator=g),
         cache_dtype,
     )
-    table = torch.stack([torch.randperm(slots_total, generator=g)[:160] for _ in range(batch)]).int()
+    table = torch.stack(
+        [torch.randperm(slots_total, generator=g)[:160] for _ in range(batch)]
+    ).int()
     rows = torch.randperm(batch, generator=g)
     q = torch.randn(batch, heads, dim, generator=g)
     for window in (None, 5, 20, 500):
-        got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window, scales=scales)
+        got = kernel(
+            q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, window=window, scales=scales
+        )
         want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -181,7 +239,9 @@ def test_rising_scores_rescale_exactly(kernel, cache_dtype):
     growth = torch.linspace(0.0, 6.0, length).view(length, 1, 1)  # scores up to ~6x, past the slack
     k_cache = torch.randn(length, kv_heads, dim, generator=g) * (1 + growth)
     k_cache[1000] *= 4
-    k_cache, v_cache, scales, k_read, v_read = to_cache(k_cache, torch.randn(length, kv_heads, dim, generator=g), cache_dtype)
+    k_cache, v_cache, scales, k_read, v_read = to_cache(
+        k_cache, torch.randn(length, kv_heads, dim, generator=g), cache_dtype
+    )
     table = torch.stack([torch.arange(length), torch.arange(length).flip(0)]).int()
     rows, seq_lens = torch.tensor([0, 1]), torch.tensor([length, 1190])
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 1.0, scales=scales)

@@ -13,7 +13,9 @@ from spruce.runtime.executor.kernels import cpu_layer_ops
 @pytest.fixture(autouse=True)
 def built(cpu_isa):
     """Every test on each variant (`cpu_isa`); the kernels usable on it."""
-    assert cpu_layer_ops.usable(torch.zeros(1)), "the C kernels failed to build (see the logged compiler error)"
+    assert cpu_layer_ops.usable(torch.zeros(1)), (
+        "the C kernels failed to build (see the logged compiler error)"
+    )
 
 
 def hf_rms_norm(x, weight, eps):
@@ -34,7 +36,9 @@ def test_rms_norm(rows, dim, with_residual):
     residual = torch.randn(rows, dim, generator=g) if with_residual else None
     stream = x + residual if with_residual else x
     want = hf_rms_norm(stream, weight, 1e-5)
-    got, got_stream = cpu_layer_ops.rms_norm(x, weight, 1e-5, None if residual is None else residual.clone())
+    got, got_stream = cpu_layer_ops.rms_norm(
+        x, weight, 1e-5, None if residual is None else residual.clone()
+    )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(got_stream, stream)
 
@@ -45,7 +49,9 @@ def test_silu_mul(rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=g) * 6
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # saturated and zero inputs
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu_layer_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu_layer_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("rows", [7, 3000])
@@ -71,6 +77,12 @@ def test_rotary_in_place_on_strided_rows(rows):
 def test_linear_few_rows(rows, n, k):
     """Up to 4 rows go through the C kernel (5 through torch); with and without a bias."""
     g = torch.Generator().manual_seed(n + k + rows)
-    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x, w, b = (
+        torch.randn(rows, k, generator=g),
+        torch.randn(n, k, generator=g),
+        torch.randn(n, generator=g),
+    )
     for bias in (None, b):
-        torch.testing.assert_close(cpu_layer_ops.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            cpu_layer_ops.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5
+        )

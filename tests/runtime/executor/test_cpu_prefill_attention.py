@@ -48,7 +48,9 @@ def test_matches_reference(cpu_isa, length, prefix, heads, kv_heads, dim, window
     k = torch.randn(prefix + length, kv_heads, dim, generator=g)
     v = torch.randn(prefix + length, kv_heads, dim, generator=g)
     got = prefill_attention(q, k, v, prefix, dim**-0.5, window)
-    torch.testing.assert_close(got, reference(q, k, v, prefix, dim**-0.5, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, reference(q, k, v, prefix, dim**-0.5, window), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_rising_scores_rescale_exactly(cpu_isa):
@@ -60,12 +62,18 @@ def test_rising_scores_rescale_exactly(cpu_isa):
     q = torch.randn(length, 9, 64, generator=g)
     k = torch.randn(length, 3, 64, generator=g) * (1 + growth)
     v = torch.randn(length, 3, 64, generator=g)
-    torch.testing.assert_close(prefill_attention(q, k, v, 0, 1.0), reference(q, k, v, 0, 1.0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prefill_attention(q, k, v, 0, 1.0), reference(q, k, v, 0, 1.0), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_same_result_on_any_thread_count(cpu_isa):
     g = torch.Generator().manual_seed(4)
-    q, k, v = torch.randn(90, 9, 64, generator=g), torch.randn(90, 3, 64, generator=g), torch.randn(90, 3, 64, generator=g)
+    q, k, v = (
+        torch.randn(90, 9, 64, generator=g),
+        torch.randn(90, 3, 64, generator=g),
+        torch.randn(90, 3, 64, generator=g),
+    )
     threads = torch.get_num_threads()
     try:
         results = []
@@ -95,7 +103,17 @@ def test_model_outputs_equal_with_and_without_the_kernel(tiny_llama_dir, monkeyp
             monkeypatch.setattr(native_backend, "prefill_attention", lambda *args: None)
         engine = Engine(model_path=str(tiny_llama_dir))
         try:
-            results.append([engine.generate(input_ids=p, sampling_params=params, return_logprob=True, logprob_start_len=0) for p in prompts])
+            results.append(
+                [
+                    engine.generate(
+                        input_ids=p,
+                        sampling_params=params,
+                        return_logprob=True,
+                        logprob_start_len=0,
+                    )
+                    for p in prompts
+                ]
+            )
         finally:
             engine.shutdown()
     for with_kernel, without in zip(*results):

@@ -64,12 +64,19 @@ def weight_groups(qtype: str, blocks: torch.Tensor, k: int):
     b = blocks.numpy().reshape(-1).view(layout(qtype)).reshape(n, -1)
     d = b["d"].astype(np.float64)
     if qtype in ("q8_0", "q4_0", "q4_1"):
-        q = b["qs"].astype(np.int64) if qtype == "q8_0" else np.concatenate([b["qs"] & 15, b["qs"] >> 4], -1).astype(np.int64)
+        q = (
+            b["qs"].astype(np.int64)
+            if qtype == "q8_0"
+            else np.concatenate([b["qs"] & 15, b["qs"] >> 4], -1).astype(np.int64)
+        )
         q = q - 8 if qtype == "q4_0" else q
         offset = b["m"].astype(np.float64) if qtype == "q4_1" else np.zeros_like(d)
         return q, np.stack([d, d], -1), offset
     if qtype == "q6_k":
-        ql, qh = b["ql"].astype(np.int64).reshape(n, -1, 2, 2, 32), b["qh"].astype(np.int64).reshape(n, -1, 2, 32)
+        ql, qh = (
+            b["ql"].astype(np.int64).reshape(n, -1, 2, 2, 32),
+            b["qh"].astype(np.int64).reshape(n, -1, 2, 32),
+        )
         parts = []  # per half: ql's low nibbles (two chunks), then its high nibbles
         for part in range(4):
             low = (ql[:, :, :, part % 2] >> (4 * (part // 2))) & 15
@@ -107,7 +114,9 @@ def test_reference_decodes_like_the_gguf_dequantizers():
         ours = scale.repeat(16, -1) * q + offset[..., None]
         kind = GGML_TYPES[ops.QUANT_TYPES[qtype].ggml_id]
         expected = kind.dequantize(blocks.numpy().reshape(-1).view(kind.block))
-        assert np.allclose(ours.reshape(3, 512), expected.reshape(3, 512), rtol=1e-6, atol=1e-7), qtype
+        assert np.allclose(ours.reshape(3, 512), expected.reshape(3, 512), rtol=1e-6, atol=1e-7), (
+            qtype
+        )
 
 
 @pytest.fixture(params=ops.ISAS)
@@ -115,13 +124,17 @@ def isa(request) -> str:
     """Each variant of the integer kernels, passed to them explicitly; one this CPU lacks is
     a skip that says so."""
     if request.param not in ops.available_isas():
-        pytest.skip(f"this CPU lacks the {request.param} integer kernels (runs {ops.available_isas()})")
+        pytest.skip(
+            f"this CPU lacks the {request.param} integer kernels (runs {ops.available_isas()})"
+        )
     return request.param
 
 
 def test_activation_quantization_is_exact(isa):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 96)).astype(np.float32) * rng.uniform(0.1, 10, (3, 96)).astype(np.float32)
+    x = rng.standard_normal((3, 96)).astype(np.float32) * rng.uniform(0.1, 10, (3, 96)).astype(
+        np.float32
+    )
     x[1, 32:64] = 0.0  # an all-zero block: scale 0, values 0
     x[2, 64:96] = np.arange(32, dtype=np.float32) - np.float32(15.5)  # halves: ties to even
     x[2, 64] = 32767.0  # scale exactly 1
@@ -131,8 +144,25 @@ def test_activation_quantization_is_exact(isa):
     assert np.array_equal(dx.numpy(), ref_d) and np.array_equal(sx.numpy(), ref_s)
 
 
-SHAPES = [(1, 7, 32), (1, 37, 96), (1, 64, 576), (2, 33, 96), (3, 5, 224), (4, 64, 576), (6, 9, 64), (9, 3, 128)]
-K_SHAPES = [(1, 7, 256), (1, 37, 512), (2, 33, 512), (3, 5, 768), (4, 20, 1536), (6, 9, 256), (9, 3, 512)]
+SHAPES = [
+    (1, 7, 32),
+    (1, 37, 96),
+    (1, 64, 576),
+    (2, 33, 96),
+    (3, 5, 224),
+    (4, 64, 576),
+    (6, 9, 64),
+    (9, 3, 128),
+]
+K_SHAPES = [
+    (1, 7, 256),
+    (1, 37, 512),
+    (2, 33, 512),
+    (3, 5, 768),
+    (4, 20, 1536),
+    (6, 9, 256),
+    (9, 3, 512),
+]
 CASES = [(q, *shape) for q in QTYPES for shape in (K_SHAPES if q in K_TYPES else SHAPES)]
 
 
@@ -144,7 +174,9 @@ def test_integer_linear_matches_block_reference(isa, qtype, rows, n, k):
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     y = ops.integer_linear(torch.from_numpy(x), qtype, blocks, bias, isa=isa).numpy()
     expected = reference_linear(x, qtype, blocks, k) + bias.numpy()
-    assert np.allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()), np.abs(y - expected).max()
+    assert np.allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()), np.abs(
+        y - expected
+    ).max()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -169,7 +201,9 @@ def test_dequantize_matches_gguf_dequantizer(qtype):
     expected = kind.dequantize(blocks.numpy().reshape(-1).view(kind.block)).reshape(11, k)
     assert np.allclose(ops.dequantize(qtype, blocks, k).numpy(), expected, rtol=1e-6, atol=1e-6)
     ids = torch.tensor([4, 0, 10, 4])
-    assert np.allclose(ops.dequantize(qtype, blocks, k, ids).numpy(), expected[[4, 0, 10, 4]], rtol=1e-6, atol=1e-6)
+    assert np.allclose(
+        ops.dequantize(qtype, blocks, k, ids).numpy(), expected[[4, 0, 10, 4]], rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -183,9 +217,18 @@ def test_many_rows_path_equals_dequantized_matmul(cpu_isa, qtype):
     assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=atol)
 
 
-GEMM_SHAPES = [(1, 7, 32), (33, 37, 96), (7, 16, 64), (64, 48, 576), (13, 100, 1536), (513, 20, 160)]
+GEMM_SHAPES = [
+    (1, 7, 32),
+    (33, 37, 96),
+    (7, 16, 64),
+    (64, 48, 576),
+    (13, 100, 1536),
+    (513, 20, 160),
+]
 GEMM_K_SHAPES = [(1, 7, 256), (33, 37, 512), (64, 48, 768), (513, 20, 256)]
-GEMM_CASES = [(q, *shape) for q in QTYPES for shape in (GEMM_K_SHAPES if q in K_TYPES else GEMM_SHAPES)]
+GEMM_CASES = [
+    (q, *shape) for q in QTYPES for shape in (GEMM_K_SHAPES if q in K_TYPES else GEMM_SHAPES)
+]
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -84,7 +84,9 @@ def test_int8_rows_round_trip_within_half_a_step():
 def test_int8_pool_writes_reads_and_counts_its_scales():
     shape = KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype=torch.int8)
     assert shape.bytes_per_slot == 2 * 2 * 3 * (64 + 4)  # int8 values and a float32 scale per row
-    assert shape.bytes_per_slot / KVShape(2, 3, 64, torch.float16).bytes_per_slot == pytest.approx(0.53, abs=0.01)
+    assert shape.bytes_per_slot / KVShape(2, 3, 64, torch.float16).bytes_per_slot == pytest.approx(
+        0.53, abs=0.01
+    )
     pool = KVPool(shape, num_slots=20)
     slots = pool.alloc(5)
     k, v = torch.randn(5, 3, 64), torch.randn(5, 3, 64)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.executor.sampler import Sampler

@@ -122,8 +122,16 @@ def run_decode(seq_lens, kv_heads, group, head_dim, dtype, num_kv_splits, **hint
     o = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     scale = head_dim**-0.5
     attention.decode_attention(
-        q, kv.k_cache, kv.v_cache, o, kv.req_to_token, kv.req_pool_indices,
-        lens_tensor(seq_lens), scale, num_kv_splits=num_kv_splits, **hints,
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        o,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        lens_tensor(seq_lens),
+        scale,
+        num_kv_splits=num_kv_splits,
+        **hints,
     )
     return o, reference_decode(q, kv, seq_lens, scale)
 
@@ -136,8 +144,17 @@ def run_extend(prefix_lens, extend_lens, kv_heads, group, head_dim, dtype, **hin
     starts = [0] + torch.tensor(extend_lens).cumsum(0).tolist()[:-1]
     scale = head_dim**-0.5
     attention.extend_attention(
-        q, o, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices,
-        lens_tensor(prefix_lens), lens_tensor(extend_lens), lens_tensor(starts), scale, **hints,
+        q,
+        o,
+        kv.k_cache,
+        kv.v_cache,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        lens_tensor(prefix_lens),
+        lens_tensor(extend_lens),
+        lens_tensor(starts),
+        scale,
+        **hints,
     )
     return o, reference_extend(q, kv, prefix_lens, extend_lens, scale)
 

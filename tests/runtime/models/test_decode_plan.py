@@ -41,7 +41,8 @@ MANY = cpu_quant_ops.INTEGER_MAX_ROWS + 2
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: q/k/v bias
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(
-    "requests,kv_dtype", [(1, torch.float16), (3, torch.float32), (MANY, torch.float32), (MANY, torch.int8)]
+    "requests,kv_dtype",
+    [(1, torch.float16), (3, torch.float32), (MANY, torch.float32), (MANY, torch.int8)],
 )
 def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests, kv_dtype):
     loaded = load_model(str(request.getfixturevalue(fixture)), quantization=qtype)
@@ -51,7 +52,9 @@ def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests,
     monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda *a: runs.append(1) or real_run(*a))
     planned = decode(loaded, prompts, 6, kv_dtype)
     assert len(runs) == 6  # every decode step, never the prefill
-    hook = loaded.model.layers[0].mlp.register_forward_hook(lambda *_: None)  # the plan stands aside
+    hook = loaded.model.layers[0].mlp.register_forward_hook(
+        lambda *_: None
+    )  # the plan stands aside
     try:
         plain = decode(loaded, prompts, 6, kv_dtype)
     finally:

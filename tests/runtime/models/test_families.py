@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 import transformers
-
 from support import write_tiny_model
+
 from spruce.runtime import Engine
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner

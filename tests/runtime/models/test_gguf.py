@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from support import bundled_gguf_path
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.models.loading.gguf import read_gguf
 from spruce.runtime.models.loading.gguf_convert import gguf_to_hf, llama3_rope_scaling
-from support import bundled_gguf_path
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 40
 HEAD_DIM = HIDDEN // HEADS

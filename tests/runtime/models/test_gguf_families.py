@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from support import write_tiny_model
+from test_families import FAMILIES, stacked_layout
+from test_gguf import model_metadata, write_gguf
+
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models.loading.loader import load_model
-from test_families import FAMILIES, stacked_layout
-from test_gguf import model_metadata, write_gguf
 
 V = gguf.GGUFValueType
 ARCH_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}

@@ -10,11 +10,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-
 from support import DATA_DIR, bundled_gguf_path
-from spruce.runtime.models.loading.loader import load_model
+from test_gguf import (
+    HEADS,
+    HIDDEN,
+    INTER,
+    KV_HEADS,
+    LAYER_TENSORS,
+    LAYERS,
+    Q8_ROLES,
+    write_tiny_model,
+)
+
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
-from test_gguf import HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, Q8_ROLES, LAYER_TENSORS, write_tiny_model
+from spruce.runtime.models.loading.loader import load_model
 
 
 def q8_round_trip(tensor: torch.Tensor) -> torch.Tensor:
@@ -25,7 +34,9 @@ def q8_round_trip(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_safetensors_twin(folder, weights: dict[str, torch.Tensor], vocab: int) -> None:
     """The same weights as a Hugging Face folder (Q8_0 tensors as quantized-then-restored)."""
-    q8_names = {f"model.layers.{i}.{LAYER_TENSORS[r][0]}.weight" for i in range(LAYERS) for r in Q8_ROLES}
+    q8_names = {
+        f"model.layers.{i}.{LAYER_TENSORS[r][0]}.weight" for i in range(LAYERS) for r in Q8_ROLES
+    }
     state = {k: (q8_round_trip(v) if k in q8_names else v).contiguous() for k, v in weights.items()}
     save_file(state, str(folder / "model.safetensors"))
     config = {
@@ -39,12 +50,16 @@ def write_safetensors_twin(folder, weights: dict[str, torch.Tensor], vocab: int)
 
 def logits_of(loaded, ids):
     runner = ModelRunner(loaded, num_slots=256, max_requests=2, max_context_len=128)
-    item = ForwardItem(runner.req_to_token.alloc_row(), 0, ids, runner.pool.alloc(len(ids)), all_logits=True)
+    item = ForwardItem(
+        runner.req_to_token.alloc_row(), 0, ids, runner.pool.alloc(len(ids)), all_logits=True
+    )
     return runner.forward([item]).logits
 
 
 def test_gguf_model_equals_safetensors_twin(tmp_path, tiny_llama_dir):
-    merges = {"tokenizer.ggml.merges": (["a b"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)}
+    merges = {
+        "tokenizer.ggml.merges": (["a b"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
+    }
     path, weights = write_tiny_model(tmp_path, "llama", **merges)
     twin = tmp_path / "twin"
     twin.mkdir()
@@ -54,7 +69,9 @@ def test_gguf_model_equals_safetensors_twin(tmp_path, tiny_llama_dir):
     for name, tensor in from_hf.model.state_dict().items():
         torch.testing.assert_close(from_gguf.model.state_dict()[name], tensor, atol=0, rtol=0)
     ids = [3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
-    torch.testing.assert_close(logits_of(from_gguf, ids), logits_of(from_hf, ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        logits_of(from_gguf, ids), logits_of(from_hf, ids), atol=1e-6, rtol=0
+    )
     assert from_gguf.tokenizer.eos_token_ids == {2}
 
 
@@ -82,18 +99,26 @@ def test_bundled_greedy_equals_transformers(bundled):
     from spruce.runtime import Engine
 
     folder, name = bundled.rsplit("/", 1)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
     float32 = load_model(bundled, quantization="none")  # transformers' precision
     engine = Engine(loaded=float32, num_threads=1, kv_memory_gb=0.5, kv_cache_dtype="float32")
     texts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     ids = [engine.tokenizer.encode(t) for t in texts]
-    ours = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
+    ours = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    )
     for prompt_ids, out in zip(ids, ours):
         ids = torch.tensor([prompt_ids])
         # an explicit mask: otherwise generate masks every <|im_end|> (the file's pad id)
         with torch.no_grad():
             ref = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
             )
         assert out["output_ids"] == ref[0, len(prompt_ids) :].tolist()
     assert "Paris" in ours[0]["text"]

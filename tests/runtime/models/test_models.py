@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import transformers
+from support import write_tiny_model
 
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels import cpu_layer_ops, cpu_library
-from spruce.runtime.models.loading.loader import load_model
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
-from support import write_tiny_model
+from spruce.runtime.models.loading.loader import load_model
 
 ATOL = 2e-5
 
@@ -30,13 +30,21 @@ LLAMA3_ROPE = {
 @pytest.fixture(scope="module")
 def tiny_llama3_tied_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama3")
-    return write_tiny_model(folder, "llama", seed=3, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
+    return write_tiny_model(
+        folder, "llama", seed=3, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-tied"])
 def pair(request, tiny_llama_dir, tiny_qwen2_dir, tiny_llama3_tied_dir):
-    folder = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama3-tied": tiny_llama3_tied_dir}[request.param]
-    hf_class = transformers.Qwen2ForCausalLM if request.param == "qwen2" else transformers.LlamaForCausalLM
+    folder = {
+        "llama": tiny_llama_dir,
+        "qwen2": tiny_qwen2_dir,
+        "llama3-tied": tiny_llama3_tied_dir,
+    }[request.param]
+    hf_class = (
+        transformers.Qwen2ForCausalLM if request.param == "qwen2" else transformers.LlamaForCausalLM
+    )
     hf = hf_class.from_pretrained(folder).eval()
     return load_model(str(folder)), hf
 
@@ -84,7 +92,9 @@ def test_batch_of_different_lengths(pair):
     runner = make_runner(loaded)
     prompts = [prompt(s, n) for s, n in [(1, 5), (2, 31), (3, 1), (4, 17)]]
     items = [
-        ForwardItem(runner.req_to_token.alloc_row(), 0, p, runner.pool.alloc(len(p)), all_logits=True)
+        ForwardItem(
+            runner.req_to_token.alloc_row(), 0, p, runner.pool.alloc(len(p)), all_logits=True
+        )
         for p in prompts
     ]
     out = runner.forward(items)
@@ -168,7 +178,10 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unknown architecture 'GPTNeoXForCausalLM'.*supported: Gemma2ForCausalLM.*LlamaForCausalLM.*SmolLM3ForCausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match="unknown architecture 'GPTNeoXForCausalLM'.*supported: Gemma2ForCausalLM.*LlamaForCausalLM.*SmolLM3ForCausalLM",
+    ):
         load_model(str(tmp_path))
 
 
@@ -188,7 +201,9 @@ def test_float16_kv_cache_stays_close(tiny_llama_dir):
     loaded = load_model(str(tiny_llama_dir))
     runs = []
     for kv_dtype in (torch.float32, torch.float16):
-        runner = ModelRunner(loaded, num_slots=512, max_requests=4, max_context_len=128, kv_dtype=kv_dtype)
+        runner = ModelRunner(
+            loaded, num_slots=512, max_requests=4, max_context_len=128, kv_dtype=kv_dtype
+        )
         assert runner.pool.k[0].dtype == kv_dtype
         ids = prompt(8, 20)
         row, logits = prefill(runner, ids)

@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
 from support import bundled_gguf_path
+
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant_ops.available(), reason="no C comp
 TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
     "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
-    "from 1887 to 1889. Locally nicknamed \"La dame de fer\" (French for \"Iron Lady\"), it was "
+    'from 1887 to 1889. Locally nicknamed "La dame de fer" (French for "Iron Lady"), it was '
     "constructed as the centrepiece of the 1889 World's Fair, and to crown the centennial "
     "anniversary of the French Revolution. Although initially criticised by some of France's "
     "leading artists and intellectuals for its design, it has since become a global cultural "
@@ -40,11 +40,15 @@ TEXT = (
 )
 
 
-def decode_logits(loaded, ids: list[int], chunk: int = 4, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+def decode_logits(
+    loaded, ids: list[int], chunk: int = 4, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Logits of every position, fed a few tokens per step (the decode kernels' row counts;
     one: every step a decode step)."""
     size = len(ids) + 8
-    runner = ModelRunner(loaded, num_slots=size, max_requests=2, max_context_len=size, kv_dtype=kv_dtype)
+    runner = ModelRunner(
+        loaded, num_slots=size, max_requests=2, max_context_len=size, kv_dtype=kv_dtype
+    )
     row, out = runner.req_to_token.alloc_row(), []
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
@@ -64,7 +68,9 @@ def decode_logits(loaded, ids: list[int], chunk: int = 4, kv_dtype: torch.dtype 
 CLEAR_MARGIN = 0.5
 
 
-def assert_agrees(ours: torch.Tensor, reference: torch.Tensor, label: str, mean_kl: float, p99_kl: float) -> None:
+def assert_agrees(
+    ours: torch.Tensor, reference: torch.Tensor, label: str, mean_kl: float, p99_kl: float
+) -> None:
     """Every position where the reference's top-1 is clear has our top-1 (and there are
     such positions: at least a third); KL(reference || ours) within `mean_kl` on average
     and `p99_kl` at its 99th percentile."""
@@ -76,7 +82,9 @@ def assert_agrees(ours: torch.Tensor, reference: torch.Tensor, label: str, mean_
     print(f"{label}, {len(kl)} positions: top-1 {same.float().mean():.4f} overall, "
           f"{int(same[clear].sum())}/{int(clear.sum())} where clear; KL mean {mean:.2e}, p99 {p99:.2e}")  # fmt: skip
     assert clear.sum() >= len(clear) / 3, "too few clear positions to compare top-1"
-    assert same[clear].all(), f"top-1 differs at clear positions {clear.nonzero().flatten()[~same[clear]].tolist()}"
+    assert same[clear].all(), (
+        f"top-1 differs at clear positions {clear.nonzero().flatten()[~same[clear]].tolist()}"
+    )
     assert mean <= mean_kl and p99 <= p99_kl, (mean, p99)
 
 
@@ -122,16 +130,26 @@ def random_k_blocks(ggml_id: int, rows: int, cols: int, rng: np.random.Generator
 def write_k_quant_gguf(path, layers: int = 2) -> str:
     """A tiny llama GGUF (hidden 256, 4 heads of 64) whose linear layers are Q4_K / Q5_K / Q6_K."""
     rng, V = np.random.default_rng(0), gguf.GGUFValueType
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab"] + [f"t{i}" for i in range(58)]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b", "ab"] + [
+        f"t{i}" for i in range(58)
+    ]
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": layers, "context_length": 256, "embedding_length": 256,
-                       "feed_forward_length": 512, "attention.head_count": 4, "attention.head_count_kv": 2}.items():
+    for key, value in {
+        "block_count": layers,
+        "context_length": 256,
+        "embedding_length": 256,
+        "feed_forward_length": 512,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.merges", ["a b"])
-    writer.add_key_value("tokenizer.ggml.token_type", [3, 3, 3] + [1] * 61, V.ARRAY, sub_type=V.INT32)
+    writer.add_key_value(
+        "tokenizer.ggml.token_type", [3, 3, 3] + [1] * 61, V.ARRAY, sub_type=V.INT32
+    )
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
     writer.add_tensor("token_embd.weight", rng.standard_normal((64, 256), dtype=np.float32) * 0.5)
     writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
@@ -140,7 +158,9 @@ def write_k_quant_gguf(path, layers: int = 2) -> str:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(256, dtype=np.float32))
         for role, (rows, cols, ggml_id) in K_ROLES.items():
             blocks = random_k_blocks(ggml_id, rows, cols, rng)
-            writer.add_tensor(f"blk.{layer}.{role}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType(ggml_id))
+            writer.add_tensor(
+                f"blk.{layer}.{role}.weight", blocks, raw_dtype=gguf.GGMLQuantizationType(ggml_id)
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -158,7 +178,13 @@ def test_auto_keeps_k_formats_and_agrees_with_their_float_twin(tmp_path):
     assert model_bytes(quantized.model) < 1.2 * os.path.getsize(path)
     ids = list(range(3, 60))
     # only the 16-bit rounding of the activations differs (measured: KL mean 2e-10, p99 4e-9)
-    assert_agrees(decode_logits(quantized, ids), decode_logits(plain, ids), "tiny K formats vs float32", 1e-6, 1e-5)
+    assert_agrees(
+        decode_logits(quantized, ids),
+        decode_logits(plain, ids),
+        "tiny K formats vs float32",
+        1e-6,
+        1e-5,
+    )
 
 
 def test_explicit_quantization_off_the_cpu_is_an_error(tiny_llama_dir):
@@ -168,14 +194,16 @@ def test_explicit_quantization_off_the_cpu_is_an_error(tiny_llama_dir):
         load_model(str(tiny_llama_dir), quantization="q3_x")
 
 
-needs_bundled = pytest.mark.skipif(bundled_gguf_path() is None, reason="bundled GGUF model not installed")
+needs_bundled = pytest.mark.skipif(
+    bundled_gguf_path() is None, reason="bundled GGUF model not installed"
+)
 
 
 @pytest.fixture(scope="module")
 def bundled_pair():
-    return load_model(bundled_gguf_path(), quantization="auto"), load_model(bundled_gguf_path(), quantization="none")
-
-
+    return load_model(bundled_gguf_path(), quantization="auto"), load_model(
+        bundled_gguf_path(), quantization="none"
+    )
 
 
 @pytest.mark.slow
@@ -185,7 +213,10 @@ def test_bundled_q4_1_model_agrees_with_its_float_twin(bundled_pair):
     rounding of the activations differs (measured on every variant: KL mean 5.5e-8, p99
     3.7e-7)."""
     quantized, plain = bundled_pair
-    assert {m.qtype for m in quantized.model.modules() if isinstance(m, QuantizedLinear)} == {"q4_1", "q8_0"}
+    assert {m.qtype for m in quantized.model.modules() if isinstance(m, QuantizedLinear)} == {
+        "q4_1",
+        "q8_0",
+    }
     size, file_size = model_bytes(quantized.model), os.path.getsize(bundled_gguf_path())
     print(f"resident weights {size / 1e6:.1f} MB (GGUF file {file_size / 1e6:.1f} MB, float32 "
           f"{model_bytes(plain.model) / 1e6:.1f} MB)")  # fmt: skip
@@ -245,11 +276,15 @@ def test_bundled_q4_1_model_answers_the_readme_question(bundled_pair):
     outputs = []
     for loaded in bundled_pair:
         with Engine(loaded=loaded, kv_memory_gb=0.5) as engine:
-            prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+            prompt = engine.apply_chat_template(
+                [{"role": "user", "content": "What is the capital of France?"}]
+            )
             first = engine.generate(prompt, greedy)
             again = engine.generate(prompt, greedy)
             assert again["text"] == first["text"] and again["meta_info"]["cached_tokens"] > 0
-            outputs.append([first["text"], *(engine.generate(prompt, c)["text"] for c in constrained)])
+            outputs.append(
+                [first["text"], *(engine.generate(prompt, c)["text"] for c in constrained)]
+            )
     print("quantized:", outputs[0], "float32:", outputs[1])
     assert "Paris" in outputs[0][0]
     assert outputs[0][1:] == outputs[1][1:]

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+
 from spruce.runtime import Engine, InvalidRequestError
 from spruce.runtime.cli import main
 from spruce.runtime.scheduler.router import CacheAwareRouter, RoundRobinRouter
@@ -24,7 +25,9 @@ def ids(seed: int, n: int) -> list[int]:
 
 def few_shot() -> list[list[int]]:
     prefixes = [ids(p, 48) for p in range(4)]
-    prompts = [prefix + ids(100 + 16 * p + q, 6) for p, prefix in enumerate(prefixes) for q in range(16)]
+    prompts = [
+        prefix + ids(100 + 16 * p + q, 6) for p, prefix in enumerate(prefixes) for q in range(16)
+    ]
     random.Random(0).shuffle(prompts)
     return prompts
 
@@ -52,7 +55,9 @@ def test_cache_aware_routing_keeps_the_hit_rate(single):
         served = [s["requests_finished_total"] for s in dp.stats()["replicas"]]
     with Engine(loaded=loaded, dp_size=2, router=RoundRobinRouter(2), **OPTIONS) as dp:
         round_robin, _ = hit_rate(dp, prompts)
-    print(f"\nhit rate: dp 1 {one:.3f}, dp 2 cache-aware {cache_aware:.3f}, dp 2 round-robin {round_robin:.3f}")
+    print(
+        f"\nhit rate: dp 1 {one:.3f}, dp 2 cache-aware {cache_aware:.3f}, dp 2 round-robin {round_robin:.3f}"
+    )
     assert outputs == expected
     assert all(n >= 16 for n in served)  # both cores worked
     assert cache_aware >= one - 0.05

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+
 from spruce.runtime import Engine
 from spruce.runtime.executor.model_runner import ForwardItem
 
@@ -53,7 +54,11 @@ def test_logits_equal_one_process(engines):
     assert len(tp.core.followers) == 1 and tp.core.tp.world == 2
     assert tp.core.runner.pool.shape.kv_heads == 1  # this rank's KV heads only (2 in the model)
     expected, got = run_steps(reference.core.runner), run_steps(tp.core.runner)
-    assert [g.shape for g in got] == [e.shape for e in expected] == [(12, 384), (5, 384), (6, 384), (2, 384)]
+    assert (
+        [g.shape for g in got]
+        == [e.shape for e in expected]
+        == [(12, 384), (5, 384), (6, 384), (2, 384)]
+    )
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
 
@@ -61,7 +66,9 @@ def test_logits_equal_one_process(engines):
 def test_greedy_outputs_of_a_batch_are_identical(engines):
     reference, tp = engines
     prompts = [ids(10 + i, 5 + 3 * i) for i in range(8)]
-    expected = [o["output_ids"] for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)]
+    expected = [
+        o["output_ids"] for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)
+    ]
     got = [o["output_ids"] for o in tp.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert got == expected and all(len(o) == 8 for o in got)
 
@@ -79,6 +86,12 @@ def test_constrained_decoding_and_the_radix_cache_on_top(engines):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
     assert all(re.fullmatch(regex, o["text"]) for o in got), [o["text"] for o in got]
     assert [o["meta_info"]["cached_tokens"] for o in got[1:]] == [40, 40]
-    streamed = [c["output_ids"] for c in tp.generate(input_ids=prompts[0], sampling_params=GREEDY, stream=True)]
-    assert sum(streamed, []) == reference.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"]
+    streamed = [
+        c["output_ids"]
+        for c in tp.generate(input_ids=prompts[0], sampling_params=GREEDY, stream=True)
+    ]
+    assert (
+        sum(streamed, [])
+        == reference.generate(input_ids=prompts[0], sampling_params=GREEDY)["output_ids"]
+    )
     assert tp.stats()["cached_prompt_tokens_total"] >= 80

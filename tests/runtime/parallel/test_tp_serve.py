@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+
 from spruce.runtime import Engine
 from spruce.runtime.executor.distributed import free_port
 
@@ -33,11 +34,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 90.0) -
 
 
 def expected_text(model_dir) -> str:
-    with Engine(str(model_dir), num_threads=1, kv_memory_gb=0.02, kv_cache_dtype="float32") as engine:
+    with Engine(
+        str(model_dir), num_threads=1, kv_memory_gb=0.02, kv_cache_dtype="float32"
+    ) as engine:
         return engine.generate(PROMPT, SAMPLING)["text"]
 
 
-def spruce_serve(model_dir, log, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def spruce_serve(
+    model_dir, log, *extra: str, env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "spruce.runtime", "serve", "--model", str(model_dir), "--port", str(port),
@@ -45,7 +50,9 @@ def spruce_serve(model_dir, log, *extra: str, env: dict | None = None) -> tuple[
         "--kv-cache-dtype", "float32", "--log-level", "info", *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     return proc, f"http://127.0.0.1:{port}"
 
 

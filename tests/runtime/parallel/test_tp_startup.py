@@ -8,20 +8,25 @@ from __future__ import annotations
 import time
 
 import pytest
+from support import bundled_gguf_path, write_tiny_model
+from test_tp_engine import GREEDY, OPTIONS, ids
+
 from spruce.runtime import Engine
 from spruce.runtime.config import EngineConfig
 from spruce.runtime.engine.tp_worker import run_follower
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.distributed import DistributedError, Placement, free_port
-from support import bundled_gguf_path, write_tiny_model
-from test_tp_engine import GREEDY, OPTIONS, ids
 
 
 def test_tied_embeddings_and_replicated_kv_heads_then_shutdown(tmp_path):
-    folder = write_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True, num_key_value_heads=1)
+    folder = write_tiny_model(
+        tmp_path / "tied", "llama", tie_word_embeddings=True, num_key_value_heads=1
+    )
     prompts = [ids(50 + i, 6 + i) for i in range(4)]
     with Engine(str(folder), **OPTIONS) as reference:
-        expected = [o["output_ids"] for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)]
+        expected = [
+            o["output_ids"] for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)
+        ]
     with Engine(str(folder), tp_size=2, **OPTIONS) as tp:
         assert tp.core.loaded.model.lm_head is None and tp.core.runner.pool.shape.kv_heads == 1
         got = [o["output_ids"] for o in tp.generate(input_ids=prompts, sampling_params=GREEDY)]
@@ -32,7 +37,12 @@ def test_tied_embeddings_and_replicated_kv_heads_then_shutdown(tmp_path):
 
 def test_heads_that_do_not_split_fail_with_one_line(tmp_path):
     folder = write_tiny_model(
-        tmp_path / "nine", "llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=2, head_dim=8
+        tmp_path / "nine",
+        "llama",
+        hidden_size=72,
+        num_attention_heads=9,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     with pytest.raises(ModelLoadError) as e:
         Engine(str(folder), tp_size=3, dist_timeout_s=20, **OPTIONS)
@@ -43,13 +53,21 @@ def test_heads_that_do_not_split_fail_with_one_line(tmp_path):
 def test_a_missing_rank_fails_rank_0_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedError) as e:  # two nodes, and the second never comes
-        Engine(tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}", dist_timeout_s=2, **OPTIONS)
+        Engine(
+            tp_size=2,
+            nnodes=2,
+            dist_init_addr=f"127.0.0.1:{free_port()}",
+            dist_timeout_s=2,
+            **OPTIONS,
+        )
     assert time.monotonic() - start < 20
     assert "rank 0 of 2 could not join" in str(e.value) and "within 2 s" in str(e.value)
 
 
 def test_a_rank_with_a_wrong_address_fails_within_the_timeout(tiny_llama_dir):
-    config = EngineConfig.from_options(model_path=str(tiny_llama_dir), tp_size=2, dist_timeout_s=2, **OPTIONS)
+    config = EngineConfig.from_options(
+        model_path=str(tiny_llama_dir), tp_size=2, dist_timeout_s=2, **OPTIONS
+    )
     addr = f"127.0.0.1:{free_port()}"  # nobody listens there
     start = time.monotonic()
     with pytest.raises(DistributedError) as e:
@@ -72,5 +90,7 @@ def test_the_bundled_gguf_over_three_ranks():
         expected = reference.generate(prompt, GREEDY)["output_ids"]
     with Engine(path, tp_size=3, **options) as tp:
         assert tp.generate(prompt, GREEDY)["output_ids"] == expected
-    with pytest.raises(ModelLoadError, match="--tp 2 does not fit LlamaForCausalLM: its 9 query heads"):
+    with pytest.raises(
+        ModelLoadError, match="--tp 2 does not fit LlamaForCausalLM: its 9 query heads"
+    ):
         Engine(path, tp_size=2, **options)

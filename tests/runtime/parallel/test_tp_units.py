@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from spruce.runtime.cli import build_parser, engine_options
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.executor.distributed import (
@@ -47,7 +48,9 @@ def test_the_step_message_round_trips():
     assert [(r, p, ids, s.tolist(), f) for r, p, ids, s, f in back.items] == [
         (r, p, ids, s.tolist(), f) for r, p, ids, s, f in items
     ]
-    assert [(r, s, t.tolist()) for r, s, t in back.writes] == [(r, s, t.tolist()) for r, s, t in writes]
+    assert [(r, s, t.tolist()) for r, s, t in back.writes] == [
+        (r, s, t.tolist()) for r, s, t in writes
+    ]
 
 
 def test_heads_and_columns_split_by_rank():
@@ -73,7 +76,12 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks():
     local = shard_config(c, 4)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 32)
     kv = [weight_slice("layers.0.self_attn.v_proj.weight", c, r, 4).ranges for r in range(4)]
-    assert kv == [((0, 8),), ((0, 8),), ((8, 16),), ((8, 16),)]  # q heads 2r, 2r+1 use KV head r // 2
+    assert kv == [
+        ((0, 8),),
+        ((0, 8),),
+        ((8, 16),),
+        ((8, 16),),
+    ]  # q heads 2r, 2r+1 use KV head r // 2
 
 
 def test_the_vocabulary_splits_in_equal_padded_parts():
@@ -109,7 +117,10 @@ def test_safetensors_slices_are_the_whole_tensors_parts(tiny_llama_dir):
         if part is None:
             assert all(torch.equal(r[name], tensor) for r in ranks)
         else:
-            assert all(torch.equal(r[name], take_slice(tensor, weight_slice(name, c, i, 2))) for i, r in enumerate(ranks))
+            assert all(
+                torch.equal(r[name], take_slice(tensor, weight_slice(name, c, i, 2)))
+                for i, r in enumerate(ranks)
+            )
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(torch.cat([r[q] for r in ranks]), whole[q])
     o = "model.layers.1.self_attn.o_proj.weight"
@@ -131,7 +142,11 @@ def test_placement_of_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     under_torchrun = placement(2)
-    assert (under_torchrun.rank, under_torchrun.init_addr, under_torchrun.local_followers) == (1, None, ())
+    assert (under_torchrun.rank, under_torchrun.init_addr, under_torchrun.local_followers) == (
+        1,
+        None,
+        (),
+    )
     with pytest.raises(DistributedError, match="WORLD_SIZE 2"):
         placement(4)
 
@@ -146,6 +161,8 @@ def test_the_tp_flags():
 
 
 def test_quantized_weights_with_tp_are_refused(tiny_llama_dir):
-    rank0 = TPGroup(rank=0, world=2, group=None, device=torch.device("cpu"))  # no traffic: refused first
+    rank0 = TPGroup(
+        rank=0, world=2, group=None, device=torch.device("cpu")
+    )  # no traffic: refused first
     with pytest.raises(ModelLoadError, match="--quantization q8_0 does not combine with --tp 2"):
         load_model(str(tiny_llama_dir), quantization="q8_0", tp=rank0)

@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch.distributed as dist
-from spruce.runtime import Engine
-from spruce.runtime.executor.distributed import free_port, rendezvous_store
 from test_tp_engine import GREEDY, OPTIONS, ids
 from test_tp_serve import spruce_serve, wait_healthy
 
+from spruce.runtime import Engine
+from spruce.runtime.executor.distributed import free_port, rendezvous_store
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from test_server import child_pids  # noqa: E402
+from test_server import child_pids
 
 TIMEOUT = datetime.timedelta(seconds=20)
 ADDRESS_OR_PATH = re.compile(r"/\w|\d+\.\d+\.\d+\.\d+|:\d{2,5}\b|gloo|\.cpp|\.py")
@@ -46,7 +47,9 @@ def binds_elsewhere(port: int) -> bool:
 
 def test_the_rendezvous_store_listens_on_the_address_given_only():
     port = free_port()
-    store = rendezvous_store(f"127.0.0.1:{port}", 0, 1, TIMEOUT)  # world 1: it waits for no other rank
+    store = rendezvous_store(
+        f"127.0.0.1:{port}", 0, 1, TIMEOUT
+    )  # world 1: it waits for no other rank
     peer = rendezvous_store(f"127.0.0.1:{port}", 1, 1, TIMEOUT)
     store.set("k", "v")
     assert peer.get("k") == b"v"
@@ -66,26 +69,36 @@ def test_an_idle_group_outlives_the_collective_deadline(tiny_llama_dir):
         first = [o["output_ids"] for o in tp.generate(input_ids=prompts, sampling_params=GREEDY)]
         time.sleep(25)  # idle for more than twice the deadline
         assert all(p.poll() is None for p in tp.core.followers)
-        assert [o["output_ids"] for o in tp.generate(input_ids=prompts, sampling_params=GREEDY)] == first
+        assert [
+            o["output_ids"] for o in tp.generate(input_ids=prompts, sampling_params=GREEDY)
+        ] == first
 
 
 def follower_pid(server_pid: int) -> int:
     """The rank-1 process: a child of the scheduler process (a child of the server)."""
     for child in child_pids(server_pid):
         for grandchild in child_pids(child):
-            if "spruce.runtime.engine.tp_worker" in Path(f"/proc/{grandchild}/cmdline").read_text(errors="replace"):
+            if "spruce.runtime.engine.tp_worker" in Path(f"/proc/{grandchild}/cmdline").read_text(
+                errors="replace"
+            ):
                 return grandchild
     raise AssertionError("no tensor-parallel follower found")
 
 
 @pytest.mark.slow  # its own two-rank server
-def test_a_killed_follower_fails_the_request_cleanly_and_the_server_goes_unhealthy(tiny_llama_dir, tmp_path):
+def test_a_killed_follower_fails_the_request_cleanly_and_the_server_goes_unhealthy(
+    tiny_llama_dir, tmp_path
+):
     log = tmp_path / "server.log"
     proc, url = spruce_serve(tiny_llama_dir, log, "--tp", "2")
     try:
         wait_healthy(proc, url, log)
         rank1 = follower_pid(proc.pid)
-        body = {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "text": "Once",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True},
+        }
         first, events = threading.Event(), []
 
         def stream() -> None:

@@ -24,7 +24,9 @@ def costly_cursor(vocab: TokenVocabulary, tokenizer):
     return cursor
 
 
-def test_a_request_whose_mask_is_not_ready_waits_while_the_others_decode(tiny_tokenizer, monkeypatch):
+def test_a_request_whose_mask_is_not_ready_waits_while_the_others_decode(
+    tiny_tokenizer, monkeypatch
+):
     monkeypatch.setattr(grammar_queue, "MASK_STEP_NEW_STATES", 4)
     vocab = TokenVocabulary(tiny_tokenizer)
     scheduler = make_scheduler()
@@ -39,7 +41,9 @@ def test_a_request_whose_mask_is_not_ready_waits_while_the_others_decode(tiny_to
         out = scheduler.schedule()
         if any(r is costly for r in out.reqs):  # its mask is made: it runs again
             break
-        assert not grammar.has_mask(state) and any(r is plain for r in out.reqs)  # the batch goes on
+        assert not grammar.has_mask(state) and any(
+            r is plain for r in out.reqs
+        )  # the batch goes on
         fake_forward(scheduler, out)
         fake_sample(out)
         scheduler.update(out)

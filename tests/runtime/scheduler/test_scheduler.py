@@ -229,7 +229,8 @@ def test_output_processing_that_raises_aborts_that_request_only():
     assert reqs[0].finish_reason.type == "length" and len(reqs[0].output_ids) == 3
     assert (
         reqs[1].finish_reason.type == "abort"
-        and reqs[1].finish_reason.message == "processing this request's output failed (see the server log)"
+        and reqs[1].finish_reason.message
+        == "processing this request's output failed (see the server log)"
     )
     assert scheduler.stats.request_faults == 1
 
@@ -267,9 +268,14 @@ def test_random_step_failures_under_memory_pressure_keep_accounting_exact(seed):
     the pool accounting is exact; every request either finishes with exactly the tokens of
     a clean run or is aborted for failing twice alone; nothing leaks at the end."""
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_slots=120, radix=seed % 2 == 0, chunked_prefill_size=24, decode_reserve_ratio=0.0)
+    scheduler = make_scheduler(
+        num_slots=120, radix=seed % 2 == 0, chunked_prefill_size=24, decode_reserve_ratio=0.0
+    )
     reqs = [
-        make_req([rng.randrange(10, 90) for _ in range(rng.randrange(3, 30))], max_new_tokens=rng.randrange(1, 20))
+        make_req(
+            [rng.randrange(10, 90) for _ in range(rng.randrange(3, 30))],
+            max_new_tokens=rng.randrange(1, 20),
+        )
         for _ in range(12)
     ]
     for req in reqs:

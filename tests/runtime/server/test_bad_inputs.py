@@ -17,13 +17,17 @@ import httpx
 import orjson
 import pytest
 import zmq
-from spruce.runtime.protocol.dsl import rid_of
 from test_server import API_KEY, AUTH, start_server, stop_server
+
+from spruce.runtime.protocol.dsl import rid_of
 
 MAX_REQUEST_BYTES = 1024 * 1024
 JSON = {"content-type": "application/json"}
 ORIGIN = "https://app.example"
-STREAM = {"text": "A long story:", "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}}
+STREAM = {
+    "text": "A long story:",
+    "sampling_params": {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True},
+}
 
 
 @dataclass
@@ -43,7 +47,10 @@ def zgen(rid: str, **fields) -> dict:
     return {"type": "generate", "rid": rid, "text": "hi", **fields}
 
 
-OPTIONAL_PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
+OPTIONAL_PROPERTIES = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)},
+}
 DEEP = {"type": "object", "properties": {"a": {}}}
 for _ in range(300):
     DEEP = {"type": "object", "properties": {"a": DEEP}}
@@ -79,13 +86,27 @@ CASES = [
     Case("generate", {"input_ids": [[1, 2]] * 300}, 400, "--max-batch-size"),
     Case("generate", {"input_ids": [1, 2**64]}, 400, "input_ids"),
     Case("generate", {"text": "word " * 5000}, 400, "context"),
-    Case("generate", {"input_ids": [[1, 2]] * 100}, 429, "--max-requests-per-client"),  # 100 > 64 per client
-    Case("generate", {"input_ids": [[1, 2]] * 200}, 503, "--max-waiting-requests"),  # 200 > 128 running + 0
+    Case(
+        "generate", {"input_ids": [[1, 2]] * 100}, 429, "--max-requests-per-client"
+    ),  # 100 > 64 per client
+    Case(
+        "generate", {"input_ids": [[1, 2]] * 200}, 503, "--max-waiting-requests"
+    ),  # 200 > 128 running + 0
     Case("completions", {"prompt": "hi", "n": 100}, 429, "prompts x n count each"),
     Case("generate", {"text": "hi", "top_logprobs_num": 21}, 400, "top_logprobs_num"),
     Case("generate", {"text": "hi", "logprob_start_len": 10**30}, 400, "logprob_start_len"),
-    Case("generate", {"input_ids": [5] * 1000, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
-                      "sampling_params": {"max_new_tokens": 20, "n": 100}}, 400, "--max-logprob-entries"),  # 2.1M entries
+    Case(
+        "generate",
+        {
+            "input_ids": [5] * 1000,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 20,
+            "sampling_params": {"max_new_tokens": 20, "n": 100},
+        },
+        400,
+        "--max-logprob-entries",
+    ),  # 2.1M entries
     Case("generate", {"text": "hi", "timeout_s": -1}, 400, "timeout_s"),
     Case("generate", {"text": "hi", "timeout_s": "soon"}, 400, "timeout_s"),
     Case("generate", {"text": "hi", "stream": "yes"}, 400, "stream"),
@@ -110,16 +131,39 @@ CASES = [
     Case("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     Case("chat", {"max_tokens": 2**64}, 400, "max_tokens"),
     Case("chat", {"n": 0}, 400, "n must be"),
-    Case("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}}, 400, "$ref"),
+    Case(
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}},
+        400,
+        "$ref",
+    ),
     # -- raw HTTP: content type, key, size
     Case("http", b'{"text": "hi"}', 415, "Content-Type", {"content-type": "text/plain", **AUTH}),
-    Case("http", b"text=hi", 415, "Content-Type", {"content-type": "application/x-www-form-urlencoded", **AUTH}),
+    Case(
+        "http",
+        b"text=hi",
+        415,
+        "Content-Type",
+        {"content-type": "application/x-www-form-urlencoded", **AUTH},
+    ),
     Case("http", b'{"text": "hi"}', 401, "API key", JSON),
     Case("http", b"{", 400, "not valid JSON", {**JSON, **AUTH}),
-    Case("http", b"[" + b" " * MAX_REQUEST_BYTES + b"]", 413, "--max-request-bytes", {**JSON, **AUTH}),
-    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, **AUTH, "host": "attacker.example:30000"}),  # DNS rebinding
-    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, **AUTH, "host": "127.0.0.1.attacker.example"}),
-    Case("http", b'{"text": "hi"}', 400, "Host", {**JSON, "host": "localhost.attacker.example:80"}),  # before the key
+    Case(
+        "http", b"[" + b" " * MAX_REQUEST_BYTES + b"]", 413, "--max-request-bytes", {**JSON, **AUTH}
+    ),
+    Case(
+        "http", b'{"text": "hi"}', 400, "Host", {**JSON, **AUTH, "host": "attacker.example:30000"}
+    ),  # DNS rebinding
+    Case(
+        "http",
+        b'{"text": "hi"}',
+        400,
+        "Host",
+        {**JSON, **AUTH, "host": "127.0.0.1.attacker.example"},
+    ),
+    Case(
+        "http", b'{"text": "hi"}', 400, "Host", {**JSON, "host": "localhost.attacker.example:80"}
+    ),  # before the key
     # -- ZeroMQ frames
     Case("zmq", b'{"type": [], "rid": "z-type"}', 400, "message type"),  # the issue's reproduction
     Case("zmq", b'{"type": "generate", "rid": "z-field", "frob": 1}', 400, "frob"),
@@ -129,9 +173,18 @@ CASES = [
     Case("zmq", zgen("z-stream", stream="yes"), 400, "stream"),
     Case("zmq", zgen("z-timeout", timeout_s=-5), 400, "timeout_s"),
     Case("zmq", zgen("z-batch", text=["a", "b"], stream=True), 400, "streaming a batch"),
-    Case("zmq", [b"z-key", b"wrong", orjson.dumps(zgen("z-key"))], 401, "API key"),  # frames: rid, key, body
-    Case("zmq", [b"z-big", b"wrong", b"x" * (MAX_REQUEST_BYTES + 1)], 401, "API key"),  # the key before the size
-    Case("zmq", [b"z-big", API_KEY.encode(), b"x" * (MAX_REQUEST_BYTES + 1)], 413, "--max-request-bytes"),
+    Case(
+        "zmq", [b"z-key", b"wrong", orjson.dumps(zgen("z-key"))], 401, "API key"
+    ),  # frames: rid, key, body
+    Case(
+        "zmq", [b"z-big", b"wrong", b"x" * (MAX_REQUEST_BYTES + 1)], 401, "API key"
+    ),  # the key before the size
+    Case(
+        "zmq",
+        [b"z-big", API_KEY.encode(), b"x" * (MAX_REQUEST_BYTES + 1)],
+        413,
+        "--max-request-bytes",
+    ),
     Case("zmq", [b"\xff\xfe garbage"], 401, "API key"),  # no envelope: no key, not read
     Case("zmq", [b"z-other", API_KEY.encode(), orjson.dumps(zgen("z-rid"))], 400, "envelope"),
     Case("zmq", {**zgen("z-old-key"), "api_key": API_KEY}, 400, "envelope"),
@@ -144,8 +197,19 @@ CASES = [
     Case("engine", {"sampling_params": {"seed": 2**70}}, 400, "seed"),
     Case("engine", {"sampling_params": {"stop_token_ids": [10**20]}}, 400, "stop_token_ids"),
     Case("engine", {"top_logprobs_num": 50}, 400, "top_logprobs_num"),
-    Case("engine", {"prompt": None, "input_ids": [[5] * 1000] * 100, "return_logprob": True, "logprob_start_len": 0,
-                    "top_logprobs_num": 20, "sampling_params": {"max_new_tokens": 20}}, 400, "--max-logprob-entries"),
+    Case(
+        "engine",
+        {
+            "prompt": None,
+            "input_ids": [[5] * 1000] * 100,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 20,
+            "sampling_params": {"max_new_tokens": 20},
+        },
+        400,
+        "--max-logprob-entries",
+    ),
     Case("engine", {"prompt": None, "input_ids": [[1, "a"]]}, 400, "input_ids"),
     Case("engine", {"prompt": ["x"] * 300}, 400, "--max-batch-size"),
 ]
@@ -183,7 +247,9 @@ def http(server):
 
 def stream_tokens(url: str) -> list[int]:
     ids = []
-    with httpx.stream("POST", url + "/generate", json={**STREAM, "stream": True}, headers=AUTH, timeout=120) as r:
+    with httpx.stream(
+        "POST", url + "/generate", json={**STREAM, "stream": True}, headers=AUTH, timeout=120
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -279,12 +345,21 @@ def post(case: Case, http, model_name: str) -> tuple[int, dict]:
 
 def send(case: Case, http, model_name: str) -> httpx.Response:
     if case.api == "http":
-        return httpx.post(str(http.base_url) + "/generate", content=case.body, headers=case.headers, timeout=60)
+        return httpx.post(
+            str(http.base_url) + "/generate", content=case.body, headers=case.headers, timeout=60
+        )
     if case.api == "generate":
         return http.post("/generate", json=case.body)
     if case.api == "completions":
-        return http.post("/v1/completions", json={"model": model_name, "max_tokens": 4, **case.body})
-    body = {"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **case.body}
+        return http.post(
+            "/v1/completions", json={"model": model_name, "max_tokens": 4, **case.body}
+        )
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **case.body,
+    }
     return http.post("/v1/chat/completions", json=body)
 
 
@@ -335,7 +410,9 @@ def check_engine(case: Case, engine) -> None:
 def test_the_stream_was_unharmed_and_the_pool_is_idle(http, background):
     thread = background["thread"]
     deadline = time.monotonic() + 60
-    while not thread.runs and time.monotonic() < deadline:  # at least one whole run during the table
+    while (
+        not thread.runs and time.monotonic() < deadline
+    ):  # at least one whole run during the table
         time.sleep(0.2)
     thread.stopping.set()
     thread.join(120)
@@ -364,7 +441,9 @@ def test_the_issue_reproductions_hurt_only_the_offender(server, http):
     try:
         from spruce.runtime.protocol.dsl import GenerateMsg
 
-        final = endpoint.generate(GenerateMsg("after", text="hi", sampling_params={"max_new_tokens": 3}))
+        final = endpoint.generate(
+            GenerateMsg("after", text="hi", sampling_params={"max_new_tokens": 3})
+        )
         assert len(final.output_ids) == 3
     finally:
         endpoint.close()
@@ -377,10 +456,15 @@ def test_the_issue_reproductions_hurt_only_the_offender(server, http):
 
 
 def test_cors_only_for_the_allowed_origin(server):
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     ok = httpx.options(server.url + "/generate", headers={"Origin": ORIGIN, **preflight})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
-    evil = httpx.options(server.url + "/generate", headers={"Origin": "https://evil.example", **preflight})
+    evil = httpx.options(
+        server.url + "/generate", headers={"Origin": "https://evil.example", **preflight}
+    )
     assert evil.status_code == 400 and "access-control-allow-origin" not in evil.headers
     r = httpx.get(server.url + "/model_info", headers={"Origin": ORIGIN, **AUTH})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
@@ -399,7 +483,11 @@ def test_model_info_names_the_model_and_server_info_has_the_path(server, http, t
 
 
 def test_request_deadline_aborts_and_frees(http):
-    body = {"text": "slow", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "timeout_s": 0.5}
+    body = {
+        "text": "slow",
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+        "timeout_s": 0.5,
+    }
     started = time.monotonic()
     r = http.post("/generate", json=body)
     assert r.status_code == 200 and time.monotonic() - started < 10
@@ -414,5 +502,7 @@ def test_a_backtracking_stop_regex_answers_and_the_server_serves_on(http):
     sampling = {"max_new_tokens": 64, "temperature": 0, "regex": "a{64}", "stop_regex": "(a+)+b"}
     r = http.post("/generate", json={"text": "x", "sampling_params": sampling})
     assert r.status_code == 200 and r.json()["text"] == "a" * 64
-    plain = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    plain = http.post(
+        "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    )
     assert plain.status_code == 200 and plain.json()["meta_info"]["completion_tokens"] >= 1

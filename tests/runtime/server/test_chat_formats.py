@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import make_spec
 from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
@@ -296,7 +297,8 @@ def test_text_without_regex_is_exact(word):
 
 def test_reasoning_constraint_allows_thinking_then_the_answer():
     answer = make_spec(
-        json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, backend="spruce"
+        json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        backend="spruce",
     ).regex
     free = re.compile(REASONING_FORMATS["qwen3"].constraint_regex(answer, inside=False), re.DOTALL)
     assert free.fullmatch('<think>\nMaybe {"n": 1}? No </thin...\n</think>\n\n{"n":2}')
@@ -385,7 +387,9 @@ def test_required_constraint_in_each_format(fmt, accepted, refused):
 
 def test_named_and_single_calls_are_one_call():
     for name, fmt in TOOL_CALL_FORMATS.items():
-        constraint = fmt.constraint(FUNCTIONS[:1], single=True, parallel=True, conversion=Conversion())
+        constraint = fmt.constraint(
+            FUNCTIONS[:1], single=True, parallel=True, conversion=Conversion()
+        )
         if name == "json":
             assert constraint["json_schema"]["properties"]["name"] == {"const": "get_weather"}
             continue
@@ -444,7 +448,9 @@ def test_a_wrapped_schema_answer_is_reported():
         "properties": {"n": {"type": "integer", "multipleOf": 2}},
         "required": ["n"],
     }
-    spruce = Conversion(backend="spruce")  # its regex is wrapped (llguidance's: a Lark grammar, test_grammar_api)
+    spruce = Conversion(
+        backend="spruce"
+    )  # its regex is wrapped (llguidance's: a Lark grammar, test_grammar_api)
     sampling, spec = prompt.constrain(SamplingParams(json_schema=json.dumps(schema)), spruce)
     assert sampling.json_schema is None and sampling.regex.startswith("(?:<think>")
     text = '<think>even?</think>\n{"n":3}'
@@ -452,5 +458,6 @@ def test_a_wrapped_schema_answer_is_reported():
     assert report["valid"] is False and "multiple of 2" in report["error"]
     assert answer_report(spec, '{"n":4}')["json_schema"]["valid"] is True
     assert (
-        NO_REASONING.constrain(sampling, Conversion()) == (sampling, None) and answer_report(None, "x") == {}
+        NO_REASONING.constrain(sampling, Conversion()) == (sampling, None)
+        and answer_report(None, "x") == {}
     )

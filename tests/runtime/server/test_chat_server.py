@@ -10,8 +10,9 @@ import json
 import httpx
 import jsonschema
 import pytest
-from spruce.runtime.text.reasoning import REASONING_FORMATS
 from test_server import API_KEY, AUTH, start_server, stop_server
+
+from spruce.runtime.text.reasoning import REASONING_FORMATS
 
 TEMPLATE = """\
 {%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}

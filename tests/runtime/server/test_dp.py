@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from test_server import start_server, stop_server
 
 PREFIXES = 4
@@ -27,13 +26,18 @@ def few_shot_prompts() -> list[list[str]]:
     """PREFIXES few-shot prefixes (long) x QUESTIONS short questions, by prefix."""
     out = []
     for p in range(PREFIXES):
-        prefix = f"Task {p}: add numbers.\n" + "".join(SHOT.format(a=p + i, b=i * 3, c=p + 4 * i) for i in range(8))
+        prefix = f"Task {p}: add numbers.\n" + "".join(
+            SHOT.format(a=p + i, b=i * 3, c=p + 4 * i) for i in range(8)
+        )
         out.append([prefix + f"Question: what is {p} plus {q}? Answer:" for q in range(QUESTIONS)])
     return out
 
 
 def generate(url: str, text: str, max_new_tokens: int = 2, **sampling) -> httpx.Response:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **sampling}}
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **sampling},
+    }
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
@@ -49,7 +53,9 @@ def run_few_shot(url: str) -> float:
     with ThreadPoolExecutor(8) as pool:
         for batch in (first, rest):
             responses = list(pool.map(lambda t: generate(url, t), batch))
-            assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+            assert all(r.status_code == 200 for r in responses), [
+                r.text for r in responses if r.status_code != 200
+            ]
             metas += [r.json()["meta_info"] for r in responses]
     return sum(m["cached_tokens"] for m in metas) / sum(m["prompt_tokens"] for m in metas)
 
@@ -116,10 +122,14 @@ def test_a_killed_replica_fails_only_its_own_requests(dp_server):
         os.kill(in_flight[1]["pid"], signal.SIGKILL)
         responses = [f.result() for f in futures]
     statuses = sorted(r.status_code for r in responses)
-    print(f"\nin flight at the kill: {[r['in_flight_requests'] for r in in_flight]}; statuses {statuses}")
+    print(
+        f"\nin flight at the kill: {[r['in_flight_requests'] for r in in_flight]}; statuses {statuses}"
+    )
     assert statuses.count(503) == in_flight[1]["in_flight_requests"]
     assert statuses.count(200) == in_flight[0]["in_flight_requests"]
-    assert all("replica 1" in r.json()["error"]["message"] for r in responses if r.status_code == 503)
+    assert all(
+        "replica 1" in r.json()["error"]["message"] for r in responses if r.status_code == 503
+    )
     info = server_info(url)["replicas"]
     assert [r["alive"] for r in info] == [True, False]
     assert all(generate(url, p).status_code == 200 for p in prompts[:3])  # served by the other

@@ -7,8 +7,8 @@ import pytest
 import zmq
 
 from spruce.runtime.protocol.ipc import StepOutput, decode, encode
-from spruce.runtime.server.replicas import Replicas, SchedulerUnavailable, merge_stats
 from spruce.runtime.scheduler.router import RoundRobinRouter, make_router
+from spruce.runtime.server.replicas import Replicas, SchedulerUnavailable, merge_stats
 
 PREFIX = list(range(100, 160))
 
@@ -63,7 +63,10 @@ def test_replica_index_travels_in_the_scheduler_messages():
 
 
 def test_merged_stats_sum_counts_and_keep_each_replica():
-    one, two = {"kv_slots_used": 3, "time": 5.0, "name": "a"}, {"kv_slots_used": 4, "time": 7.0, "name": "a"}
+    one, two = (
+        {"kv_slots_used": 3, "time": 5.0, "name": "a"},
+        {"kv_slots_used": 4, "time": 7.0, "name": "a"},
+    )
     merged = merge_stats({0: one, 1: two})
     assert merged["kv_slots_used"] == 7 and merged["time"] == 7.0 and merged["name"] == "a"
     assert [r["replica"] for r in merged["replicas"]] == [0, 1]

@@ -9,6 +9,7 @@ import random
 
 import orjson
 import pytest
+
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest
@@ -35,12 +36,16 @@ class FakeScheduler:
 
 def manager_with(tokenizer, max_running: int = 2, **limits) -> tuple[RequestManager, FakeScheduler]:
     scheduler = FakeScheduler()
-    manager = RequestManager(scheduler, None, tokenizer, limits=ServingLimits(**limits), max_running=max_running)
+    manager = RequestManager(
+        scheduler, None, tokenizer, limits=ServingLimits(**limits), max_running=max_running
+    )
     return manager, scheduler
 
 
 def request(stream: bool = False, timeout_s: float | None = None) -> ValidRequest:
-    return ValidRequest([1, 2, 3], SamplingParams(), RequestOptions(stream=stream, timeout_s=timeout_s), None)
+    return ValidRequest(
+        [1, 2, 3], SamplingParams(), RequestOptions(stream=stream, timeout_s=timeout_s), None
+    )
 
 
 def finish(rid: str, kind: str = "length", message: str | None = None) -> StepOutput:
@@ -59,7 +64,10 @@ def test_full_server_refuses_with_503_and_retry_after(tiny_tokenizer):
         manager.submit([request(), request()], ["c", "d"], client="y")  # 4 > 2 running + 1 waiting
     assert refused.value.status == 503 and refused.value.retry_after_s == 1
     assert "--max-waiting-requests" in refused.value.message
-    assert manager.in_flight == 2 and len([m for m in scheduler.sent if isinstance(m, NewRequests)]) == 1
+    assert (
+        manager.in_flight == 2
+        and len([m for m in scheduler.sent if isinstance(m, NewRequests)]) == 1
+    )
     manager.submit([request()], ["c"], client="y")  # one more fits
 
 
@@ -69,7 +77,9 @@ def test_per_client_cap_counts_every_request_and_is_released(tiny_tokenizer):
     with pytest.raises(Refused) as refused:
         manager.submit([request(), request()], ["c", "d"], client="x")  # prompts x n count each
     assert refused.value.status == 429 and "--max-requests-per-client" in refused.value.message
-    manager.submit([request(), request(), request()], ["e", "f", "g"], client="other")  # another client
+    manager.submit(
+        [request(), request(), request()], ["e", "f", "g"], client="other"
+    )  # another client
     manager._on_step(finish("a"))
     assert manager.per_client == {"x": 1, "other": 3}
     manager.submit([request(), request()], ["c", "d"], client="x")
@@ -81,7 +91,9 @@ def test_a_rid_in_flight_is_refused_not_asserted(tiny_tokenizer):
     for rids in (["z1:same"], ["n", "n"]):
         with pytest.raises(Refused) as refused:
             manager.submit([request() for _ in rids], rids, client="z2")
-        assert refused.value.status == 400 and "already in flight or repeated" in refused.value.message
+        assert (
+            refused.value.status == 400 and "already in flight or repeated" in refused.value.message
+        )
     assert manager.in_flight == 1 and manager.per_client == {"z1": 1}
 
 
@@ -148,7 +160,9 @@ def test_supervisor_restarts_a_failed_task_then_gives_up():
         supervisor = Supervisor(gave_up.append, max_restarts=5)
         supervisor.start("flaky", flaky)
         await asyncio.sleep(0.1)
-        assert "flaky" in supervisor.problem() and "boom" not in supervisor.problem()  # /health shows no repr
+        assert (
+            "flaky" in supervisor.problem() and "boom" not in supervisor.problem()
+        )  # /health shows no repr
         await asyncio.sleep(0.6)
         assert len(runs) == 3 and supervisor.problem() is None and gave_up == []
 
@@ -185,7 +199,20 @@ def test_malformed_frames_raise_only_invalid_request_error(frame):
 
 def test_random_bytes_never_crash_the_decoder():
     rng = random.Random(0)
-    pieces = [b"{", b"}", b"[", b"]", b'"type"', b'"rid"', b":", b",", b'"generate"', b"1e999", b"null", b'"x"']
+    pieces = [
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b'"type"',
+        b'"rid"',
+        b":",
+        b",",
+        b'"generate"',
+        b"1e999",
+        b"null",
+        b'"x"',
+    ]
     for _ in range(2000):
         frame = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         try:
@@ -197,7 +224,9 @@ def test_random_bytes_never_crash_the_decoder():
 def test_api_key_travels_in_each_envelope():
     rid, key, body = dsl.envelope(dsl.ModelInfoMsg("r"), api_key="secret")
     assert (rid, key) == (b"r", b"secret") and "api_key" not in orjson.loads(body)
-    assert dsl.decode(body) == dsl.ModelInfoMsg("r") and dsl.envelope(dsl.ModelInfoMsg("r"))[1] == b""
+    assert (
+        dsl.decode(body) == dsl.ModelInfoMsg("r") and dsl.envelope(dsl.ModelInfoMsg("r"))[1] == b""
+    )
     assert dsl.envelope_rid(b"r") == "r" and dsl.envelope_rid(b"\xff") is None
     assert dsl.envelope_rid(b"x" * (dsl.MAX_RID_BYTES + 1)) is None
     assert dsl.rid_of(b'{"type": [], "rid": "x"}') == "x" and dsl.rid_of(b"{bad") is None
@@ -217,7 +246,10 @@ def test_limit_flags_reach_the_server_options():
     ])  # fmt: skip
     options = server_options(args)
     assert options.request_limits.max_top_logprobs == 5 and options.request_limits.max_n == 128
-    assert options.serving_limits.max_requests_per_client == 7 and options.serving_limits.request_timeout_s == 2.5
+    assert (
+        options.serving_limits.max_requests_per_client == 7
+        and options.serving_limits.request_timeout_s == 2.5
+    )
     assert options.allow_unauthenticated_zmq is True
     assert options.origins == ["https://a.example", "https://b.example"]
     assert server_options(build_parser().parse_args(["serve"])).allow_unauthenticated_zmq is False
@@ -230,9 +262,10 @@ def test_limit_flags_reach_the_server_options():
 )  # fmt: skip
 def test_zmq_port_needs_a_key_beyond_loopback(host, extra, refused):
     import zmq.asyncio
+    from test_server import free_port
+
     from spruce.runtime.config import ServerOptions
     from spruce.runtime.server.launch import StartupError, _bind_zmq
-    from test_server import free_port
 
     context = zmq.asyncio.Context()
     options = ServerOptions(host=host, zmq_port=free_port(), **extra)
@@ -293,8 +326,12 @@ def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenize
         task.cancel()
         assert valid.constraint is not None and ticks >= 10  # the loop ran while it converted
         await model.prepare_all([("hi", SamplingParams(max_new_tokens=4))], RequestOptions())
-        with pytest.raises(InvalidRequestError, match="context"):  # long text: tokenized off the loop too
-            await model.prepare_all([("word " * 8000, SamplingParams(max_new_tokens=4))], RequestOptions())
+        with pytest.raises(
+            InvalidRequestError, match="context"
+        ):  # long text: tokenized off the loop too
+            await model.prepare_all(
+                [("word " * 8000, SamplingParams(max_new_tokens=4))], RequestOptions()
+            )
 
     asyncio.run(main())
     main_thread = threading.main_thread()

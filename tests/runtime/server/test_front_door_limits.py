@@ -16,10 +16,11 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
+from test_server import API_KEY, AUTH, free_port, start_server, stop_server
+
 from spruce.runtime.config import ServerOptions
 from spruce.runtime.limits import ServingLimits
 from spruce.runtime.protocol import dsl
-from test_server import API_KEY, AUTH, free_port, start_server, stop_server
 
 # -- the Host header -------------------------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class HeldApp:
 
 async def _serve(app, limits: ServingLimits):
     import uvicorn
+
     from spruce.runtime.server.launch import http_config
 
     sock = socket.socket()
@@ -98,7 +100,10 @@ def test_connections_past_the_cap_get_503():
         app = HeldApp()
         server, task, port = await _serve(app, ServingLimits(max_connections=2))
         url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, timeout=30) as a, httpx.AsyncClient(base_url=url, timeout=30) as b:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as a,
+            httpx.AsyncClient(base_url=url, timeout=30) as b,
+        ):
             held = [asyncio.ensure_future(a.get("/hold")), asyncio.ensure_future(b.get("/hold"))]
             while app.held < 2:  # two connections open, each with a request in flight
                 await asyncio.sleep(0.01)
@@ -120,11 +125,15 @@ def test_a_connection_that_does_not_finish_its_headers_is_closed():
     async def main():
         server, task, port = await _serve(HeldApp(), ServingLimits(header_timeout_s=0.3))
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /other HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # half a header, then nothing
+        writer.write(
+            b"GET /other HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+        )  # half a header, then nothing
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 30) == b""  # closed by the server, unanswered
         writer.close()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # a whole request is answered
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port
+        )  # a whole request is answered
         writer.write(b"GET /other HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert (await asyncio.wait_for(reader.readline(), 30)).startswith(b"HTTP/1.1 200")
         writer.close()
@@ -141,6 +150,7 @@ def test_tokenize_runs_off_the_event_loop(tiny_tokenizer):
     """While a /tokenize call is inside the tokenizer (held there), another route answers:
     the loop is free. Were it on the loop, the other request could not finish first."""
     from fastapi import FastAPI
+
     from spruce.runtime.core.validation import ModelLimits
     from spruce.runtime.server.http.sglang_routes import sglang_routes
     from spruce.runtime.server.native import ModelContext
@@ -165,7 +175,9 @@ def test_tokenize_runs_off_the_event_loop(tiny_tokenizer):
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            tokenize = asyncio.ensure_future(client.post("/tokenize", json={"prompt": "hello " * 1000}))
+            tokenize = asyncio.ensure_future(
+                client.post("/tokenize", json={"prompt": "hello " * 1000})
+            )
             while not inside.is_set():
                 await asyncio.sleep(0.01)
             assert (await client.get("/ping")).json() == {"ok": True}
@@ -208,7 +220,9 @@ def test_a_keyless_peer_never_gets_a_body_read(monkeypatch):
 
     decoded = []
     real_decode = dsl.decode
-    monkeypatch.setattr(zmq_frontend.protocol, "decode", lambda body: decoded.append(body) or real_decode(body))
+    monkeypatch.setattr(
+        zmq_frontend.protocol, "decode", lambda body: decoded.append(body) or real_decode(body)
+    )
     model = SimpleNamespace(info=lambda: {"model": "fake"})
     metrics = Metrics()
 
@@ -221,14 +235,25 @@ def test_a_keyless_peer_never_gets_a_body_read(monkeypatch):
         peer = context.socket(zmq.DEALER)
         peer.connect(address)
         wrong = dsl.envelope(dsl.ModelInfoMsg("w"), api_key="wrong")
-        for frames in ([b"\xff garbage"], [b"x" * 1500], [b"big", b"", b"x" * 1500], wrong, [b"a", b"b"]):
+        for frames in (
+            [b"\xff garbage"],
+            [b"x" * 1500],
+            [b"big", b"", b"x" * 1500],
+            wrong,
+            [b"a", b"b"],
+        ):
             await peer.send_multipart(frames)
         await peer.send_multipart(dsl.envelope(dsl.ModelInfoMsg("ok"), api_key="k"))
         replies = []
         while not replies or replies[-1]["rid"] != "ok":
             replies.append(orjson.loads(await asyncio.wait_for(peer.recv(), 30)))
         assert replies[-1] == {"type": "info", "rid": "ok", "info": {"model": "fake"}}
-        assert [(r["rid"], r["status"]) for r in replies[:-1]] == [("", 401), ("", 401), ("big", 401), ("w", 401)]
+        assert [(r["rid"], r["status"]) for r in replies[:-1]] == [
+            ("", 401),
+            ("", 401),
+            ("big", 401),
+            ("w", 401),
+        ]
         serving.cancel()
         peer.close(linger=0)
         front.close()
@@ -282,7 +307,10 @@ def test_runtime_passes_the_key_in_the_environment_not_the_command_line(monkeypa
     monkeypatch.setenv("SPRUCE_API_KEY", "parent-key")
     with pytest.raises(OSError, match="stop here"):
         launcher.Runtime(api_key="secret-key")
-    assert not any("secret-key" in part for part in started["command"]) and "--api-key" not in started["command"]
+    assert (
+        not any("secret-key" in part for part in started["command"])
+        and "--api-key" not in started["command"]
+    )
     assert started["env"]["SPRUCE_API_KEY"] == "secret-key"
 
 
@@ -304,7 +332,10 @@ def test_server_refuses_a_foreign_host_and_answers_its_own(server):
     r = httpx.get(server.url + "/server_info", headers={**AUTH, "Host": f"attacker.example:{port}"})
     assert r.status_code == 400 and "Host" in r.json()["error"]["message"]
     for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
-        assert httpx.get(server.url + "/server_info", headers={**AUTH, "Host": host}).status_code == 200
+        assert (
+            httpx.get(server.url + "/server_info", headers={**AUTH, "Host": host}).status_code
+            == 200
+        )
 
 
 def test_flush_cache_is_post_only(server):
@@ -320,7 +351,10 @@ def test_tokenize_and_detokenize_have_size_caps(server):
     assert "--max-tokenize-chars" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": [[1]] * 1_000_001})
     assert r.status_code == 400 and "--max-detokenize-ids" in r.json()["error"]["message"]
-    assert httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "hi"}).json()["count"] >= 1
+    assert (
+        httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "hi"}).json()["count"]
+        >= 1
+    )
 
 
 def test_a_rid_shared_by_a_single_and_a_batch_is_an_error_frame(server):
@@ -355,7 +389,9 @@ def test_keyed_dsl_client_works_beside_a_keyless_peer(server):
         peer.send_multipart(frames)
     endpoint = sl.RuntimeEndpoint(server.zmq_url, api_key=API_KEY)
     try:
-        final = endpoint.generate(dsl.GenerateMsg("keyed", text="hi", sampling_params={"max_new_tokens": 2}))
+        final = endpoint.generate(
+            dsl.GenerateMsg("keyed", text="hi", sampling_params={"max_new_tokens": 2})
+        )
         assert len(final.output_ids) == 2
     finally:
         endpoint.close()

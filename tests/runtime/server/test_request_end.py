@@ -23,10 +23,19 @@ from support import stream_ids
 from test_server import start_server, stop_server
 
 HANG = [7, 7, 7, 7, 7, 7, 7]  # a prompt whose forward pass blocks while the flag file exists
-FRONT_END_BOOM = "front-end-boom"  # a stop string whose request fails in the front end's detokenizing
+FRONT_END_BOOM = (
+    "front-end-boom"  # a stop string whose request fails in the front end's detokenizing
+)
 SCHEDULER_TIMEOUT_S = 10
-STREAM = {"input_ids": list(range(20, 40)), "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
-INTEGER_SCHEMA = {"max_new_tokens": 8, "temperature": 0, "json_schema": {"type": "integer", "minimum": 1}}
+STREAM = {
+    "input_ids": list(range(20, 40)),
+    "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+}
+INTEGER_SCHEMA = {
+    "max_new_tokens": 8,
+    "temperature": 0,
+    "json_schema": {"type": "integer", "minimum": 1},
+}
 
 FAULTY_SERVE = f"""
 import os, sys, time
@@ -102,7 +111,9 @@ def alone(client) -> list[int]:
 def beside_a_stream(client: httpx.Client, alone: list[int], action) -> None:
     """Runs `action()` while the stream runs; the stream gives the tokens it gives alone."""
     started, streamed = threading.Event(), {}
-    thread = threading.Thread(target=lambda: streamed.update(ids=stream_ids(client, STREAM, started)))
+    thread = threading.Thread(
+        target=lambda: streamed.update(ids=stream_ids(client, STREAM, started))
+    )
     thread.start()
     try:
         assert started.wait(60)
@@ -115,7 +126,9 @@ def beside_a_stream(client: httpx.Client, alone: list[int], action) -> None:
 def assert_every_slot_released(client: httpx.Client) -> None:
     assert client.get("/server_info").json()["in_flight_requests"] == 0
     # --max-requests-per-client 2: a leaked slot of this client would refuse two more with 429
-    both = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}})
+    both = client.post(
+        "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    )
     assert both.status_code == 200, both.text
     assert client.get("/health").status_code == 200
 
@@ -138,7 +151,9 @@ def test_a_finish_report_that_raises_ends_the_request_with_a_clean_error(client,
 
 
 def test_a_streamed_request_whose_finish_report_raises_ends_with_an_error_event(client):
-    with client.stream("POST", "/generate", json={"text": "x", "sampling_params": INTEGER_SCHEMA, "stream": True}) as r:
+    with client.stream(
+        "POST", "/generate", json={"text": "x", "sampling_params": INTEGER_SCHEMA, "stream": True}
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     if r.status_code == 200:  # chunks went out first: the error is the last event before [DONE]
         assert lines[-1] == "data: [DONE]"
@@ -152,7 +167,9 @@ def test_a_streamed_request_whose_finish_report_raises_ends_with_an_error_event(
 def test_a_front_end_failure_while_finishing_ends_the_request_with_a_clean_error(client, alone):
     def action():
         body = {"text": "x", "sampling_params": {"max_new_tokens": 4, "stop": [FRONT_END_BOOM]}}
-        assert_clean_error(client.post("/generate", json=body), 500, "internal error while finishing the request")
+        assert_clean_error(
+            client.post("/generate", json=body), 500, "internal error while finishing the request"
+        )
 
     beside_a_stream(client, alone, action)
     assert_every_slot_released(client)
@@ -177,7 +194,9 @@ def test_a_stuck_scheduler_fails_health_and_its_requests_until_it_answers_again(
         thread.join(120)  # the stuck request ends once the scheduler counts as stalled
         assert_clean_error(result["r"], 503, "stopped answering")
         assert_clean_error(client.get("/health"), 503, "stopped answering")
-        refused = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        refused = client.post(
+            "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}
+        )
         assert_clean_error(refused, 503, "--scheduler-timeout-s")
     finally:
         hang_flag.unlink(missing_ok=True)

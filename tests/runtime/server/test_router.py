@@ -10,7 +10,11 @@ from spruce.runtime.scheduler.router import CacheAwareRouter, RoundRobinRouter, 
 def few_shot_workload(prefixes: int = 4, questions: int = 16, prefix_len: int = 200, seed: int = 0):
     rng = random.Random(seed)
     shots = [[rng.randrange(1000) for _ in range(prefix_len)] for _ in range(prefixes)]
-    work = [shots[p] + [rng.randrange(1000) for _ in range(12)] for q in range(questions) for p in range(prefixes)]
+    work = [
+        shots[p] + [rng.randrange(1000) for _ in range(12)]
+        for q in range(questions)
+        for p in range(prefixes)
+    ]
     rng.shuffle(work)
     return work
 
@@ -41,7 +45,9 @@ def test_prefix_routing_keeps_the_single_replica_hit_rate_where_round_robin_lose
     single = hit_rate(CacheAwareRouter(1), work, 1)
     cache_aware = hit_rate(CacheAwareRouter(2), work, 2)
     round_robin = hit_rate(RoundRobinRouter(2), work, 2)
-    print(f"hit rate: 1 replica {single:.3f}, 2 cache-aware {cache_aware:.3f}, 2 round-robin {round_robin:.3f}")
+    print(
+        f"hit rate: 1 replica {single:.3f}, 2 cache-aware {cache_aware:.3f}, 2 round-robin {round_robin:.3f}"
+    )
     assert cache_aware >= single - 0.05
     assert round_robin < cache_aware - 0.01
     assert cache_aware > 0.8

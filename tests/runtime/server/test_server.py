@@ -64,7 +64,9 @@ def start_server(
     ]  # fmt: skip
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path)
+    server = ServerProcess(
+        proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{zmq_port}", log_path
+    )
     wait_healthy(server, timeout)
     return server
 
@@ -124,7 +126,14 @@ def stop_server(server: ServerProcess, timeout: float = 30.0) -> int:
 @pytest.fixture(scope="session")
 def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    extra = ("--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--throughput-log-s", "1")
+    extra = (
+        "--api-key",
+        API_KEY,
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        "--throughput-log-s",
+        "1",
+    )
     srv = start_server(tiny_llama_dir, log_path, *extra)
     yield srv
     assert stop_server(srv) == 0, srv.log()
@@ -194,9 +203,16 @@ def test_health_model_info_and_models(server, http, client, model_name):
     assert [m.id for m in models.data] == [model_name]
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}]
+)
 def test_api_key_is_required(server, headers):
-    for method, path in (("GET", "/v1/models"), ("POST", "/generate"), ("GET", "/metrics"), ("GET", "/server_info")):
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("POST", "/generate"),
+        ("GET", "/metrics"),
+        ("GET", "/server_info"),
+    ):
         r = httpx.request(method, server.url + path, headers=headers, json={"text": "hi"})
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["type"] == "authentication_error"
@@ -206,7 +222,9 @@ def test_api_key_is_required(server, headers):
 def test_openai_key_error_class(server, model_name):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        bad.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
 
 
 # -- OpenAI API ----------------------------------------------------------------------------------
@@ -239,15 +257,24 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client, model_name):
     whole = client.chat.completions.create(model=model_name, messages=messages, **greedy(12))
     chunks = list(
         client.chat.completions.create(
-            model=model_name, messages=messages, stream=True, stream_options={"include_usage": True}, **greedy(12)
+            model=model_name,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy(12),
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    reasons = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert reasons == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
 
 
 def test_completion_stream_with_n(client, model_name):
@@ -283,18 +310,26 @@ def test_stop_string_trims_and_reports_stop(client, model_name):
 
 def test_chat_logprobs(client, model_name):
     r = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=3, **greedy(5)
+        model=model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        logprobs=True,
+        top_logprobs=3,
+        **greedy(5),
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
-        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy: the top token
+        assert entry.logprob == pytest.approx(
+            entry.top_logprobs[0].logprob, abs=1e-4
+        )  # greedy: the top token
 
 
 def test_completion_logprobs_and_echo(client, model_name):
-    r = client.completions.create(model=model_name, prompt="hello world", logprobs=2, echo=True, **greedy(3))
+    r = client.completions.create(
+        model=model_name, prompt="hello world", logprobs=2, echo=True, **greedy(3)
+    )
     lp = r.choices[0].logprobs
     assert r.choices[0].text.startswith("hello world")
     assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
@@ -307,7 +342,10 @@ def test_json_schema_response_format(client, model_name):
 
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }
@@ -318,19 +356,27 @@ def test_json_schema_response_format(client, model_name):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
 def test_required_tool_call(client, model_name, tool_choice):
     import jsonschema
 
     params = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        },
         "required": ["city", "days"],
         "additionalProperties": False,
     }
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": params}},
-        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+        {
+            "type": "function",
+            "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+        },
     ]
     r = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
@@ -359,10 +405,14 @@ def test_streamed_required_tool_call(client, model_name):
         parallel_tool_calls=False, stream=True, max_tokens=100, temperature=0,
     ))  # fmt: skip
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls if c.function.name] == ["ping"] and {c.index for c in calls} == {0}
+    assert [c.function.name for c in calls if c.function.name] == ["ping"] and {
+        c.index for c in calls
+    } == {0}
     arguments = "".join(c.function.arguments or "" for c in calls)  # streamed piece by piece
     assert 0 <= json.loads(arguments)["n"] <= 9
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["tool_calls"]
 
 
 def test_generate_regex(http):
@@ -391,7 +441,10 @@ def test_tool_choice_validation(http, model_name):
 
 
 def test_generate_single_batch_and_input_ids(http):
-    one = http.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    one = http.post(
+        "/generate",
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+    )
     assert one.status_code == 200
     body = one.json()
     assert len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"]["type"] == "length"
@@ -399,7 +452,9 @@ def test_generate_single_batch_and_input_ids(http):
     batch = http.post("/generate", json={"text": ["Hello", "World"], "sampling_params": params})
     assert [len(b["output_ids"]) for b in batch.json()] == [3, 3]
     assert batch.json()[0]["output_ids"][:3] == body["output_ids"][:3]
-    ids = http.post("/generate", json={"input_ids": [10, 20, 30], "sampling_params": {"max_new_tokens": 2}})
+    ids = http.post(
+        "/generate", json={"input_ids": [10, 20, 30], "sampling_params": {"max_new_tokens": 2}}
+    )
     assert ids.json()["meta_info"]["prompt_tokens"] == 3
 
 
@@ -426,21 +481,30 @@ def sse_events(response) -> list:
 def test_generate_stream(http):
     params = {"max_new_tokens": 6, "temperature": 0}
     whole = http.post("/generate", json={"text": "Stream me", "sampling_params": params}).json()
-    with http.stream("POST", "/generate", json={"text": "Stream me", "sampling_params": params, "stream": True}) as r:
+    with http.stream(
+        "POST", "/generate", json={"text": "Stream me", "sampling_params": params, "stream": True}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert "".join(c["text"] for c in chunks) == whole["text"]
     assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
-    assert [c["finished"] for c in chunks][-1] is True and not any(c["finished"] for c in chunks[:-1])
+    assert [c["finished"] for c in chunks][-1] is True and not any(
+        c["finished"] for c in chunks[:-1]
+    )
 
 
 def test_server_info_metrics_and_flush(http):
     info = http.get("/server_info").json()
     stats = info["scheduler"]
     assert stats["kv_slots_total"] == info["kv_slots_total"] > 0
-    for key in ("running_requests", "waiting_requests", "cache_tokens", "cached_prompt_tokens_total"):
+    for key in (
+        "running_requests",
+        "waiting_requests",
+        "cache_tokens",
+        "cached_prompt_tokens_total",
+    ):
         assert key in stats
     assert info["server_options"]["api_key"] == "<set>"
     assert http.post("/flush_cache").json() == {"flushed": True}
@@ -456,7 +520,10 @@ def test_server_info_metrics_and_flush(http):
 
 
 def test_finished_requests_are_logged(server, http):
-    http.post("/generate", json={"text": "log me", "rid": "logged-request", "sampling_params": {"max_new_tokens": 2}})
+    http.post(
+        "/generate",
+        json={"text": "log me", "rid": "logged-request", "sampling_params": {"max_new_tokens": 2}},
+    )
     deadline = time.monotonic() + 5
     while "finished logged-request: prompt" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -468,29 +535,60 @@ def test_finished_requests_are_logged(server, http):
 
 def test_zmq_generate_stream_batch(dealer):
     params = {"max_new_tokens": 5, "temperature": 0}
-    [final] = zmq_call(dealer, {"type": "generate", "rid": "g1", "text": "Hi there", "sampling_params": params})
+    [final] = zmq_call(
+        dealer, {"type": "generate", "rid": "g1", "text": "Hi there", "sampling_params": params}
+    )
     assert final["type"] == "final" and final["rid"] == "g1" and len(final["output_ids"]) == 5
     assert final["meta_info"]["id"] == "g1"
-    stream = {"type": "generate", "rid": "g2", "text": "Hi there", "sampling_params": params, "stream": True}
+    stream = {
+        "type": "generate",
+        "rid": "g2",
+        "text": "Hi there",
+        "sampling_params": params,
+        "stream": True,
+    }
     replies = zmq_call(dealer, stream)
     chunks, last = replies[:-1], replies[-1]
     assert {c["type"] for c in chunks} == {"chunk"} and last["type"] == "final"
     assert "".join(c["text"] for c in chunks) == last["text"] == final["text"]
     assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
-    batch_msg = {"type": "generate", "rid": "g3", "input_ids": [[5, 6, 7], [8, 9]], "sampling_params": params}
+    batch_msg = {
+        "type": "generate",
+        "rid": "g3",
+        "input_ids": [[5, 6, 7], [8, 9]],
+        "sampling_params": params,
+    }
     [batch] = zmq_call(dealer, batch_msg)
     assert [len(r["output_ids"]) for r in batch["results"]] == [5, 5]
 
 
 def test_zmq_model_info_flush_and_errors(dealer, model_name):
     [info] = zmq_call(dealer, {"type": "model_info", "rid": "m"})
-    assert info["type"] == "info" and info["info"]["model"] == model_name and info["info"]["context_length"] == 1024
+    assert (
+        info["type"] == "info"
+        and info["info"]["model"] == model_name
+        and info["info"]["context_length"] == 1024
+    )
     [flushed] = zmq_call(dealer, {"type": "flush_cache", "rid": "f"})
     assert flushed == {"type": "info", "rid": "f", "info": {"flushed": True}}
     cases = [
-        ({"type": "generate", "rid": "e1", "text": "x", "sampling_params": {"max_new_tokens": 5000}}, "context length"),
-        ({"type": "generate", "rid": "e2", "text": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
-        ({"type": "generate", "rid": "e3", "text": ["a", "b"], "stream": True}, "streaming a batch"),
+        (
+            {
+                "type": "generate",
+                "rid": "e1",
+                "text": "x",
+                "sampling_params": {"max_new_tokens": 5000},
+            },
+            "context length",
+        ),
+        (
+            {"type": "generate", "rid": "e2", "text": "x", "sampling_params": {"bogus": 1}},
+            "unknown sampling parameter",
+        ),
+        (
+            {"type": "generate", "rid": "e3", "text": ["a", "b"], "stream": True},
+            "streaming a batch",
+        ),
         ({"type": "generate", "rid": "e4", "input_ids": [10**9]}, "token ids in"),
         ({"type": "nonsense", "rid": "e5"}, "unknown message type"),
         ({"type": "final", "rid": "e6"}, "server message"),
@@ -499,7 +597,9 @@ def test_zmq_model_info_flush_and_errors(dealer, model_name):
         [error] = zmq_call(dealer, msg)
         assert error["type"] == "error" and error["rid"] == msg["rid"] and error["status"] == 400
         assert text in error["message"], error
-    dealer.send_multipart([b"", API_KEY.encode(), b"not json"])  # no rid to answer: dropped (and counted)
+    dealer.send_multipart(
+        [b"", API_KEY.encode(), b"not json"]
+    )  # no rid to answer: dropped (and counted)
     [info] = zmq_call(dealer, {"type": "model_info", "rid": "after"})
     assert info["type"] == "info" and info["rid"] == "after"
     [error] = zmq_call(dealer, {"type": "model_info", "rid": "k"}, api_key="wrong")
@@ -508,7 +608,13 @@ def test_zmq_model_info_flush_and_errors(dealer, model_name):
 
 def test_zmq_abort(server, dealer, http):
     params = {"max_new_tokens": 900, "ignore_eos": True}
-    msg = {"type": "generate", "rid": "long", "text": "go", "sampling_params": params, "stream": True}
+    msg = {
+        "type": "generate",
+        "rid": "long",
+        "text": "go",
+        "sampling_params": params,
+        "stream": True,
+    }
     zmq_send(dealer, msg)
     first = orjson.loads(dealer.recv())
     assert first["type"] == "chunk"
@@ -536,7 +642,11 @@ def assert_no_running(http, timeout: float = 10.0) -> None:
 
 
 def test_http_disconnect_mid_stream_frees_the_request(server, http):
-    body = {"text": "disconnect me", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    body = {
+        "text": "disconnect me",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+    }
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c:
         with c.stream("POST", "/generate", json=body) as r:
             lines = r.iter_lines()
@@ -557,10 +667,15 @@ def test_http_disconnect_non_streaming_aborts(server, http):
 def test_100_concurrent_requests(server):
     async def main():
         limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as c:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=120, limits=limits
+        ) as c:
+
             async def one(i):
                 params = {"max_new_tokens": 8, "ignore_eos": True}
-                r = await c.post("/generate", json={"text": f"request {i}", "sampling_params": params})
+                r = await c.post(
+                    "/generate", json={"text": f"request {i}", "sampling_params": params}
+                )
                 return r.status_code, len(r.json()["output_ids"])
 
             return await asyncio.gather(*(one(i) for i in range(100)))
@@ -581,19 +696,54 @@ BAD_INPUT = [
     (CHAT, {"model": "{model}", "messages": MSG, "max_tokens": 1.5}, 400, "max_tokens"),
     (CHAT, {"model": "{model}", "messages": []}, 400, "messages"),
     (CHAT, {"model": "gpt-9", "messages": MSG}, 404, "does not exist"),
-    (CHAT, {"model": "{model}", "messages": MSG, "max_tokens": 5000}, 400, "lower max_tokens to at most"),
-    (CHAT, {"model": "{model}", "messages": MSG, "temperature": -1}, 400, "temperature must be >= 0"),
+    (
+        CHAT,
+        {"model": "{model}", "messages": MSG, "max_tokens": 5000},
+        400,
+        "lower max_tokens to at most",
+    ),
+    (
+        CHAT,
+        {"model": "{model}", "messages": MSG, "temperature": -1},
+        400,
+        "temperature must be >= 0",
+    ),
     (CHAT, {"model": "{model}", "messages": MSG, "n": 0}, 400, "n must be between"),
     (CHAT, {"model": "{model}", "messages": MSG, "frobnicate": 1}, 400, "unknown field"),
     (CHAT, {"model": "{model}", "messages": MSG, "top_logprobs": 2}, 400, "needs logprobs"),
-    (CHAT, {"model": "{model}", "messages": MSG, "regex": "a", "response_format": {"type": "json_object"}}, 400, "at most one"),  # fmt: skip
+    (
+        CHAT,
+        {
+            "model": "{model}",
+            "messages": MSG,
+            "regex": "a",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "at most one",
+    ),  # fmt: skip
     (CHAT, {"model": "{model}", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ("/v1/completions", {"model": "{model}", "prompt": "word " * 1100}, 400, "context is 1024 tokens"),
+    (
+        "/v1/completions",
+        {"model": "{model}", "prompt": "word " * 1100},
+        400,
+        "context is 1024 tokens",
+    ),
     ("/v1/completions", {"model": "{model}", "prompt": [[]]}, 400, "prompt is empty"),
-    ("/v1/completions", {"model": "{model}", "prompt": "x", "logprobs": 99}, 400, "logprobs must be"),
+    (
+        "/v1/completions",
+        {"model": "{model}", "prompt": "x", "logprobs": 99},
+        400,
+        "logprobs must be",
+    ),
     ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, 400, "top_p"),
     ("/generate", {"text": "x", "sampling_params": {"stop": 5}}, 400, "stop"),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "many"}}, 400, "max_new_tokens"),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"max_new_tokens": "many"}},
+        400,
+        "max_new_tokens",
+    ),
     ("/generate", {"input_ids": [1, -3]}, 400, "token ids in"),
     ("/generate", {"text": "x", "input_ids": [1]}, 400, "exactly one of"),
     ("/generate", {"text": "x", "frob": 1}, 400, "unknown field(s) ['frob']"),
@@ -604,7 +754,9 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,text", BAD_INPUT, ids=[f"{p}:{t}" for p, _, _, t in BAD_INPUT])
+@pytest.mark.parametrize(
+    "path,body,status,text", BAD_INPUT, ids=[f"{p}:{t}" for p, _, _, t in BAD_INPUT]
+)
 def test_bad_input(server, http, model_name, path, body, status, text):
     if isinstance(body, dict):
         body = json.dumps(body).replace("{model}", model_name).encode()
@@ -617,10 +769,16 @@ def test_bad_input(server, http, model_name, path, body, status, text):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("regex", "(unclosed"), ("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})]
+    "field,value",
+    [
+        ("regex", "(unclosed"),
+        ("json_schema", {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+    ],
 )
 def test_bad_constraint_is_a_400(server, http, field, value):
-    r = http.post("/generate", json={"text": "x", "sampling_params": {field: value, "max_new_tokens": 4}})
+    r = http.post(
+        "/generate", json={"text": "x", "sampling_params": {field: value, "max_new_tokens": 4}}
+    )
     assert r.status_code == 400, r.text
     assert_healthy(server)
 
@@ -658,13 +816,19 @@ def test_parse_auto_tool_calls():
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     assert final_calls(fmt, '[{"name": "get_time", "arguments": {}}]', names)[0] is None
-    assert final_calls(fmt, '{"name": "unknown", "arguments": {}}', names) == ('{"name": "unknown", "arguments": {}}', [])
+    assert final_calls(fmt, '{"name": "unknown", "arguments": {}}', names) == (
+        '{"name": "unknown", "arguments": {}}',
+        [],
+    )
     assert final_calls(fmt, "plain text", names) == ("plain text", [])
     stream = ToolCallStream(fmt, names)
     pieces = [stream.feed(p) for p in ("Let me ", "check.\n<tool", "_call>\n{", '"name": "get_time", "arguments": {}}', "</tool_call>")]  # fmt: skip
     assert "".join(content for content, _ in pieces) == "Let me check.\n"
     [[call]] = [deltas for _, deltas in pieces if deltas]
-    assert call["function"] == {"name": "get_time", "arguments": "{}"} and stream.finish() == ("", [])
+    assert call["function"] == {"name": "get_time", "arguments": "{}"} and stream.finish() == (
+        "",
+        [],
+    )
 
 
 def test_required_tool_schema_shape():
@@ -683,24 +847,43 @@ def test_required_tool_schema_shape():
 
 
 def test_internal_messages_round_trip():
-    from spruce.runtime.protocol.ipc import NewRequests, ReqUpdate, RequestSpec, StepOutput, decode, encode
+    from spruce.runtime.protocol.ipc import (
+        NewRequests,
+        RequestSpec,
+        ReqUpdate,
+        StepOutput,
+        decode,
+        encode,
+    )
 
     constraint = {"kind": "regex", "value": "a+", "regex": "a+"}
-    msg = NewRequests([RequestSpec("r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ("a",)}, {"stream": True}, constraint)])
+    msg = NewRequests(
+        [
+            RequestSpec(
+                "r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ("a",)}, {"stream": True}, constraint
+            )
+        ]
+    )
     back = decode(encode(msg))
-    assert isinstance(back.requests[0], RequestSpec) and back.requests[0].sampling_params["stop"] == ["a"]
-    assert back.requests[0].options == {"stream": True} and back.requests[0].constraint == constraint
-    step = StepOutput([ReqUpdate("r1", 0, [5], 2, finish={"type": "length", "matched": None})], 1, 0)
+    assert isinstance(back.requests[0], RequestSpec) and back.requests[0].sampling_params[
+        "stop"
+    ] == ["a"]
+    assert (
+        back.requests[0].options == {"stream": True} and back.requests[0].constraint == constraint
+    )
+    step = StepOutput(
+        [ReqUpdate("r1", 0, [5], 2, finish={"type": "length", "matched": None})], 1, 0
+    )
     assert decode(encode(step)) == step
 
 
 def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
     """A scheduler update that keeps fewer ids than were sent (jump-forward re-tokenized the
     tail) replaces them: the text is re-derived, and no text is sent twice."""
-    from spruce.runtime.core.sampling_params import SamplingParams
-    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.core.options import RequestOptions
+    from spruce.runtime.core.sampling_params import SamplingParams
     from spruce.runtime.core.validation import ValidRequest
+    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.server.request_manager import Call, RequestState
 
     ids = tiny_tokenizer.encode('{"name": "Alice", "age": 30}')
@@ -713,7 +896,9 @@ def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
         "id": "r", "prompt_tokens": 2, "completion_tokens": len(retokenized), "cached_tokens": 0,
         "finish_reason": {"type": "stop", "matched": None},
     }  # fmt: skip
-    last = state.apply(ReqUpdate("r", 1, retokenized[1:], 0, finish=meta["finish_reason"], meta_info=meta))
+    last = state.apply(
+        ReqUpdate("r", 1, retokenized[1:], 0, finish=meta["finish_reason"], meta_info=meta)
+    )
     assert first.text + last.text == tiny_tokenizer.decode(retokenized)
     assert last.finished and last.result["output_ids"] == retokenized
 
@@ -736,23 +921,30 @@ def test_constrained_tool_output_becomes_tool_calls():
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
-    named = ToolPlan.of(ChatRequest(**base, tool_choice={"type": "function", "function": {"name": "f"}}))
+    named = ToolPlan.of(
+        ChatRequest(**base, tool_choice={"type": "function", "function": {"name": "f"}})
+    )
     assert named.schema["properties"]["name"] == {"const": "f"}
     content, calls = named.calls_from('{"name": "f", "arguments": {"a": 1}}')
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
     required = ToolPlan.of(ChatRequest(**base, tool_choice="required"))
-    content, calls = required.calls_from('[{"name": "f", "arguments": {}}, {"name": "f", "arguments": {"b": 2}}]')
+    content, calls = required.calls_from(
+        '[{"name": "f", "arguments": {}}, {"name": "f", "arguments": {"b": 2}}]'
+    )
     assert content is None and [c["function"]["arguments"] for c in calls] == ["{}", '{"b": 2}']
-    assert required.calls_from('[{"name": "f", "argu') == ('[{"name": "f", "argu', [])  # cut by max_tokens
+    assert required.calls_from('[{"name": "f", "argu') == (
+        '[{"name": "f", "argu',
+        [],
+    )  # cut by max_tokens
     assert ToolPlan.of(ChatRequest(**base, tool_choice="none")).schema is None
 
 
 def test_an_abort_the_client_did_not_ask_for_is_an_error(tiny_tokenizer):
     """E.g. a constraint that fails to compile after admission: the caller gets an error."""
-    from spruce.runtime.core.sampling_params import SamplingParams
-    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.core.options import RequestOptions
+    from spruce.runtime.core.sampling_params import SamplingParams
     from spruce.runtime.core.validation import ValidRequest
+    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.server.request_manager import Call, RequestState
 
     call = Call(manager=None, tokenizer=tiny_tokenizer, size=1)
@@ -771,10 +963,17 @@ def test_streamed_text_survives_jump_forward(http):
         "properties": {"a_rather_long_property_name": {"type": "integer", "minimum": 0, "maximum": 99},
                        "flag": {"type": "boolean"}},
     }  # fmt: skip
-    body = {"text": "JSON:", "sampling_params": {"json_schema": schema, "max_new_tokens": 60, "temperature": 0}}
+    body = {
+        "text": "JSON:",
+        "sampling_params": {"json_schema": schema, "max_new_tokens": 60, "temperature": 0},
+    }
     whole = http.post("/generate", json=body).json()
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         chunks = sse_events(r)[:-1]
     assert json.loads(whole["text"])["flag"] in (True, False)
     assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert chunks[-1]["meta_info"]["jump_forward_tokens"] == whole["meta_info"]["jump_forward_tokens"] > 0
+    assert (
+        chunks[-1]["meta_info"]["jump_forward_tokens"]
+        == whole["meta_info"]["jump_forward_tokens"]
+        > 0
+    )

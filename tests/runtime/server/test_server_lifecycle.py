@@ -35,7 +35,11 @@ def test_sigterm_drains_and_leaves_no_child(tiny_llama_dir, tmp_path):
     outcome = {}
 
     def long_request():  # still running when SIGTERM comes: aborted after the grace period
-        body = {"text": "long", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}, "stream": True}
+        body = {
+            "text": "long",
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=30) as r:
             outcome["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 

@@ -18,7 +18,9 @@ MAX_N = 4
 @pytest.fixture(scope="module")
 def sglang_server(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("sglang-fields") / "server.log"
-    srv = start_server(tiny_llama_dir, log, "--api-key", API_KEY, "--max-n", str(MAX_N), timeout=180.0)
+    srv = start_server(
+        tiny_llama_dir, log, "--api-key", API_KEY, "--max-n", str(MAX_N), timeout=180.0
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -31,7 +33,9 @@ def http(sglang_server):
 
 @pytest.fixture()
 def client(sglang_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=sglang_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=sglang_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    )
 
 
 def generate(http, text="The quick brown fox", **sampling) -> dict | list:
@@ -57,7 +61,9 @@ def test_logit_bias_changes_the_greedy_token(http):
     assert banned != first
     forced = generate(http, max_new_tokens=3, logit_bias={"42": 100})
     assert forced["output_ids"] == [42, 42, 42]
-    clipped = generate(http, max_new_tokens=1, logit_bias={str(first): -1e9, "42": 1e9})  # clipped to ±100
+    clipped = generate(
+        http, max_new_tokens=1, logit_bias={str(first): -1e9, "42": 1e9}
+    )  # clipped to ±100
     assert clipped["output_ids"] == [42]
 
 
@@ -79,7 +85,10 @@ def test_n_with_a_batch_is_prompt_major(http):
 
 
 def test_n_streams_each_sample_by_index(http):
-    body = {"text": "stream two", "sampling_params": {"n": 2, "temperature": 0, "max_new_tokens": 5}}
+    body = {
+        "text": "stream two",
+        "sampling_params": {"n": 2, "temperature": 0, "max_new_tokens": 5},
+    }
     whole = http.post("/generate", json=body).json()
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         events = [e for e in sse_events(r) if e != "[DONE]"]
@@ -108,7 +117,10 @@ def test_no_stop_trim_keeps_a_stop_string(http):
     stop = text[3:5]
     at = text.find(stop)
     assert generate(http, max_new_tokens=16, stop=stop)["text"] == text[:at]
-    assert generate(http, max_new_tokens=16, stop=stop, no_stop_trim=True)["text"] == text[: at + len(stop)]
+    assert (
+        generate(http, max_new_tokens=16, stop=stop, no_stop_trim=True)["text"]
+        == text[: at + len(stop)]
+    )
 
 
 def test_return_text_in_logprobs(http, tiny_tokenizer):
@@ -120,7 +132,9 @@ def test_return_text_in_logprobs(http, tiny_tokenizer):
     for logprob, token, text in meta["output_token_logprobs"]:
         assert text == tiny_tokenizer.decode([token])
     assert all(len(entry) == 3 for top in meta["output_top_logprobs"] for entry in top)
-    plain = http.post("/generate", json={**body, "return_text_in_logprobs": False}).json()["meta_info"]
+    plain = http.post("/generate", json={**body, "return_text_in_logprobs": False}).json()[
+        "meta_info"
+    ]
     assert all(len(entry) == 2 for entry in plain["output_token_logprobs"])
 
 
@@ -183,7 +197,9 @@ def test_completions_accept_sglang_extensions(client):
         "top_k": 5, "min_p": 0.1, "min_tokens": 2, "repetition_penalty": 1.1, "stop_token_ids": [3],
         "ignore_eos": True, "skip_special_tokens": False, "no_stop_trim": True, "rid": "my-request",
     }  # fmt: skip
-    out = client.completions.create(model=model, prompt="hello", max_tokens=4, temperature=0, extra_body=extra)
+    out = client.completions.create(
+        model=model, prompt="hello", max_tokens=4, temperature=0, extra_body=extra
+    )
     assert out.usage.completion_tokens >= 2
     regex = client.completions.create(
         model=model, prompt="hello", max_tokens=8, temperature=0, extra_body={"regex": "(yes|no)"}
@@ -193,7 +209,9 @@ def test_completions_accept_sglang_extensions(client):
 
 def test_completions_logit_bias_is_honoured(client):
     model = client.models.list().data[0].id
-    out = client.completions.create(model=model, prompt="hello", max_tokens=3, temperature=0, logit_bias={"42": 100})
+    out = client.completions.create(
+        model=model, prompt="hello", max_tokens=3, temperature=0, logit_bias={"42": 100}
+    )
     plain = client.completions.create(model=model, prompt="hello", max_tokens=3, temperature=0)
     assert out.choices[0].text != plain.choices[0].text
     with_bias = client.completions.create(
@@ -222,7 +240,10 @@ def test_openai_bad_extensions(http):
 
 def test_chat_continue_final_message(http):
     model = http.get("/v1/models").json()["data"][0]["id"]
-    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello the"}]
+    messages = [
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "Hello the"},
+    ]
     body = {
         "model": model, "messages": messages, "max_tokens": 3, "temperature": 0,
         "continue_final_message": True, "chat_template_kwargs": {}, "separate_reasoning": False,

@@ -41,7 +41,9 @@ def kind_of(i: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("soak") / "server.log", "--api-key", API_KEY)
+    srv = start_server(
+        tiny_llama_dir, tmp_path_factory.mktemp("soak") / "server.log", "--api-key", API_KEY
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -82,7 +84,9 @@ class Soak:
             await getattr(self, kind)(http, i)
 
     async def generate(self, http, i: int) -> None:
-        r = await http.post("/generate", json={"text": f"request {i}", "sampling_params": {**PARAMS, "seed": i}})
+        r = await http.post(
+            "/generate", json={"text": f"request {i}", "sampling_params": {**PARAMS, "seed": i}}
+        )
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == TOKENS
 
@@ -114,7 +118,11 @@ class Soak:
         assert len(final.output_ids) == TOKENS
 
     async def abandon(self, http, i: int) -> None:
-        body = {"text": f"abandon {i}", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+        body = {
+            "text": f"abandon {i}",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+            "stream": True,
+        }
         async with http.stream("POST", "/generate", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -148,7 +156,9 @@ def idle_slots(url: str) -> int:
     while httpx.post(url + "/flush_cache", headers=AUTH, timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "the server stayed busy"
         time.sleep(0.1)
-    return httpx.get(url + "/server_info", headers=AUTH, timeout=30).json()["scheduler"]["kv_slots_used"]
+    return httpx.get(url + "/server_info", headers=AUTH, timeout=30).json()["scheduler"][
+        "kv_slots_used"
+    ]
 
 
 def test_soak(server, tiny_llama_dir):
@@ -161,7 +171,9 @@ def test_soak(server, tiny_llama_dir):
 
     async def main():
         limits = httpx.Limits(max_connections=CLIENTS + 4)
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=120, limits=limits
+        ) as http:
             await soak.run(http)
 
     started = time.monotonic()

@@ -39,7 +39,14 @@ JSON = {"content-type": "application/json"}
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("soak-hostile") / "server.log"
-    srv = start_server(tiny_llama_dir, log_path, "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    srv = start_server(
+        tiny_llama_dir,
+        log_path,
+        "--api-key",
+        API_KEY,
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
@@ -85,13 +92,26 @@ def hostile_body(kind: str, rng: random.Random) -> dict:
         params = {"max_new_tokens": 64, "temperature": 0, "regex": "a{64}", "stop_regex": "(a+)+b"}
         return {"text": "x", "sampling_params": params}
     if kind == "redos_pattern":
-        schema = {"type": "object", "patternProperties": {"^(a+)+b$": {"type": "integer"}}, "maxProperties": 2}
+        schema = {
+            "type": "object",
+            "patternProperties": {"^(a+)+b$": {"type": "integer"}},
+            "maxProperties": 2,
+        }
         return {"text": "x", "sampling_params": {"max_new_tokens": 16, "json_schema": schema}}
     if kind == "giant_class":
-        return {"text": "x", "sampling_params": {"max_new_tokens": 3, "regex": giant_class_regex(rng)}}
+        return {
+            "text": "x",
+            "sampling_params": {"max_new_tokens": 3, "regex": giant_class_regex(rng)},
+        }
     # (1000 + 16) positions x (1 + 20) entries x n 128: 2.7M entries from a few KB of body
     params = {"max_new_tokens": 16, "n": 128, "ignore_eos": True}
-    return {"input_ids": [5] * 1000, "sampling_params": params, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20}
+    return {
+        "input_ids": [5] * 1000,
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 20,
+    }
 
 
 class Hostile:
@@ -110,7 +130,10 @@ class Hostile:
         """The round's request bodies, encoded ahead."""
         rng = random.Random(seed)
         self.bodies = {
-            kind: [json.dumps(hostile_body(kind, rng), ensure_ascii=False).encode() for _ in range(GIANT_PER_ROUND if kind == "giant_class" else 1)]
+            kind: [
+                json.dumps(hostile_body(kind, rng), ensure_ascii=False).encode()
+                for _ in range(GIANT_PER_ROUND if kind == "giant_class" else 1)
+            ]
             for kind in HOSTILE_KINDS
         }
 
@@ -144,7 +167,9 @@ class Hostile:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.connect(self.zmq_url)
         rng = random.Random(7)
-        big = b'{"type": "generate", "rid": "big", "text": "' + b"x" * (2 * MAX_REQUEST_BYTES) + b'"}'
+        big = (
+            b'{"type": "generate", "rid": "big", "text": "' + b"x" * (2 * MAX_REQUEST_BYTES) + b'"}'
+        )
         wrong_key = b'{"type": "generate", "rid": "k", "text": "hi", "api_key": "wrong"}'
         try:
             while not self.stopping.is_set():
@@ -180,7 +205,9 @@ def process_rss_mb(pids: list[int]) -> list[float]:
 
 def percentiles(values: list[float]) -> list[float]:
     ordered = sorted(values)
-    return [round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) for q in (0.5, 0.9, 0.99)]
+    return [
+        round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) for q in (0.5, 0.9, 0.99)
+    ]
 
 
 def test_hostile_soak(server):
@@ -194,7 +221,9 @@ def test_hostile_soak(server):
 
     async def run():
         limits = httpx.Limits(max_connections=GOOD_CLIENTS + 2)
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=300, limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=300, limits=limits
+        ) as http:
             return await good_traffic(http)
 
     def hostile_round(seed: int):
@@ -202,7 +231,9 @@ def test_hostile_soak(server):
         nonlocal frames
         fork = multiprocessing.get_context("fork")
         ready, stopping, results = fork.Event(), fork.Event(), fork.Queue()
-        child = fork.Process(target=run_hostile, args=(server.url, server.zmq_url, seed, ready, stopping, results))
+        child = fork.Process(
+            target=run_hostile, args=(server.url, server.zmq_url, seed, ready, stopping, results)
+        )
         child.start()
         try:
             assert ready.wait(120), "the hostile process did not start"

@@ -14,11 +14,12 @@ import re
 import httpx
 import jsonschema
 import pytest
+from support import bundled_gguf_path, first_refused
+from test_server import start_server, stop_server
+
 from spruce.constrained import GrammarCompiler, make_spec
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
-from support import bundled_gguf_path, first_refused
-from test_server import start_server, stop_server
 
 WEATHER = {
     "type": "object",
@@ -218,7 +219,9 @@ def test_the_raw_output_of_the_strict_tag(server):
     assert r.status_code == 200, r.text
     text = r.json()["text"]
     blocks = BLOCK.findall(text)
-    assert blocks, text  # the few-shot prompt leads to calls (two here; greedy text may differ by CPU)
+    assert blocks, (
+        text
+    )  # the few-shot prompt leads to calls (two here; greedy text may differ by CPU)
     for block in blocks:
         check_call(block)
     cut = text[text.rindex(CLOSE) + len(CLOSE) :]  # after the last whole block: a cut call at most

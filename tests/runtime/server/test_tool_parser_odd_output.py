@@ -39,7 +39,9 @@ def test_odd_pythonic_literals_are_not_calls(text):
 
 def test_plain_pythonic_calls_still_parse():
     scan = PythonicFormat().scan("[f(x=1, y=[true, {'a': None}])]", True)
-    assert [(c.name, c.arguments) for c in scan.calls] == [("f", '{"x": 1, "y": [true, {"a": null}]}')]
+    assert [(c.name, c.arguments) for c in scan.calls] == [
+        ("f", '{"x": 1, "y": [true, {"a": null}]}')
+    ]
 
 
 @pytest.mark.parametrize(

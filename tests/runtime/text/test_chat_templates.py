@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jinja2
 import pytest
+
 from spruce.runtime.errors import ModelLoadError
 from spruce.runtime.text.tokenizer import read_chat_template
 
@@ -120,8 +121,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def tokenizers_pair(tiny_llama_dir):
     """(Spruce's tokenizer, transformers' tokenizer) of the same tiny model."""
-    from spruce.runtime.text.tokenizer import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    from spruce.runtime.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_folder(str(tiny_llama_dir))
     theirs = PreTrainedTokenizerFast(
