@@ -232,8 +232,9 @@ class Executor:
         sent = 0
         while True:
             with self._changed:
+                # B023: wait_for calls the lambda now, with this iteration's `sent`
                 self._changed.wait_for(
-                    lambda: len(self._watched(var_name)) > sent or self._finished
+                    lambda: len(self._watched(var_name)) > sent or self._finished  # noqa: B023
                 )
                 text, finished = self._watched(var_name), self._finished
             if len(text) > sent:

@@ -266,7 +266,7 @@ def send_prefix_hint(func: Callable, backend: Backend, batch: list[dict[str, Any
     texts = [t for t in texts if t]
     if len(texts) < 2:
         return ""
-    prefix = os.path.commonprefix(texts)
+    prefix = os.path.commonprefix(texts)  # noqa: RUF071 - a text prefix, by character
     cut = max(prefix.rfind(" "), prefix.rfind("\n"))
     prefix = prefix[:cut] if cut > 0 and len(prefix) < min(len(t) for t in texts) else prefix
     if len(prefix) < MIN_PREFIX_HINT_CHARS:

@@ -71,7 +71,7 @@ def ebnf_grammar(text: str) -> str:
         ) from None
     except RecursionError:
         raise ConstraintError("ebnf is nested too deeply") from None
-    except Exception as e:  # the converter says an undefined rule or a missing root this way
+    except Exception as e:  # noqa: BLE001 - the converter's way to say a rule or root is missing
         raise ConstraintError(f"ebnf: {e}") from None
     return lark_grammar(lark, "ebnf")
 

@@ -145,7 +145,7 @@ def _string_parts(flat: dict, ctx: Context) -> list[str]:
         regex = pattern_regex(pattern, path, ctx)
         if regex is not None:
             parts.append(regex)
-    for name, path in flat.get("formats", []):
+    for name, _path in flat.get("formats", []):
         if name in FORMAT_REGEXES:
             parts.append(FORMAT_REGEXES[name])
     return list(dict.fromkeys(parts))  # allOf parts often repeat a format or pattern
@@ -340,7 +340,7 @@ def _number_bounds(flat: dict, ctx: Context):
 
 def _integer_step(flat: dict, ctx: Context) -> int | None:
     step = 1
-    for value, path in flat.get("multipleOf", []):
+    for value, _path in flat.get("multipleOf", []):
         fraction = Fraction(Decimal(str(value)))
         if fraction.denominator != 1:
             step = step * fraction.denominator // _gcd(step, fraction.denominator)

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         if engine is not base:
             del engine
     reference = rows["torch"]["outputs"]
-    for label, row in rows.items():
+    for row in rows.values():
         row["same_greedy_tokens_as_torch"] = sum(
             a == b for a, b in zip(row.pop("outputs"), reference)
         )

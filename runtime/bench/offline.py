@@ -46,11 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="always generate --output-len tokens"
     )
     parser.add_argument("--compare", choices=["hf", "llama.cpp"], default=None)
-    parser.add_argument(
-        "--llama-cpp-bin",
-        default=None,
-        help="folder of llama-bench / llama-batched-bench (default: PATH)",
-    )
+    parser.add_argument("--llama-cpp-bin", default=None,
+        help="folder of llama-bench / llama-batched-bench (default: PATH)")  # fmt: skip
     parser.add_argument(
         "--hf-batch-size", type=int, default=None, help="default: all prompts in one batch"
     )
@@ -228,12 +225,8 @@ def hf_generate(
             outputs.append(row)
             n_out += len(row)
     seconds = time.perf_counter() - start
-    return {
-        "seconds": seconds,
-        "output_tokens_per_s": n_out / seconds,
-        "output_tokens": n_out,
-        "outputs": outputs,
-    }
+    return {"seconds": seconds, "output_tokens_per_s": n_out / seconds, "output_tokens": n_out,
+            "outputs": outputs}  # fmt: skip
 
 
 def _until_eos(row: list[int], eos: list[int] | None) -> list[int]:
@@ -299,13 +292,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
         plot_scaling(result["scaling"], args.plot, title)
     if args.compare == "hf":
-        hf = run_hf(
-            engine.core.loaded,
-            prompts,
-            args.output_len,
-            args.hf_batch_size or len(prompts),
-            args.ignore_eos,
-        )
+        hf = run_hf(engine.core.loaded, prompts, args.output_len,
+                    args.hf_batch_size or len(prompts), args.ignore_eos)  # fmt: skip
         result["hf"] = _public(hf)
         result["speedup_vs_hf"] = spruce["output_tokens_per_s"] / hf["output_tokens_per_s"]
         same = sum(a == b for a, b in zip(spruce["outputs"], hf["outputs"]))
@@ -404,24 +392,16 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
 def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
     tools, path = llama_cpp_tools(args.llama_cpp_bin), engine.core.loaded.path
     if tools is None or not path.endswith(".gguf"):
-        why = (
-            "llama-bench / llama-batched-bench not found"
-            if tools is None
-            else "the model is not a GGUF file"
-        )
+        why = ("llama-bench / llama-batched-bench not found" if tools is None
+               else "the model is not a GGUF file")  # fmt: skip
         print(f"llama.cpp comparison skipped: {why} (see --llama-cpp-bin)")
         return
     threads = engine.config.num_threads
     ours = spruce_parallel(engine, engine.tokenizer)
-    probes = (
-        result
-        if "batch1_decode_tokens_per_s" in result
-        else single_probes(engine, engine.tokenizer)
-    )
-    ours["tg128"], ours["pp512"] = (
-        probes["batch1_decode_tokens_per_s"],
-        probes["prefill_512_tokens_per_s"],
-    )
+    probes = (result if "batch1_decode_tokens_per_s" in result
+              else single_probes(engine, engine.tokenizer))  # fmt: skip
+    ours["tg128"], ours["pp512"] = (probes["batch1_decode_tokens_per_s"],
+                                    probes["prefill_512_tokens_per_s"])  # fmt: skip
     theirs = run_llama_cpp(tools, path, threads)
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs}
     print(

@@ -221,7 +221,7 @@ def compare_dp(args, options: dict, single, vocab: int, params: dict) -> dict:
                 f"{r['prompt_tokens_per_s']:8.1f} prompt tok/s  "
                 f"hit {r['hit_rate']:.3f} (best {r['best_hit_rate']:.3f})"
             )
-    for label, engine in engines.items():
+    for engine in engines.values():
         if engine is not single:
             engine.shutdown()
     return out

@@ -119,7 +119,7 @@ class Client:
                         result.itl += [(now - last) / n] * n
                     result.output_tokens += n
                     last = now
-        except Exception as e:  # a failed request is counted, not fatal
+        except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
             return RequestResult(ok=False, error=repr(e))
         result.e2e = time.perf_counter() - start
         return result

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(args.parent_pid)
     try:
         run_follower(config, Placement(args.rank, args.world, args.init_addr, ()))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure of this rank: printed, exit status 2
         print(f"error: tensor-parallel rank {args.rank}: {e}", file=sys.stderr)
         return 2
     return 0

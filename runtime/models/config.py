@@ -37,7 +37,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    rope: RopeConfig = RopeConfig()  # global layers (all layers unless local_rope is set)
+    rope: RopeConfig = RopeConfig()  # noqa: RUF009 - frozen; global layers (all unless local_rope)
     local_rope: RopeConfig | None = None  # sliding-window layers' rope (Gemma 3)
     rope_layers: tuple[bool, ...] = ()  # False: this layer has no rotary (SmolLM3); () = all
     layer_windows: tuple[int | None, ...] = ()  # sliding window per layer; () = all global

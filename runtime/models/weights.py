@@ -116,6 +116,9 @@ def _stack_experts(sd: dict[str, torch.Tensor]) -> None:
             lacking = sorted(set(range(count)) - set(projs.get(proj, {})))
             if lacking:
                 raise KeyError(f"{prefix} lacks {proj} of experts {lacking}")
-        stack = lambda proj: torch.stack([projs[proj][e] for e in range(count)])  # noqa: E731
+
+        def stack(proj: str) -> torch.Tensor:  # B023: called in this iteration only
+            return torch.stack([projs[proj][e] for e in range(count)])  # noqa: B023
+
         sd[f"{prefix}.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], dim=1)
         sd[f"{prefix}.down_proj"] = stack("down_proj")

@@ -127,6 +127,7 @@ class Launcher:
         self.stopping = asyncio.Event()
         self.exit_code = 0
         self.draining = False  # set on shutdown: new requests get 503
+        self.drain_task: asyncio.Future | None = None  # held so the loop cannot drop it
         self.http: _Uvicorn | None = None
         self.guard = None  # the HTTP app's outer layer; serves 503 until the model is loaded
         self.zmq: ZmqFrontend | None = None
@@ -211,12 +212,8 @@ class Launcher:
             proc.start()
             self.schedulers.append(proc)
             folder = os.path.dirname(inbox.removeprefix("ipc://"))
-            logger.info(
-                "scheduler process %d started (%s; sockets in %s); loading the model",
-                proc.pid,
-                name,
-                folder,
-            )
+            logger.info("scheduler process %d started (%s; sockets in %s); loading the model",
+                        proc.pid, name, folder)  # fmt: skip
 
     async def _wait_ready(self, receiver) -> Ready | None:
         """Every replica's Ready (the first one's is returned), or a StartupError."""
@@ -251,12 +248,8 @@ class Launcher:
         _set_chat_formats(tokenizer, self.options)
         name = self.options.served_model_name or ready.model_name
         c = ready.config["constraint"]
-        conversion = Conversion(
-            c["grammar_whitespace_pattern"] or "",
-            c["grammar_timeout_s"],
-            c["grammar_memory_mb"],
-            c["grammar_backend"],
-        )
+        conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"],
+                                c["grammar_memory_mb"], c["grammar_backend"])  # fmt: skip
         limits = ModelLimits(
             ready.vocab_size, ready.context_length, self.options.request_limits, conversion
         )
@@ -274,8 +267,13 @@ class Launcher:
         self.supervisor.start("receiver", self.manager.receive_forever)
         self.supervisor.start("zmq", self.zmq.serve_forever)
         if self.options.throughput_log_s > 0:
-            stats = lambda: self.manager.control("stats", self.options.health_timeout_s)
-            in_flight = lambda: self.manager.in_flight
+
+            def stats():
+                return self.manager.control("stats", self.options.health_timeout_s)
+
+            def in_flight():
+                return self.manager.in_flight
+
             period = self.options.throughput_log_s
             self.supervisor.start(
                 "throughput-log", lambda: metrics.log_throughput(period, stats, in_flight)
@@ -291,11 +289,8 @@ class Launcher:
 
     def _announce(self, ready: Ready, name: str) -> None:
         host, port = self.options.host, self.options.port
-        replicas = (
-            f", {self.options.dp} replicas ({self.options.router_policy} routing)"
-            if self.options.dp > 1
-            else ""
-        )
+        replicas = (f", {self.options.dp} replicas ({self.options.router_policy} routing)"
+                    if self.options.dp > 1 else "")  # fmt: skip
         print(
             f"Spruce server ready: model {name} (context {ready.context_length}, {ready.kv_slots} KV slots{replicas})\n"
             f"  HTTP    http://{host}:{port}  (native: /generate; OpenAI: /v1; /health, /metrics)\n"
@@ -331,11 +326,8 @@ class Launcher:
         if self.stopping.is_set() and self.draining:
             return  # expected during shutdown
         proc.join(0.1)
-        who = (
-            "the scheduler process"
-            if len(self.schedulers) == 1
-            else f"scheduler replica {replica} (pid {proc.pid})"
-        )
+        who = ("the scheduler process" if len(self.schedulers) == 1
+               else f"scheduler replica {replica} (pid {proc.pid})")  # fmt: skip
         reason = f"{who} exited unexpectedly (exit code {proc.exitcode})"
         self.manager.replica_died(replica, reason)
         if self.manager.dead is None and not self.options.exit_on_replica_death:
@@ -364,7 +356,7 @@ class Launcher:
         grace = self.options.shutdown_timeout_s if grace_s is None else grace_s
         self.zmq.accepting = False
         self.http.should_exit = True  # stop accepting connections; open ones continue
-        asyncio.ensure_future(self._drain(grace))
+        self.drain_task = asyncio.ensure_future(self._drain(grace))
 
     async def _drain(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
@@ -458,11 +450,8 @@ def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
         )
     except (ModelLoadError, ValueError) as e:
         raise StartupError(str(e)) from None
-    logger.info(
-        "chat: reasoning parser %s, tool-call format %s",
-        reasoning.name if reasoning else "none",
-        tools.name,
-    )
+    logger.info("chat: reasoning parser %s, tool-call format %s",
+                reasoning.name if reasoning else "none", tools.name)  # fmt: skip
 
 
 def _bind_http(host: str, port: int) -> socket.socket:
@@ -486,11 +475,8 @@ def _bind_http(host: str, port: int) -> socket.socket:
 
 
 def _bind_zmq(context: zmq.asyncio.Context, options: ServerOptions) -> ZmqFrontend:
-    if (
-        options.host not in LOOPBACK_HOSTS
-        and not options.api_key
-        and not options.allow_unauthenticated_zmq
-    ):
+    if (options.host not in LOOPBACK_HOSTS and not options.api_key
+            and not options.allow_unauthenticated_zmq):  # fmt: skip
         raise StartupError(
             f"refusing to open the ZeroMQ port on {options.host} without authentication: set --api-key "
             "(DSL clients then send it: sl.RuntimeEndpoint(address, api_key=...)), or pass "

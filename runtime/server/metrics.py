@@ -189,7 +189,7 @@ class Metrics:
                 continue
             try:
                 stats = await fetch_stats()
-            except Exception:  # the scheduler is busy or gone: the watchdog deals with the latter
+            except Exception:  # noqa: BLE001 - scheduler busy or gone; the watchdog handles gone
                 continue
             finished = self.window.take()
             if last is not None:

@@ -115,7 +115,7 @@ def _load_core(options: dict, sender: zmq.Socket, replica: int = 0):
 
     try:
         return EngineCore(EngineConfig.from_options(**options))
-    except Exception as e:  # every load failure goes back to the launcher as a message
+    except Exception as e:  # noqa: BLE001 - each load failure goes to the launcher as a message
         logger.error("the scheduler could not start: %s", e)
         sender.send(encode(StartupFailed(f"{type(e).__name__}: {e}", replica)))
         return None
@@ -259,7 +259,7 @@ class SchedulerLoop:
             changed = self.core.step()
         except RankLost:
             raise
-        except Exception:  # a bug in the core's bookkeeping: fail what is in flight, keep serving
+        except Exception:  # noqa: BLE001 - a core bookkeeping bug: fail what is in flight, serve on
             self._on_step_error(traceback.format_exc())
             return
         self.step_errors = 0

@@ -250,7 +250,7 @@ def _gguf_byte_level_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     try:
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-    except Exception as e:  # the tokenizers library raises a bare Exception
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
         raise ModelLoadError(f"the GGUF file's tokenizer metadata is inconsistent: {e}") from None
     split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if meta.get("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:

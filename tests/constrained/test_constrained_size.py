@@ -123,9 +123,12 @@ def test_only_as_many_bounds_are_relaxed_as_the_cap_needs():
         relaxed[0].rsplit("/", 1)[1],
         next(n for n in names if f"#/properties/{n}" not in relaxed),
     )
-    text = lambda long: json.dumps(
-        {n: "x" * (300 if n == long else 1) for n in names}, separators=(",", ":")
-    )  # noqa: E731
+
+    def text(long):
+        return json.dumps(
+            {n: "x" * (300 if n == long else 1) for n in names}, separators=(",", ":")
+        )
+
     assert re.fullmatch(converted.regex, text(loose)) and not re.fullmatch(
         converted.regex, text(kept)
     )

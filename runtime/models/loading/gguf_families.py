@@ -149,7 +149,7 @@ ARCHITECTURES = {
         "phi3",
         layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
         config=_phi3,
-    ),  # fmt: skip
+    ),
 }
 
 

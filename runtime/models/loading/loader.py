@@ -149,7 +149,7 @@ def _read_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
     for file in files:  # sharded checkpoints: every shard's tensors into one dict
         try:
             state_dict.update(load_file(file))
-        except Exception as e:  # safetensors raises its own error types for corrupt files
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors for corrupt files
             raise ModelLoadError(f"cannot read {file}: {e}") from None
     return state_dict
 

@@ -28,7 +28,7 @@ def read_safetensors_slices(
                     out[name] = _read_slice(f, name, config, rank, world)
         except ModelLoadError:
             raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
+        except Exception as e:  # noqa: BLE001 - safetensors' own errors for corrupt files
             raise ModelLoadError(f"cannot read {file}: {e}") from None
     return out
 

@@ -163,7 +163,7 @@ def test_decode_steps_equal_transformers(family, kernels, monkeypatch):
 
 
 def test_engine_greedy_equals_generate(family):
-    _, folder, loaded, hf = family
+    _, _folder, loaded, hf = family
     engine = Engine(loaded=loaded, kv_memory_gb=0.02, num_threads=1, kv_cache_dtype="float32")
     batch = [prompt(20 + i, n) for i, n in enumerate([4, 13, 27])]
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

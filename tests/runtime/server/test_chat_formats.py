@@ -271,7 +271,7 @@ def test_prompt_decides_where_the_output_starts():
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )  # enable_thinking: false
     assert not qwen3.starts_inside("<|im_start|>assistant\n") and r1.starts_inside(
-        "<｜Assistant｜>"
+        "<｜Assistant｜>"  # noqa: RUF001 - DeepSeek's own fullwidth bars
     )
     assert qwen3.closed_in_prompt(
         "assistant\n<think>\n\n</think>\n\n"

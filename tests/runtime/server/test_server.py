@@ -489,7 +489,7 @@ def test_generate_stream(http):
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
     assert [c["finished"] for c in chunks][-1] is True and not any(
         c["finished"] for c in chunks[:-1]
     )
@@ -551,7 +551,7 @@ def test_zmq_generate_stream_batch(dealer):
     chunks, last = replies[:-1], replies[-1]
     assert {c["type"] for c in chunks} == {"chunk"} and last["type"] == "final"
     assert "".join(c["text"] for c in chunks) == last["text"] == final["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == final["output_ids"]
+    assert [t for c in chunks for t in c["output_ids"]] == final["output_ids"]
     batch_msg = {
         "type": "generate",
         "rid": "g3",
@@ -721,7 +721,7 @@ BAD_INPUT = [
         },
         400,
         "at most one",
-    ),  # fmt: skip
+    ),
     (CHAT, {"model": "{model}", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     (
         "/v1/completions",

@@ -129,7 +129,7 @@ def test_return_text_in_logprobs(http, tiny_tokenizer):
         "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
     }  # fmt: skip
     meta = http.post("/generate", json=body).json()["meta_info"]
-    for logprob, token, text in meta["output_token_logprobs"]:
+    for _logprob, token, text in meta["output_token_logprobs"]:
         assert text == tiny_tokenizer.decode([token])
     assert all(len(entry) == 3 for top in meta["output_top_logprobs"] for entry in top)
     plain = http.post("/generate", json={**body, "return_text_in_logprobs": False}).json()[

@@ -100,7 +100,7 @@ def test_a_broken_second_call_is_refused_at_its_token(strict_grammar):
         check_call(BLOCK.findall(text)[1])
     refused, _, ids = first_refused(*strict_grammar, text)
     offset, end = text.index("kelvin"), 0
-    for i, token in enumerate(ids):  # the token holding the k of kelvin
+    for i, token in enumerate(ids):  # noqa: B007 - i is read after: the token with kelvin's k
         end += len(tokenizer.decode([token]))
         if end > offset:
             break
