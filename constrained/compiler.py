@@ -228,17 +228,23 @@ class _Deadlines:
     def watch(
         self, result: Future, started: _Start, spec: ConstraintSpec, timeout_s: float
     ) -> None:
+        item = (result, started, spec, timeout_s)
         with self._wake:
-            self._watched.append((result, started, spec, timeout_s))
+            self._watched.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, daemon=True, name="spruce-grammar-deadline"
                 )
                 self._thread.start()
-            elif (
-                timeout_s < self.POLL_S
-            ):  # else its next look (within POLL_S) comes first: no wake-up
+            elif timeout_s < self.POLL_S:  # else its next look comes first: no wake-up
                 self._wake.notify()
+        # resolved, it leaves the watch at once: the future holds the grammar
+        result.add_done_callback(lambda _: self._forget(item))
+
+    def _forget(self, item: tuple) -> None:
+        with self._wake:
+            if item in self._watched:
+                self._watched.remove(item)
 
     def close(self) -> None:
         with self._wake:

@@ -299,7 +299,7 @@ def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:
         return out
     if how.ids > _own_id(schema):  # a `#/$defs/...` inside would not reach the root: inline
         return _prepared(schema, _How(close, keep_open, False))
-    out["$defs"] = {**(defs if isinstance(defs, dict) else {}), **_SHARED_NUMBERS}
+    out["$defs"] = {**(out["$defs"] if isinstance(defs, dict) else {}), **_SHARED_NUMBERS}
     return out
 
 

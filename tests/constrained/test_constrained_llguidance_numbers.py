@@ -80,3 +80,18 @@ def test_sixteen_integer_digits_pass_and_seventeen_do_not(compiler, tiny_tokeniz
     assert not accepted("9" * 17) and not accepted("1" + "0" * 15 + "1")
     if key == "ratio":
         assert accepted("0." + "1" * 10) and not accepted("0." + "1" * 11)
+
+
+def test_numbers_in_the_schemas_own_definitions_are_bounded_too(compiler, tiny_tokenizer):
+    point = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    schema = {"$defs": {"point": point}, "type": "object", "properties": {"p": {"$ref": "#/$defs/point"}},
+              "required": ["p"]}  # fmt: skip
+    grammar = compiler.compile(make_spec(json_schema=schema, backend="llguidance"))
+    for number, ok in (
+        ("1.5", True),
+        ("0." + "1" * 10, True),
+        ("0." + "1" * 11, False),
+        ("9" * 17, False),
+    ):
+        refused, can_end, _ = first_refused(grammar, tiny_tokenizer, '{"p":{"x":' + number + "}}")
+        assert (refused is None and can_end) == ok, number
