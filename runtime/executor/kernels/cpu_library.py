@@ -62,64 +62,18 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 ISA_FLAGS = _X86_FLAGS if _X86 else {"portable": []}
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# fmt: off
 SIGNATURES = {
     # q, q_stride, k_new, v_new, new_stride, new_slots, k_cache, v_cache, k_scale, v_scale, table, table_stride,
     # rows, seq_lens, out, batch, heads, kv_heads, dim, scale, window (0: none)
-    "spruce_decode_attention_f32": [
-        _P,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _P,
-        _P,
-    ]
+    "spruce_decode_attention_f32": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P]
     + [_I64] * 4
     + [_F32, _I64],
     # q, q_stride, k, v, kv_stride, out, length, prefix, heads, kv_heads, dim, scale, window (0: none)
-    "spruce_prefill_attention": [
-        _P,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _F32,
-        _I64,
-    ],
-    "spruce_rms_norm": [
-        _P,
-        _P,
-        _P,
-        _P,
-        _I64,
-        _I64,
-        _F32,
-    ],  # x, residual, weight, out, rows, dim, eps
+    "spruce_prefill_attention": [_P, _I64, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _I64],
+    "spruce_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F32],  # x, residual, weight, out, rows, dim, eps
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
-    "spruce_rotary": [
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _P,
-        _P,
-        _P,
-    ],  # x, row_stride, rows, heads, dim, pos, cos, sin
+    "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin
     "spruce_gemv": [_P, _I64, _I64, _P, _P, _I64, _P],  # x, rows, k, weight, bias, n, y
     "spruce_quantize_rows_q16": [_P, _I64, _I64, _P, _P, _P, _I64],  # x, rows, k, qx, dx, sx, isa
     # type, blocks, n, k, qx, dx, sx, rows, bias, y, y_stride, isa
@@ -132,6 +86,7 @@ SIGNATURES = {
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
 }
+# fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
 SIGNATURES["spruce_decode_attention_i8"] = SIGNATURES["spruce_decode_attention_f32"]
 # the float kernels: one function per instruction set, `<name>_<isa>`
