@@ -78,6 +78,8 @@ class Req:
     grammar_future: Future | None = None  # its compile in flight (it waits in the grammar queue)
     cursor: CursorBase | None = None  # the request's grammar cursor (any backend's), once compiled
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
+    rewritten_from: int | None = None  # first output id jump-forward re-tokenized since the
+    # last report (core.update.Reporter turns it into the update's rollback count)
     # results
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # why the runtime refused it after admission (e.g. compile)

@@ -25,6 +25,7 @@ from spruce.runtime.config import EngineConfig, use_passive_omp_threads
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.update import Reporter
 from spruce.runtime.core.validation import (
     batch_inputs,
     check_options,
@@ -35,7 +36,7 @@ from spruce.runtime.core.validation import (
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.scheduler.router import make_router
-from spruce.runtime.text.detokenizer import OutputText, meta_info
+from spruce.runtime.text.detokenizer import RequestOutput
 
 if TYPE_CHECKING:
     from spruce.runtime.models.loading.loader import LoadedModel
@@ -109,10 +110,11 @@ class Engine:
         check_response_size(requests, options, self.request_limits)
         valid = [validate_request(ids, sp, options, limits) for ids, sp in requests]
         reqs = [self._add(v) for v in valid]
+        outputs = [RequestOutput(self.tokenizer, v, r.rid) for v, r in zip(valid, reqs)]
         self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated
         if stream:
-            return self._stream(reqs)
-        results = self._run(reqs)
+            return self._stream(reqs, outputs)
+        results = self._run(reqs, outputs)
         return results[0] if single else results
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -168,41 +170,35 @@ class Engine:
     def _ids(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _run(self, reqs: list[Req]) -> list[dict]:
-        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
+    def _run(self, reqs: list[Req], outputs: list[RequestOutput]) -> list[dict]:
+        """Each request's result, once all finished; its output is built from its one
+        update (as the server's front end builds it)."""
         pending = {r.rid: r for r in reqs}
         try:
             while pending:
                 for req in self._news_for(pending):
-                    if req.finished:  # no stream: text is made once, at the end
-                        texts[req.rid].update(req)
+                    if req.finished:
                         del pending[req.rid]
         finally:
             self._forget(reqs)
         failed = next((r.error for r in reqs if r.error is not None), None)
         if failed is not None:  # e.g. a constraint that failed to compile
             raise failed
-        return [_result(r, texts[r.rid].text) for r in reqs]
+        for req, output in zip(reqs, outputs):
+            output.apply(Reporter(req).update())
+        return [_result(output) for output in outputs]
 
-    def _stream(self, reqs: list[Req]) -> Iterator[dict]:
+    def _stream(self, reqs: list[Req], outputs: list[RequestOutput]) -> Iterator[dict]:
         """Chunks: {"index", "text" (new text), "output_ids" (new ids), "finished", "meta_info"}."""
-        texts = {r.rid: OutputText(self.tokenizer, r) for r in reqs}
-        index = {r.rid: i for i, r in enumerate(reqs)}
+        reporters = {r.rid: (i, Reporter(r), outputs[i]) for i, r in enumerate(reqs)}
         pending = {r.rid: r for r in reqs}
         try:
             while pending:
                 for req in self._news_for(pending):
-                    finished = req.finished  # as sent: other calls may step while we yield
-                    if finished:
+                    if req.finished:  # as sent: other calls may step while we yield
                         del pending[req.rid]
-                    delta = texts[req.rid].update(req)
-                    yield {
-                        "index": index[req.rid],
-                        "text": delta,
-                        "output_ids": texts[req.rid].new_output_ids(req),
-                        "finished": finished,
-                        "meta_info": meta_info(req),
-                    }
+                    index, reporter, output = reporters[req.rid]
+                    yield _chunk(index, output, reporter.update())
         finally:
             for rid in pending:  # a consumer that stops early aborts what is left
                 self.cores[self._core_of[rid]].abort(rid, "the stream was closed")
@@ -267,5 +263,18 @@ def request_limits_from(value: RequestLimits | dict | None) -> RequestLimits:
     return RequestLimits(**value)
 
 
-def _result(req: Req, text: str) -> dict:
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta_info(req)}
+def _result(output: RequestOutput) -> dict:
+    return {
+        "text": output.text.text,
+        "output_ids": list(output.ids),
+        "meta_info": output.meta_info(),
+    }
+
+
+def _chunk(index: int, output: RequestOutput, update) -> dict:
+    delta = output.apply(update)
+    meta = output.meta_info() if update.finished is not None else output.chunk_meta(update)
+    return {
+        "index": index, "text": delta, "output_ids": output.text.new_output_ids(),
+        "finished": update.finished is not None, "meta_info": meta,
+    }  # fmt: skip

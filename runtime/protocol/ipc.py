@@ -3,7 +3,8 @@
 Two one-way ZeroMQ channels over ipc:// sockets in a private (0700) temporary folder:
 front end --PUSH/PULL--> scheduler and scheduler --PUSH/PULL--> front end. Every message
 is one orjson frame of one dataclass below, tagged by its "type"; `encode` / `decode` are
-the only (de)serializers. No pickle anywhere.
+the only (de)serializers (codec.py: decoded into the same typed records, nested ones
+included: `ValidRequest`, `ReqUpdate`). No pickle anywhere.
 
 The scheduler answers with one `StepOutput` per step (not one message per request): the
 news of every streaming request that got tokens and of every request that finished.
@@ -15,36 +16,32 @@ the one front-end socket, so every message a scheduler sends carries its `replic
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from spruce.runtime.core.update import ReqUpdate
+from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.protocol.codec import decode_as
+from spruce.runtime.protocol.codec import encode as encode
 
 # -- front end -> scheduler ----------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class RequestSpec:
-    """One tokenized, validated request (the front end splits batches and `n`):
-    `SamplingParams.to_dict()`, `RequestOptions.to_dict()` and the constraint already
-    converted to a regex (`ConstraintSpec.to_dict()`), so the scheduler re-checks nothing."""
+class NewRequest:
+    """One tokenized, validated request (the front end splits batches and `n`), as the
+    validation boundary made it: the scheduler builds its `Req` from it and checks nothing."""
 
     rid: str
-    input_ids: list[int]
-    sampling_params: dict[str, Any]
-    options: dict[str, Any]
-    constraint: dict[str, str] | None = None
+    request: ValidRequest
 
 
 @dataclass(slots=True)
 class NewRequests:
-    requests: list[RequestSpec]
+    requests: list[NewRequest]
     type: str = "new_requests"
-
-    def __post_init__(self) -> None:
-        self.requests = [
-            r if isinstance(r, RequestSpec) else RequestSpec(**r) for r in self.requests
-        ]
 
 
 @dataclass(slots=True)
@@ -89,31 +86,12 @@ class StartupFailed:
 
 
 @dataclass(slots=True)
-class ReqUpdate:
-    """News of one request. Its output ids are now `ids_sent[:keep] + new_ids` (keep is
-    below the count already sent only when jump-forward re-tokenized the tail)."""
-
-    rid: str
-    keep: int
-    new_ids: list[int]
-    cached_tokens: int
-    finish: dict[str, Any] | None = None  # FinishReason.to_dict(), once finished
-    logprobs: dict[str, list] | None = None  # streaming: the entries new since the last update
-    meta_info: dict[str, Any] | None = None  # once finished: the full meta_info(req)
-    first_token_s: float | None = None  # once finished: admission -> first token
-    decode_s: float | None = None  # once finished: first token -> finish
-
-
-@dataclass(slots=True)
 class StepOutput:
     updates: list[ReqUpdate]
     num_running: int
     num_waiting: int
     replica: int = 0  # the sender (--dp)
     type: str = "step_output"
-
-    def __post_init__(self) -> None:
-        self.updates = [u if isinstance(u, ReqUpdate) else ReqUpdate(**u) for u in self.updates]
 
 
 # What a client is told when its request's final update could not be built or applied
@@ -160,16 +138,12 @@ MESSAGE_TYPES = {
         Ready, StartupFailed, StepOutput, RequestFailed, ControlReply, Heartbeat,
     )
 }  # fmt: skip
-_FIELDS = {name: {f.name for f in fields(cls)} for name, cls in MESSAGE_TYPES.items()}
-
-
-def encode(msg) -> bytes:
-    return orjson.dumps(msg)  # orjson serializes (nested, slotted) dataclasses natively
 
 
 def decode(frame: bytes):
-    """Both ends are this code, over a private socket: a bad frame is a bug, so assert."""
+    """Both ends are this code, over a private socket: a bad frame is a bug, so assert.
+    Typed all the way down (codec.py): records, not dicts, and no second validation."""
     data = orjson.loads(frame)
     kind = data.get("type")
-    assert kind in MESSAGE_TYPES and set(data) <= _FIELDS[kind], f"bad internal message {kind!r}"
-    return MESSAGE_TYPES[kind](**data)
+    assert kind in MESSAGE_TYPES, f"bad internal message {kind!r}"
+    return decode_as(MESSAGE_TYPES[kind], data)

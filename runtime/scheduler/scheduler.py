@@ -293,6 +293,9 @@ class Scheduler:
         new_ids = jump.new_ids[:room]
         if len(new_ids) < len(jump.new_ids):
             req.cursor.rollback(len(jump.new_ids) - len(new_ids))
+        if jump.rollback:
+            start = len(kept) if req.rewritten_from is None else req.rewritten_from
+            req.rewritten_from = min(start, len(kept))
         req.output_ids = kept + new_ids
         self.cache.rollback(req, min(req.computed_len, len(req.prompt_ids) + len(kept)))
         req.jump_forward_tokens += len(new_ids)

@@ -134,10 +134,11 @@ class Metrics:
         self.replica_prompt_tokens.labels(replica).inc(prompt)
         self.replica_cached_tokens.labels(replica).inc(cached)
         self.e2e.observe(latency)
-        if update.decode_s is not None:
-            self.ttft.observe(max(latency - update.decode_s, 0.0))
+        decode_s = update.finished.decode_s
+        if decode_s is not None:
+            self.ttft.observe(max(latency - decode_s, 0.0))
             if completion > 1:
-                self.itl.observe(update.decode_s / (completion - 1))
+                self.itl.observe(decode_s / (completion - 1))
         self.window.add()
         logger.info(
             "finished %s: prompt %d, completion %d, cached %d tokens, %.3f s, %s",

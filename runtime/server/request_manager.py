@@ -57,9 +57,9 @@ from spruce.runtime.protocol.ipc import (
     AbortRequests,
     ControlReply,
     ControlRequest,
+    NewRequest,
     NewRequests,
     RequestFailed,
-    RequestSpec,
     ReqUpdate,
     StepOutput,
     decode,
@@ -179,7 +179,7 @@ class RequestManager:
             try:
                 if self.dead:
                     raise SchedulerUnavailable(self.dead)
-                self.replicas.send(replica, NewRequests([_spec(s.rid, v) for s, v in group]))
+                self.replicas.send(replica, NewRequests([NewRequest(s.rid, v) for s, v in group]))
             except SchedulerUnavailable as e:
                 for state, _ in group:
                     self._fail(state, str(e), 503)
@@ -313,7 +313,7 @@ class RequestManager:
                 event = state.apply(update)
             except Exception:  # this request's text or result: it alone fails
                 logger.exception("the update of request %s could not be applied", update.rid)
-                if update.finish is None:
+                if update.finished is None:
                     self.abort([state.rid], "its output could not be sent")
                 self._fail(state, UPDATE_FAILED, 500)
                 continue
@@ -425,10 +425,3 @@ class RequestManager:
     def close(self) -> None:
         self.replicas.close()
         self.receiver.close(linger=0)
-
-
-def _spec(rid: str, valid: ValidRequest) -> RequestSpec:
-    constraint = valid.constraint.to_dict() if valid.constraint is not None else None
-    return RequestSpec(
-        rid, valid.input_ids, valid.sampling.to_dict(), valid.options.to_dict(), constraint
-    )

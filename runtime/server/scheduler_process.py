@@ -21,15 +21,11 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
 import zmq
 
-from spruce.constrained.spec import ConstraintSpec
-from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import Req
-from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.core.update import Reporter, ReqUpdate
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.executor.distributed import RankLost
 from spruce.runtime.protocol.ipc import (
@@ -42,14 +38,11 @@ from spruce.runtime.protocol.ipc import (
     NewRequests,
     Ready,
     RequestFailed,
-    RequestSpec,
-    ReqUpdate,
     StartupFailed,
     StepOutput,
     decode,
     encode,
 )
-from spruce.runtime.text.detokenizer import meta_info
 
 logger = logging.getLogger("spruce.scheduler")
 MAX_CONSECUTIVE_STEP_ERRORS = 3
@@ -133,24 +126,13 @@ def _ready(core, replica: int = 0) -> Ready:
     )
 
 
-@dataclass(slots=True)
-class Tracked:
-    """What was already sent of a streaming request's output."""
-
-    req: Req
-    sent: list[int] = field(default_factory=list)
-    jump_forward_tokens: int = 0
-    logprobs_sent: int = 0
-    input_logprobs_sent: bool = False
-
-
 class SchedulerLoop:
     def __init__(self, core, receiver: zmq.Socket, sender: zmq.Socket, replica: int = 0) -> None:
         self.core = core
         self.replica = replica
         self.receiver = receiver
         self.sender = sender
-        self.tracked: dict[str, Tracked] = {}
+        self.tracked: dict[str, Reporter] = {}  # what each request was told so far
         self.stopping = False
         self.step_errors = 0
         self.beat_at = 0.0
@@ -196,27 +178,19 @@ class SchedulerLoop:
             self.handlers[type(msg)](msg)
 
     def _on_new(self, msg: NewRequests) -> None:
-        for spec in msg.requests:
+        """The front end validated each request (core.validation); it is trusted here."""
+        for new in msg.requests:
             try:
-                req = self._add(spec)
+                req = self.core.add_request(new.request, rid=new.rid)
             except InvalidRequestError as e:
-                self._send(RequestFailed(spec.rid, str(e), 400))
+                self._send(RequestFailed(new.rid, str(e), 400))
                 continue
             except Exception:  # a bug, not the request's fault: answer it, keep serving
-                logger.exception("could not add request %s", spec.rid)
+                logger.exception("could not add request %s", new.rid)
                 message = "internal error while adding the request (see the server log)"
-                self._send(RequestFailed(spec.rid, message, 500))
+                self._send(RequestFailed(new.rid, message, 500))
                 continue
-            self.tracked[spec.rid] = Tracked(req)
-
-    def _add(self, spec: RequestSpec) -> Req:
-        """The front end validated the request (core.validation); it is trusted here."""
-        constraint = ConstraintSpec(**spec.constraint) if spec.constraint is not None else None
-        options = RequestOptions.from_dict(spec.options)
-        valid = ValidRequest(
-            spec.input_ids, SamplingParams.from_dict(spec.sampling_params), options, constraint
-        )
-        return self.core.add_request(valid, rid=spec.rid)
+            self.tracked[new.rid] = Reporter(req)
 
     def _on_abort(self, msg: AbortRequests) -> None:
         for rid in msg.rids:
@@ -285,7 +259,7 @@ class SchedulerLoop:
                 self._send(StepOutput([update], *queues))
             except Exception:
                 logger.exception("the update of request %s could not be sent", update.rid)
-                self._fail_update(update.rid, finished=update.finish is not None)
+                self._fail_update(update.rid, finished=update.finished is not None)
 
     def _guarded_update(self, req: Req) -> ReqUpdate | None:
         """The request's update. If making it raises (its finish report, its logprobs...),
@@ -309,23 +283,15 @@ class SchedulerLoop:
         self.tracked.pop(rid, None)
 
     def _update(self, req: Req) -> ReqUpdate | None:
-        tracked = self.tracked[req.rid]
-        if req.finished:
-            if req.error is not None:  # failed by the runtime (its constraint, a fault of its own)
-                status = 400 if isinstance(req.error, InvalidRequestError) else 500
-                self._send(RequestFailed(req.rid, str(req.error), status))
-                return None
-        elif not req.options.stream:
+        """The request's update: a streaming one's each step, any other's once finished;
+        a request the runtime failed gets its error instead."""
+        if req.finished and req.error is not None:  # its constraint, a fault of its own
+            status = 400 if isinstance(req.error, InvalidRequestError) else 500
+            self._send(RequestFailed(req.rid, str(req.error), status))
             return None
-        keep = _kept(tracked, req)
-        new_ids = req.output_ids[keep:]
-        tracked.sent[keep:] = new_ids
-        update = ReqUpdate(req.rid, keep, new_ids, req.cached_tokens or 0)
-        if req.options.stream and req.logprobs is not None:
-            update.logprobs = _new_logprobs(tracked, req)
-        if req.finished:
-            _add_finish(update, req)
-        return update
+        if not req.finished and not req.options.stream:
+            return None
+        return self.tracked[req.rid].update()
 
     def _on_step_error(self, trace: str) -> None:
         """Last resort, for a bug in the scheduler's own bookkeeping (request faults and
@@ -350,49 +316,3 @@ class SchedulerLoop:
     def _send(self, msg) -> None:
         msg.replica = self.replica
         self.sender.send(encode(msg))
-
-
-def _kept(tracked: Tracked, req: Req) -> int:
-    """How many already-sent output ids are unchanged (all of them unless jump-forward
-    re-tokenized the tail)."""
-    sent, ids = tracked.sent, req.output_ids
-    n = len(sent)
-    unchanged = req.jump_forward_tokens == tracked.jump_forward_tokens
-    tracked.jump_forward_tokens = req.jump_forward_tokens
-    if unchanged and len(ids) >= n and (n == 0 or ids[n - 1] == sent[-1]):
-        return n
-    keep = 0
-    for a, b in zip(sent, ids):
-        if a != b:
-            break
-        keep += 1
-    return keep
-
-
-def _new_logprobs(tracked: Tracked, req: Req) -> dict[str, list]:
-    lp = req.logprobs
-    start = tracked.logprobs_sent
-    tracked.logprobs_sent = len(lp.output_token_logprobs)
-    out = {"output_token_logprobs": [list(x) for x in lp.output_token_logprobs[start:]]}
-    if req.options.top_logprobs_num:
-        out["output_top_logprobs"] = [_pairs(t) for t in lp.output_top_logprobs[start:]]
-    if not tracked.input_logprobs_sent and (
-        lp.input_token_logprobs or req.output_ids or req.finished
-    ):
-        tracked.input_logprobs_sent = True
-        out["input_token_logprobs"] = [list(x) for x in lp.input_token_logprobs]
-        if req.options.top_logprobs_num:
-            out["input_top_logprobs"] = [_pairs(t) for t in lp.input_top_logprobs]
-    return out
-
-
-def _pairs(top):
-    return None if top is None else [list(x) for x in top]
-
-
-def _add_finish(update: ReqUpdate, req: Req) -> None:
-    update.finish = req.finish_reason.to_dict()
-    update.meta_info = meta_info(req)
-    if req.first_token_at is not None:
-        update.first_token_s = req.first_token_at - req.created_at
-        update.decode_s = req.finished_at - req.first_token_at

@@ -11,12 +11,14 @@ import orjson
 import pytest
 
 from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.request import FinishReason
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.update import Finished, ReqUpdate
 from spruce.runtime.core.validation import ValidRequest
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import ServingLimits
 from spruce.runtime.protocol import dsl
-from spruce.runtime.protocol.ipc import AbortRequests, NewRequests, ReqUpdate, StepOutput, decode
+from spruce.runtime.protocol.ipc import AbortRequests, NewRequests, StepOutput, decode
 from spruce.runtime.server.request_manager import Refused, RequestManager
 from spruce.runtime.server.supervisor import Supervisor
 
@@ -49,9 +51,8 @@ def request(stream: bool = False, timeout_s: float | None = None) -> ValidReques
 
 
 def finish(rid: str, kind: str = "length", message: str | None = None) -> StepOutput:
-    reason = {"type": kind, "matched": None} | ({"message": message} if message else {})
-    meta = {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0, "finish_reason": reason}
-    return StepOutput([ReqUpdate(rid, 0, [7], 0, finish=reason, meta_info=meta)], 0, 0)
+    done = Finished(FinishReason(kind, None, message), 0, 0.5, 0.1, 0.4)
+    return StepOutput([ReqUpdate(rid, 0, [7], 0, finished=done)], 0, 0)
 
 
 # -- admission ------------------------------------------------------------------------------------

@@ -45,14 +45,14 @@ import spruce.runtime.server.scheduler_process as scheduler_process
 from spruce.runtime.executor.model_runner import ModelRunner
 from spruce.runtime.server.request_manager import RequestState
 
-real_meta_info = scheduler_process.meta_info
+real_update = scheduler_process.Reporter.update
 
-def meta_info(req):  # the finish report of a JSON-schema request raises, as the 4,400-digit integer did
-    if req.constraint is not None:
+def update(self):  # the finish report of a JSON-schema request raises, as the 4,400-digit integer did
+    if self.req.constraint is not None and self.req.finished:
         raise ValueError("Exceeds the limit (4300 digits) for integer string conversion: value has 4400 digits")
-    return real_meta_info(req)
+    return real_update(self)
 
-scheduler_process.meta_info = meta_info
+scheduler_process.Reporter.update = update
 
 forward = ModelRunner.forward
 
@@ -67,7 +67,7 @@ ModelRunner.forward = stuck_forward
 apply = RequestState.apply
 
 def broken_apply(self, update):
-    if update.finish is not None and "{FRONT_END_BOOM}" in self.text.stops:
+    if update.finished is not None and "{FRONT_END_BOOM}" in self.output.text.stops:
         raise RuntimeError("injected: the front end could not finish this request")
     return apply(self, update)
 

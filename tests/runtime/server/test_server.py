@@ -24,6 +24,9 @@ import orjson
 import pytest
 import zmq
 
+from spruce.runtime.core.request import FinishReason
+from spruce.runtime.core.update import Finished
+
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_REQUEST_BYTES = 256 * 1024
@@ -846,44 +849,44 @@ def test_required_tool_schema_shape():
 # -- internal messages and the front end's detokenizer (no server) --------------------------------
 
 
-def test_internal_messages_round_trip():
-    from spruce.runtime.protocol.ipc import (
-        NewRequests,
-        RequestSpec,
-        ReqUpdate,
-        StepOutput,
-        decode,
-        encode,
-    )
+def finished(reason: dict) -> Finished:
+    return Finished(FinishReason(**reason), 0, 0.5, 0.1, 0.4)
 
-    constraint = {"kind": "regex", "value": "a+", "regex": "a+"}
-    msg = NewRequests(
-        [
-            RequestSpec(
-                "r1", [1, 2, 3], {"max_new_tokens": 4, "stop": ("a",)}, {"stream": True}, constraint
-            )
-        ]
+
+def test_internal_messages_round_trip():
+    """Typed both ways: the records come back as the same classes (tuples as tuples),
+    equal to what was sent."""
+    from spruce.constrained.spec import ConstraintSpec
+    from spruce.runtime.core.options import RequestOptions
+    from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.core.update import LogprobDelta, ReqUpdate
+    from spruce.runtime.core.validation import ValidRequest
+    from spruce.runtime.protocol.ipc import NewRequest, NewRequests, StepOutput, decode, encode
+
+    constraint = ConstraintSpec("regex", "a+", "a+", unenforced=("x",), fallback={"w": 1})
+    sampling = SamplingParams(max_new_tokens=4, stop=("a",), logit_bias={5: 1.5})
+    valid = ValidRequest([1, 2, 3], sampling, RequestOptions(stream=True), constraint)
+    back = decode(encode(NewRequests([NewRequest("r1", valid)])))
+    assert back == NewRequests([NewRequest("r1", valid)])
+    got = back.requests[0].request
+    assert isinstance(got, ValidRequest) and isinstance(got.sampling, SamplingParams)
+    assert got.sampling.stop == ("a",) and got.sampling.logit_bias == ((5, 1.5),)
+    assert got.constraint.unenforced == ("x",) and hash(got.constraint) == hash(constraint)
+    delta = LogprobDelta([[-0.5, 5]], [[[-0.5, 5]]], [[None, 1]], [None])
+    update = ReqUpdate("r1", 1, [5], 2, delta, finished({"type": "stop", "matched": 5}))
+    step = decode(encode(StepOutput([update], 1, 0)))
+    assert step == StepOutput([update], 1, 0) and isinstance(
+        step.updates[0].finished.reason, FinishReason
     )
-    back = decode(encode(msg))
-    assert isinstance(back.requests[0], RequestSpec) and back.requests[0].sampling_params[
-        "stop"
-    ] == ["a"]
-    assert (
-        back.requests[0].options == {"stream": True} and back.requests[0].constraint == constraint
-    )
-    step = StepOutput(
-        [ReqUpdate("r1", 0, [5], 2, finish={"type": "length", "matched": None})], 1, 0
-    )
-    assert decode(encode(step)) == step
 
 
 def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
-    """A scheduler update that keeps fewer ids than were sent (jump-forward re-tokenized the
-    tail) replaces them: the text is re-derived, and no text is sent twice."""
+    """An update that rolls back ids already sent (jump-forward re-tokenized the tail)
+    replaces them: the text is re-derived, and no text is sent twice."""
     from spruce.runtime.core.options import RequestOptions
     from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.core.update import ReqUpdate
     from spruce.runtime.core.validation import ValidRequest
-    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.server.request_manager import Call, RequestState
 
     ids = tiny_tokenizer.encode('{"name": "Alice", "age": 30}')
@@ -892,28 +895,28 @@ def test_jump_forward_rewrite_reaches_the_text(tiny_tokenizer):
     state = RequestState("r", "r", 0, call, valid)
     first = state.apply(ReqUpdate("r", 0, ids[:3], 0))
     retokenized = tiny_tokenizer.encode(tiny_tokenizer.decode(ids[:3]) + '"name"')
-    meta = {
-        "id": "r", "prompt_tokens": 2, "completion_tokens": len(retokenized), "cached_tokens": 0,
-        "finish_reason": {"type": "stop", "matched": None},
-    }  # fmt: skip
-    last = state.apply(
-        ReqUpdate("r", 1, retokenized[1:], 0, finish=meta["finish_reason"], meta_info=meta)
-    )
+    done = finished({"type": "stop", "matched": None})
+    last = state.apply(ReqUpdate("r", 2, retokenized[1:], 0, finished=done))
     assert first.text + last.text == tiny_tokenizer.decode(retokenized)
     assert last.finished and last.result["output_ids"] == retokenized
+    assert last.result["meta_info"]["completion_tokens"] == len(retokenized)
 
 
-def test_scheduler_side_kept_prefix():
+def test_the_rollback_count_is_made_from_what_jump_forward_rewrote():
     from spruce.runtime.core.request import Req
     from spruce.runtime.core.sampling_params import SamplingParams
-    from spruce.runtime.server.scheduler_process import Tracked, _kept
+    from spruce.runtime.core.update import Reporter
 
-    req = Req("r", [1], SamplingParams())
-    tracked = Tracked(req, sent=[5, 6, 7])
-    req.output_ids = [5, 6, 7, 8]
-    assert _kept(tracked, req) == 3  # appended
-    req.output_ids, req.jump_forward_tokens = [5, 9, 10, 11], 2
-    assert _kept(tracked, req) == 1  # the tail was re-tokenized
+    req = Req("r", [1], SamplingParams(), output_ids=[5, 6, 7])
+    reporter = Reporter(req)
+    assert reporter.update().new_ids == [5, 6, 7]
+    req.output_ids.append(8)
+    update = reporter.update()
+    assert (update.rollback, update.new_ids) == (0, [8])  # appended
+    req.output_ids, req.rewritten_from = [5, 9, 10, 11, 12], 1  # jump-forward from index 1
+    update = reporter.update()
+    assert (update.rollback, update.new_ids) == (3, [9, 10, 11, 12])
+    assert req.rewritten_from is None and reporter.update().new_ids == []
 
 
 def test_constrained_tool_output_becomes_tool_calls():
@@ -943,15 +946,15 @@ def test_an_abort_the_client_did_not_ask_for_is_an_error(tiny_tokenizer):
     """E.g. a constraint that fails to compile after admission: the caller gets an error."""
     from spruce.runtime.core.options import RequestOptions
     from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.core.update import ReqUpdate
     from spruce.runtime.core.validation import ValidRequest
-    from spruce.runtime.protocol.ipc import ReqUpdate
     from spruce.runtime.server.request_manager import Call, RequestState
 
     call = Call(manager=None, tokenizer=tiny_tokenizer, size=1)
     valid = ValidRequest([1, 2], SamplingParams(), RequestOptions(stream=False), None)
     state = RequestState("r", "r", 0, call, valid)
     finish = {"type": "abort", "matched": None, "message": "cannot compile constraint: bad regex"}
-    event = state.apply(ReqUpdate("r", 0, [], 0, finish=finish, meta_info={}))
+    event = state.apply(ReqUpdate("r", 0, [], 0, finished=finished(finish)))
     assert event.error == finish["message"] and event.status == 400 and state.done
 
 

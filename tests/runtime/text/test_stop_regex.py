@@ -3,9 +3,12 @@ drives the StopChecker (scheduler side) and OutputText (the text a caller sees).
 
 from __future__ import annotations
 
+from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.request import FinishReason, Req
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.text.detokenizer import OutputText, meta_info
+from spruce.runtime.core.update import Reporter
+from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.text.detokenizer import OutputText, RequestOutput
 from spruce.runtime.text.stop import STOP_REGEX_TAIL_TOKENS, StopChecker
 
 
@@ -33,8 +36,8 @@ def run(text: str, **sampling) -> tuple[Req, FinishReason | None]:
 
 
 def visible(req: Req) -> str:
-    out = OutputText(CharTokenizer(), req)
-    out.update(req)
+    out = OutputText(CharTokenizer(), req.sampling, req.prompt_ids)
+    out.apply(0, req.output_ids, req.finish_reason)
     return out.text
 
 
@@ -66,14 +69,12 @@ def test_a_regex_spanning_tokens_and_anchors_in_a_long_output():
 
 def test_streamed_text_is_trimmed_at_the_end():
     req = Req("r", [ord("p")], SamplingParams(stop_regex=(r"[0-9]+!",)))
-    out = OutputText(CharTokenizer(), req)
+    out = OutputText(CharTokenizer(), req.sampling, req.prompt_ids)
     sent = ""
     for c in "ok 12":
-        req.output_ids.append(ord(c))
-        sent += out.update(req)
-    req.output_ids.append(ord("!"))  # the token that completes the match comes with the finish
-    req.finish(FinishReason("stop", r"[0-9]+!"))
-    sent += out.update(req)
+        sent += out.apply(0, [ord(c)], None)
+    # the token that completes the match comes with the finish
+    sent += out.apply(0, [ord("!")], FinishReason("stop", r"[0-9]+!"))
     assert sent == "ok 12"  # a match's start is not held back while streaming ...
     assert out.text == "ok "  # ... the final text is trimmed
 
@@ -87,7 +88,25 @@ def test_no_stop_trim_keeps_the_stop_token_text():
     assert visible(req) == "hi"
 
 
+def meta_info(sampling: SamplingParams) -> dict:
+    """The meta_info a caller gets for a finished request, built from its update."""
+    valid = ValidRequest([1], sampling, RequestOptions(), None)
+    req = Req("r", [1], sampling)
+    req.finish(FinishReason("length"))
+    output = RequestOutput(CharTokenizer(), valid, "r")
+    output.apply(Reporter(req).update())
+    return output.meta_info()
+
+
 def test_custom_params_are_noted_in_meta_info():
-    req = Req("r", [1], SamplingParams(custom_params={"token_id": 5}))
-    assert "custom_params" in meta_info(req)["ignored"]
-    assert "ignored" not in meta_info(Req("r", [1], SamplingParams()))
+    assert "custom_params" in meta_info(SamplingParams(custom_params={"token_id": 5}))["ignored"]
+    assert "ignored" not in meta_info(SamplingParams())
+
+
+def test_a_rollback_restarts_the_text_from_the_kept_ids():
+    """Jump-forward re-tokenized the last two ids: the update drops them and the text is
+    made again from what is left plus the new ids."""
+    out = OutputText(CharTokenizer(), SamplingParams(), [ord("p")])
+    assert out.apply(0, [ord(c) for c in "abcd"], None) == "abcd"
+    assert out.apply(2, [ord(c) for c in "cdef"], None) == "ef"
+    assert out.ids == [ord(c) for c in "abcdef"] and out.text == "abcdef"
