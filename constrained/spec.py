@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -56,6 +57,12 @@ class ConstraintSpec:
         }  # fmt: skip
 
 
+def too_many_constraints(given: Sequence[str]) -> str:
+    """The one message for a request that sets several constraints (every API and the DSL
+    use it; `given`: the names the caller gave them by)."""
+    return f"give at most one constraint; got {', '.join(given)}"
+
+
 def make_spec(
     regex: str | None = None,
     json_schema: Any = None,
@@ -92,7 +99,7 @@ def make_spec(
     }  # fmt: skip
     given = [name for name, value in candidates.items() if value is not None]
     if len(given) > 1:
-        raise ConstraintError(f"give at most one constraint; got {', '.join(given)}")
+        raise ConstraintError(too_many_constraints(given))
     if not given:
         return None
     name = given[0]

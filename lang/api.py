@@ -5,11 +5,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from spruce.constrained.spec import too_many_constraints
 from spruce.lang.backend import Backend
 from spruce.lang.choices import ChoicesMethod, token_length_normalized
 from spruce.lang.errors import ProgramError, UnsupportedFeatureError
 from spruce.lang.ir import (
-    MAX_SAMPLES,
     Gen,
     RoleBegin,
     RoleEnd,
@@ -22,6 +22,7 @@ from spruce.lang.ir import (
 from spruce.lang.program import resolve_backend
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS
 from spruce.runtime.errors import ConstraintError
+from spruce.runtime.limits import RequestLimits
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -> Gen | Select:
@@ -54,7 +55,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, **params: Any) -
     if dtype is not None:
         given = [c for c in CONSTRAINT_FIELDS if c in sampling]
         if given:
-            raise ConstraintError(f"give at most one constraint; got dtype and {', '.join(given)}")
+            raise ConstraintError(too_many_constraints(["dtype", *given]))
         dtype_name, sampling["regex"] = _dtype_regex(dtype)
     return Gen(
         name,
@@ -91,10 +92,13 @@ def _gen_select(name: str | None, params: dict[str, Any], choices_method: Any) -
 
 
 def _sample_count(n: Any) -> int:
+    """gen(n=...): at most RequestLimits' default max_n (a server's --max-n may differ: its
+    validator has the last word)."""
+    most = RequestLimits().max_n
     if n is None:
         return 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
-        raise ProgramError(f"gen(n=...) must be an integer from 1 to {MAX_SAMPLES}; got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        raise ProgramError(f"gen(n=...) must be an integer from 1 to {most}; got {n!r}")
     return n
 
 

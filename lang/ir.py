@@ -5,18 +5,18 @@ executes the nodes one by one; `prog.trace()` returns them without running anyth
 Nodes concatenate with `+` (and with strings) into a `Seq`, which is flattened on append.
 
 The sampling keywords of `gen` / `run` are not listed here: they are derived from
-`SamplingParams` (the one definition) and from the protocol's generate message.
+`SamplingParams` and `RequestOptions` (the one definitions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from spruce.lang.errors import ProgramError
+from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.protocol.dsl import GenerateMsg
 
 # SGLang's module-level regexes for typed gens, spelled our way with the same language:
 # an optionally signed integer / decimal (trailing spaces and newlines allowed), a Python
@@ -27,14 +27,13 @@ REGEX_BOOL = r"(True|False)"
 REGEX_STR = (
     r'"[\w\s]*"'  # SGLang's: admits raw newlines / tabs; gen(dtype=str) writes a JSON string
 )
-MAX_SAMPLES = 128  # gen(n=...): samples of one gen (as the OpenAI route's n)
 
 # SGLang's gen() names that differ from SamplingParams' field names.
 DSL_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 SAMPLING_FIELDS = SamplingParams.field_names()
-# Per-request options of the generate message that a program may set (logprobs).
-_NOT_OPTIONS = {"rid", "text", "input_ids", "sampling_params", "stream", "type"}
-REQUEST_OPTIONS = tuple(f.name for f in fields(GenerateMsg) if f.name not in _NOT_OPTIONS)
+# The request options a program may set (logprobs, timeout_s): RequestOptions' fields but
+# stream, which is the run's (`run(stream=True)`).
+REQUEST_OPTIONS = tuple(name for name in RequestOptions.field_names() if name != "stream")
 
 Params = tuple[tuple[str, Any], ...]  # (name, value) pairs: immutable
 

@@ -29,6 +29,7 @@ from spruce.lang.http_endpoint import HttpEndpoint
 from spruce.lang.sglang_options import translate_sglang_options
 from spruce.runtime.cli import API_KEY_ENV, api_key_of
 from spruce.runtime.config import ServerOptions, known_options
+from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.protocol.dsl import FinalMsg, GenerateMsg
 from spruce.runtime.text.tokenizer import Tokenizer
 
@@ -110,21 +111,23 @@ class Runtime:
         self,
         prompt: str | list[str],
         sampling_params: dict[str, Any] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
+        *,
         lora_path: Any = None,
+        **options: Any,
     ) -> str:
         """One /generate call; as SGLang, the JSON text of the result ({"text", "output_ids",
-        "meta_info"}, or a list of them for a list of prompts)."""
+        "meta_info"}, or a list of them for a list of prompts). `options`: RequestOptions'
+        fields but stream (return_logprob, logprob_start_len, top_logprobs_num...); None
+        means the default, as in SGLang."""
         if lora_path is not None:
             raise UnsupportedFeatureError(
                 "Runtime.generate(lora_path=...): Spruce serves no LoRA adapters"
             )
+        given = {name: value for name, value in options.items() if value is not None}
+        chosen = RequestOptions.from_keywords(given, "Runtime.generate", ("stream",))
         msg = GenerateMsg(
-            rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob,
-            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-            top_logprobs_num=top_logprobs_num or 0,
+            rid=new_rid(), text=prompt, sampling_params=dict(sampling_params or {}),
+            **chosen.to_dict(),
         )  # fmt: skip
         final = self._ready_endpoint().generate(msg)
         if final.results is not None:

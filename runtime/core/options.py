@@ -26,5 +26,24 @@ class RequestOptions:
         """From a JSON-like dict that may hold other keys too (only this record's are read)."""
         return cls(**{name: data[name] for name in cls.field_names() if name in data})
 
+    @classmethod
+    def from_keywords(
+        cls, given: dict[str, Any], where: str, left_out: tuple[str, ...] = ()
+    ) -> RequestOptions:
+        """From a call's keyword arguments (`where(**given)`), which must be fields of this
+        record but `left_out`; anything else is a TypeError listing the ones taken."""
+        known = [name for name in cls.field_names() if name not in left_out]
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise TypeError(
+                f"{where}() got unexpected keyword argument(s) {unknown}; options: {', '.join(known)}"
+            )
+        return cls(**given)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Options only a server carries out: the deadline (its front end watches it) and logprob
+# entries with their text (the native routes' presentation). The offline Engine refuses them.
+SERVER_ONLY = ("return_text_in_logprobs", "timeout_s")

@@ -12,8 +12,9 @@ from typing import Any
 
 from spruce.constrained.core import linear_regex
 from spruce.constrained.core.linear_regex import UnsupportedRegex
+from spruce.constrained.spec import too_many_constraints
 from spruce.runtime.core.values import is_int, is_int64, is_number
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import ConstraintError, FieldNames, InvalidRequestError
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
 MIN_TEMPERATURE = 1e-5  # below, logits / temperature overflow to inf (and sampling to NaN)
@@ -21,6 +22,7 @@ MIN_REPETITION_PENALTY = 1e-5  # the same division
 # The constraint fields: a request sets at most one. All but choices are text.
 CONSTRAINT_FIELDS = ("regex", "json_schema", "choices", "ebnf", "lark", "structural_tag")
 TEXT_CONSTRAINTS = tuple(name for name in CONSTRAINT_FIELDS if name != "choices")
+CANONICAL = FieldNames()  # messages name the fields as SamplingParams does
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,8 @@ class SamplingParams:
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
             raise InvalidRequestError(
-                f"unknown sampling parameter(s) {unknown}; known: {', '.join(cls.field_names())}"
+                f"unknown sampling parameter(s) {unknown}; known: {', '.join(cls.field_names())}",
+                field="sampling_params",
             )
         return cls(**data)
 
@@ -118,173 +121,141 @@ class SamplingParams:
         prompt_len: int | None = None,
         context_len: int | None = None,
         limits: RequestLimits | None = None,
+        names: FieldNames = CANONICAL,
     ) -> None:
-        """Raises InvalidRequestError naming the field for any value the runtime refuses;
-        sizes are checked against `limits` (default: RequestLimits())."""
+        """Raises InvalidRequestError for any value the runtime refuses, naming the field as
+        `names` spells it (and carrying its canonical name); sizes are checked against
+        `limits` (default: RequestLimits())."""
         limits = limits or RequestLimits()
-        self._check_counts()
-        self._check_floats()
-        self._check_flags()
-        self._check_stops(limits)
-        self._check_stop_regex(limits)
-        self._check_logit_bias(limits)
-        self._check_constraint(limits)
+        self._check_counts(names)
+        self._check_floats(names)
+        self._check_flags(names)
+        self._check_stops(limits, names)
+        self._check_stop_regex(limits, names)
+        self._check_logit_bias(limits, names)
+        self._check_constraint(limits, names)
         cap = limits.max_new_tokens_limit
-        _check(
-            cap is None or self.max_new_tokens <= cap,
-            f"max_new_tokens must be at most {cap} on this server",
-        )
+        _check(cap is None or self.max_new_tokens <= cap, names, "max_new_tokens",
+               f"must be at most {cap} on this server")  # fmt: skip
         if prompt_len is not None and context_len is not None:
-            self.validate_length(prompt_len, context_len)
+            self.validate_length(prompt_len, context_len, names)
 
-    def _check_counts(self) -> None:
-        _check(
-            is_int64(self.max_new_tokens) and self.max_new_tokens >= 0,
-            "max_new_tokens must be an integer >= 0",
-        )
-        _check(
-            is_int64(self.min_new_tokens) and self.min_new_tokens >= 0,
-            "min_new_tokens must be an integer >= 0",
-        )
-        _check(
-            self.min_new_tokens <= self.max_new_tokens,
-            "min_new_tokens must not exceed max_new_tokens",
-        )
-        _check(
-            is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k must be -1 (off) or >= 1",
-        )
-        _check(
-            self.seed is None or (is_int(self.seed) and 0 <= self.seed <= INT64_MAX),
-            f"seed must be an integer in [0, {INT64_MAX}]",
-        )
+    def _check_counts(self, names: FieldNames) -> None:
+        new, least = self.max_new_tokens, self.min_new_tokens
+        _check(is_int64(new) and new >= 0, names, "max_new_tokens", "must be an integer >= 0")
+        _check(is_int64(least) and least >= 0, names, "min_new_tokens", "must be an integer >= 0")
+        _check(least <= new, names, "min_new_tokens",
+               f"must not exceed {names('max_new_tokens')}")  # fmt: skip
+        _check(is_int64(self.top_k) and (self.top_k == -1 or self.top_k >= 1), names, "top_k",
+               "must be -1 (off) or >= 1")  # fmt: skip
+        _check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= INT64_MAX), names,
+               "seed", f"must be an integer in [0, {INT64_MAX}]")  # fmt: skip
 
-    def _check_floats(self) -> None:
+    def _check_floats(self, names: FieldNames) -> None:
         temperature = self.temperature
-        _check(
-            is_number(temperature) and temperature >= 0,
-            "temperature must be >= 0 (0 means greedy) and finite",
-        )
-        _check(
-            temperature == 0 or temperature >= MIN_TEMPERATURE,
-            f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows the logits",
-        )
-        _check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        _check(is_number(temperature) and temperature >= 0, names, "temperature",
+               "must be >= 0 (0 means greedy) and finite")  # fmt: skip
+        _check(temperature == 0 or temperature >= MIN_TEMPERATURE, names, "temperature",
+               f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}: a smaller one overflows the logits")  # fmt: skip
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, names, "top_p", "must be in (0, 1]")
+        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, names, "min_p", "must be in [0, 1]")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
-        _check(
-            is_number(self.repetition_penalty)
-            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2,
-            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2]",
-        )
+            _check(is_number(value) and -2 <= value <= 2, names, name, "must be in [-2, 2]")
+        penalty = self.repetition_penalty
+        _check(is_number(penalty) and MIN_REPETITION_PENALTY <= penalty <= 2, names,
+               "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 2]")  # fmt: skip
 
-    def _check_flags(self) -> None:
+    def _check_flags(self, names: FieldNames) -> None:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false")
-        _check(
-            self.custom_params is None or isinstance(self.custom_params, dict),
-            "custom_params must be a JSON object (it is ignored: Spruce runs no custom logit processors)",
-        )
+            _check(isinstance(getattr(self, name), bool), names, name, "must be true or false")
+        _check(self.custom_params is None or isinstance(self.custom_params, dict), names,
+               "custom_params",
+               "must be a JSON object (it is ignored: Spruce runs no custom logit processors)")  # fmt: skip
 
-    def _check_stops(self, limits: RequestLimits) -> None:
+    def _check_stops(self, limits: RequestLimits, names: FieldNames) -> None:
         stop, ids = self.stop, self.stop_token_ids
-        _check(
-            isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop),
-            "stop must be a string or a list of non-empty strings",
-        )
-        _check(
-            len(stop) <= limits.max_stop_strings,
-            f"stop has {len(stop)} strings; at most {limits.max_stop_strings}",
-        )
+        _check(isinstance(stop, tuple) and all(isinstance(s, str) and s for s in stop), names,
+               "stop", "must be a string or a list of non-empty strings")  # fmt: skip
+        _check(len(stop) <= limits.max_stop_strings, names, "stop",
+               f"has {len(stop)} strings; at most {limits.max_stop_strings}")  # fmt: skip
         longest = max(map(len, stop), default=0)
-        _check(
-            longest <= limits.max_stop_string_chars,
-            f"a stop string has {longest} characters; at most {limits.max_stop_string_chars}",
-        )
-        _check(
-            isinstance(ids, tuple) and all(is_int64(t) and t >= 0 for t in ids),
-            "stop_token_ids must be a list of token ids (ints >= 0)",
-        )
-        _check(
-            len(ids) <= limits.max_stop_token_ids,
-            f"stop_token_ids has {len(ids)} entries; at most {limits.max_stop_token_ids}",
-        )
+        if longest > limits.max_stop_string_chars:
+            raise InvalidRequestError(
+                f"a {names('stop')} string has {longest} characters; at most "
+                f"{limits.max_stop_string_chars}", field="stop",
+            )  # fmt: skip
+        _check(isinstance(ids, tuple) and all(is_int64(t) and t >= 0 for t in ids), names,
+               "stop_token_ids", "must be a list of token ids (ints >= 0)")  # fmt: skip
+        _check(len(ids) <= limits.max_stop_token_ids, names, "stop_token_ids",
+               f"has {len(ids)} entries; at most {limits.max_stop_token_ids}")  # fmt: skip
 
-    def _check_stop_regex(self, limits: RequestLimits) -> None:
-        patterns = self.stop_regex
-        _check(
-            isinstance(patterns, tuple) and all(isinstance(p, str) and p for p in patterns),
-            "stop_regex must be a regex string or a list of non-empty regex strings",
-        )
-        most = limits.max_stop_strings
-        _check(
-            len(patterns) <= most,
-            f"stop_regex has {len(patterns)} patterns; at most {most} (--max-stop-strings)",
-        )
+    def _check_stop_regex(self, limits: RequestLimits, names: FieldNames) -> None:
+        patterns, most = self.stop_regex, limits.max_stop_strings
+        _check(isinstance(patterns, tuple) and all(isinstance(p, str) and p for p in patterns),
+               names, "stop_regex",
+               "must be a regex string or a list of non-empty regex strings")  # fmt: skip
+        _check(len(patterns) <= most, names, "stop_regex",
+               f"has {len(patterns)} patterns; at most {most} (--max-stop-strings)")  # fmt: skip
         for pattern in patterns:
-            _check_size(
-                "stop_regex", len(pattern), limits.max_stop_string_chars, "--max-stop-string-chars"
-            )
+            _check_size(names, "stop_regex", len(pattern), limits.max_stop_string_chars,
+                        "--max-stop-string-chars")  # fmt: skip
             try:
                 empty_match = linear_regex.search(pattern, "")
             except UnsupportedRegex as e:
-                raise InvalidRequestError(f"stop_regex {pattern[:80]!r}: {e.reason}") from None
-            _check(
-                empty_match is None,
-                f"stop_regex {pattern!r} matches the empty string (it would stop at once)",
-            )
+                raise names.error("stop_regex", f"{pattern[:80]!r}: {e.reason}") from None
+            _check(empty_match is None, names, "stop_regex",
+                   f"{pattern!r} matches the empty string (it would stop at once)")  # fmt: skip
 
-    def _check_logit_bias(self, limits: RequestLimits) -> None:
+    def _check_logit_bias(self, limits: RequestLimits, names: FieldNames) -> None:
         bias = self.logit_bias
         _check(
             isinstance(bias, tuple)
             and all(isinstance(p, tuple) and len(p) == 2 and is_int64(p[0]) and p[0] >= 0 and is_number(p[1])
                     for p in bias),
-            "logit_bias must map token ids (integers >= 0) to finite numbers",
+            names, "logit_bias", "must map token ids (integers >= 0) to finite numbers",
         )  # fmt: skip
         most = limits.max_logit_bias
-        _check(
-            len(bias) <= most,
-            f"logit_bias has {len(bias)} entries; at most {most} (--max-logit-bias)",
-        )
+        _check(len(bias) <= most, names, "logit_bias",
+               f"has {len(bias)} entries; at most {most} (--max-logit-bias)")  # fmt: skip
 
-    def _check_constraint(self, limits: RequestLimits) -> None:
+    def _check_constraint(self, limits: RequestLimits, names: FieldNames) -> None:
         for name in TEXT_CONSTRAINTS:
             value = getattr(self, name)
-            _check(value is None or isinstance(value, str), f"{name} must be a string")
-            _check_size(name, len(value or ""), limits.max_constraint_chars)
+            _check(value is None or isinstance(value, str), names, name, "must be a string")
+            _check_size(names, name, len(value or ""), limits.max_constraint_chars)
         choices = self.choices
-        _check(
-            choices is None
-            or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices)),
-            "choices must be a list of strings",
-        )
+        _check(choices is None or (isinstance(choices, tuple) and all(isinstance(c, str) for c in choices)),
+               names, "choices", "must be a list of strings")  # fmt: skip
         if choices is not None:
-            _check(
-                len(choices) <= limits.max_choices,
-                f"choices has {len(choices)} entries; at most {limits.max_choices}",
-            )
-            _check_size("choices", sum(map(len, choices)), limits.max_constraint_chars)
-        _check(
-            self.schema_mode in (None, "strict", "lenient"),
-            "schema_mode must be 'strict' or 'lenient'",
-        )
-        constraints = self.constraint_names
-        _check(len(constraints) <= 1, f"give at most one constraint, got {constraints}")
+            _check(len(choices) <= limits.max_choices, names, "choices",
+                   f"has {len(choices)} entries; at most {limits.max_choices}")  # fmt: skip
+            _check_size(names, "choices", sum(map(len, choices)), limits.max_constraint_chars)
+        _check(self.schema_mode in (None, "strict", "lenient"), names, "schema_mode",
+               "must be 'strict' or 'lenient'")  # fmt: skip
+        given = self.constraint_names
+        if len(given) > 1:
+            message = too_many_constraints([names(name) for name in given])
+            raise ConstraintError(message, field=given[1])
 
-    def validate_length(self, prompt_len: int, context_len: int) -> None:
-        _check(prompt_len > 0, "the prompt is empty")
-        _check(
-            prompt_len < context_len,
-            f"the prompt has {prompt_len} tokens; the model's context is {context_len} tokens",
-        )
-        _check(
-            prompt_len + self.max_new_tokens <= context_len,
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({self.max_new_tokens}) exceeds the "
-            f"context length ({context_len}); lower max_new_tokens to at most {context_len - prompt_len}",
-        )
+    def validate_length(
+        self, prompt_len: int, context_len: int, names: FieldNames = CANONICAL
+    ) -> None:
+        """The prompt, and the prompt with max_new_tokens, against the model's context."""
+        if prompt_len <= 0:
+            raise InvalidRequestError("the prompt is empty", field="prompt")
+        if prompt_len >= context_len:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens; the model's context is {context_len} tokens",
+                field="prompt",
+            )
+        new = names("max_new_tokens")
+        if prompt_len + self.max_new_tokens > context_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + {new} ({self.max_new_tokens}) exceeds the context "
+                f"length ({context_len}); lower {new} to at most {context_len - prompt_len}",
+                field="max_new_tokens",
+            )
 
 
 def _normalized(data: dict[str, Any]) -> dict[str, Any]:
@@ -339,13 +310,16 @@ def _json_text(name: str, value: Any) -> str:
             if name == "json_schema"
             else "a dict or a JSON string"
         )
-        raise InvalidRequestError(f"{name} must be {shapes}: {e}") from None
+        raise InvalidRequestError(f"{name} must be {shapes}: {e}", field=name) from None
 
 
-def _check_size(name: str, size: int, limit: int, flag: str = "--max-constraint-chars") -> None:
-    _check(size <= limit, f"{name} has {size} characters; at most {limit} ({flag})")
+def _check_size(
+    names: FieldNames, name: str, size: int, limit: int, flag: str = "--max-constraint-chars"
+) -> None:
+    _check(size <= limit, names, name, f"has {size} characters; at most {limit} ({flag})")
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, names: FieldNames, name: str, rest: str) -> None:
+    """Refuses unless `ok`: `<the field as the API spells it> <rest>`."""
     if not ok:
-        raise InvalidRequestError(message)
+        raise names.error(name, rest)

@@ -1,13 +1,18 @@
-"""The one validation boundary. Every front end (the offline Engine, HTTP, ZeroMQ) turns a
-call into `ValidRequest`s here, once; the scheduler trusts what it gets (asserts only).
+"""The one validation boundary. Every API (HTTP /generate and ZeroMQ, the OpenAI routes,
+the offline Engine; the DSL through the first two) maps its call onto a `Draft` in the
+canonical names and calls `validate_call` once, with its own `FieldNames`: every check is
+here (prompts, n, batch size, options, response size, sampling, the one constraint), and
+each message names the field as that API spells it. The scheduler trusts what it gets
+(asserts only); the limits are `RequestLimits` (runtime/limits.py).
 
-    prompts, single = batch_inputs(text, input_ids)          # one prompt or a batch
-    params = sampling_list(sampling_params, len(prompts))    # SamplingParams per prompt
-    valid = validate_request(ids, params[0], options, model_limits)
+    draft = Draft(text=["a", "b"], sampling={"max_new_tokens": 8}, n=2)
+    call = validate_call(draft, model_limits, FieldNames({"text": "prompt"}), tokenizer.encode)
+    call.requests   # 4 ValidRequests: n per prompt, prompt-major
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +21,13 @@ from spruce.constrained.convert import Conversion
 from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.sampling_params import CANONICAL, CONSTRAINT_FIELDS, SamplingParams
 from spruce.runtime.core.values import is_int, is_number
-from spruce.runtime.errors import ConstraintError, InvalidRequestError, constraint_error
+from spruce.runtime.errors import (
+    ConstraintError,
+    FieldNames,
+    InvalidRequestError,
+)
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
 
@@ -45,34 +54,93 @@ class ValidRequest:
     constraint: ConstraintSpec | None
 
 
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A generate call as an API gave it, in the canonical names, not yet checked: `text`
+    (a string or a list of them) or `input_ids` (ids or a list of id lists), exactly one;
+    `sampling`: one dict / SamplingParams for every prompt, or a list of one per prompt;
+    `n`: samples per prompt; `options`: the call's RequestOptions."""
+
+    text: Any = None
+    input_ids: Any = None
+    sampling: Any = None
+    n: Any = 1
+    options: RequestOptions = field(default_factory=RequestOptions)
+
+    def prompt_chars(self) -> int:
+        """Characters of the prompt texts (0 for token ids): how long tokenizing takes."""
+        texts = [self.text] if isinstance(self.text, str) else self.text
+        return sum(len(t) for t in texts if isinstance(t, str)) if isinstance(texts, list) else 0
+
+    def has_constraint(self) -> bool:
+        """Whether a sampling entry sets a constraint (its conversion may take a while)."""
+        entries = self.sampling if isinstance(self.sampling, list) else [self.sampling]
+        return any(_sets_constraint(entry) for entry in entries)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidCall:
+    """A call that passed every check: its requests (n per prompt, prompt-major, as SGLang
+    orders them), and whether it was one prompt (not a list) with n = 1, answered by one
+    result rather than a list."""
+
+    requests: list[ValidRequest]
+    single: bool
+
+
+Tokenize = Callable[[str], list[int]]
+
+
+def validate_call(
+    draft: Draft,
+    limits: ModelLimits,
+    names: FieldNames = CANONICAL,
+    tokenize: Tokenize | None = None,
+) -> ValidCall:
+    """Every check of one generate call; raises InvalidRequestError (ConstraintError for a
+    bad constraint) naming the field as `names` spells it. Text prompts are tokenized with
+    `tokenize` (each once: its n samples share the ids). The cheap checks of the whole call
+    come first; then each request, its constraint converted (a JSON schema in a worker
+    process stopped at the deadline)."""
+    request = limits.request
+    prompts, single = _prompts(draft.text, draft.input_ids, names)
+    n = _samples(draft.n, request, names)
+    check_batch_size(len(prompts) * n, request)
+    params = sampling_list(draft.sampling, len(prompts), names)
+    check_options(draft.options, request, names)
+    ids = [_ids(prompt, tokenize) for prompt in prompts]
+    pairs = [(i, _sample(p, j)) for i, p in zip(ids, params) for j in range(n)]
+    check_response_size(pairs, draft.options, request, names)
+    valid = [validate_request(i, p, draft.options, limits, names) for i, p in pairs]
+    return ValidCall(valid, single and n == 1)
+
+
 def validate_request(
-    ids: list[int], sampling: SamplingParams, options: RequestOptions, limits: ModelLimits
-) -> ValidRequest:
-    """Everything about one request that can be checked before it is queued; raises
-    InvalidRequestError (ConstraintError for a bad constraint) saying what to change."""
-    if not are_token_ids(ids, limits.vocab_size):
-        raise InvalidRequestError(f"input_ids must be token ids in [0, {limits.vocab_size})")
+    ids: list[int], sampling: SamplingParams, options: RequestOptions, limits: ModelLimits,
+    names: FieldNames = CANONICAL,
+) -> ValidRequest:  # fmt: skip
+    """Everything about one request that can be checked before it is queued (a call's
+    requests: `validate_call`)."""
+    vocab = limits.vocab_size
+    if not are_token_ids(ids, vocab):
+        raise names.error("input_ids", f"must be token ids in [0, {vocab})")
     if not isinstance(sampling, SamplingParams):
-        raise InvalidRequestError(
-            "sampling_params must be a JSON object (a dict) or a SamplingParams"
-        )
-    sampling.validate(len(ids), limits.context_length, limits.request)
-    bad_stop = [t for t in sampling.stop_token_ids if t >= limits.vocab_size]
+        raise names.error("sampling_params", "must be a JSON object (a dict) or a SamplingParams")
+    sampling.validate(len(ids), limits.context_length, limits.request, names)
+    bad_stop = [t for t in sampling.stop_token_ids if t >= vocab]
     if bad_stop:
-        raise InvalidRequestError(
-            f"stop_token_ids {bad_stop[:5]} are not token ids (vocabulary: {limits.vocab_size})"
+        raise names.error(
+            "stop_token_ids", f"{bad_stop[:5]} are not token ids (vocabulary: {vocab})"
         )
-    bad_bias = [t for t, _ in sampling.logit_bias if t >= limits.vocab_size]
+    bad_bias = [t for t, _ in sampling.logit_bias if t >= vocab]
     if bad_bias:
-        raise InvalidRequestError(
-            f"logit_bias keys {bad_bias[:5]} are not token ids (vocabulary: {limits.vocab_size})"
+        raise names.error(
+            "logit_bias", f"keys {bad_bias[:5]} are not token ids (vocabulary: {vocab})"
         )
-    check_options(options, limits.request)
+    check_options(options, limits.request, names)
     if options.logprob_start_len >= len(ids):
-        raise InvalidRequestError(
-            f"logprob_start_len must be -1 or a prompt position (< {len(ids)})"
-        )
-    return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits))
+        raise names.error("logprob_start_len", f"must be -1 or a prompt position (< {len(ids)})")
+    return ValidRequest(list(ids), sampling, options, _constraint(sampling, limits, names))
 
 
 def are_token_ids(ids: Any, vocab_size: int) -> bool:
@@ -87,36 +155,40 @@ def are_token_ids(ids: Any, vocab_size: int) -> bool:
     return 0 <= min(ids) and max(ids) < vocab_size
 
 
-def check_options(options: RequestOptions, limits: RequestLimits | None = None) -> None:
+def check_options(
+    options: RequestOptions, limits: RequestLimits | None = None, names: FieldNames = CANONICAL
+) -> None:
     most = (limits or RequestLimits()).max_top_logprobs
-    if not isinstance(options.return_logprob, bool):
-        raise InvalidRequestError("return_logprob must be true or false")
-    if not is_int(options.logprob_start_len) or not -1 <= options.logprob_start_len <= INT64_MAX:
-        raise InvalidRequestError("logprob_start_len must be -1 (output only) or a prompt position")
-    if not is_int(options.top_logprobs_num) or not 0 <= options.top_logprobs_num <= most:
-        raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {most}]")
-    if not isinstance(options.return_text_in_logprobs, bool):
-        raise InvalidRequestError("return_text_in_logprobs must be true or false")
-    if not isinstance(options.stream, bool):
-        raise InvalidRequestError("stream must be true or false")
+    for flag in ("return_logprob", "return_text_in_logprobs", "stream"):
+        if not isinstance(getattr(options, flag), bool):
+            raise names.error(flag, "must be true or false")
+    start = options.logprob_start_len
+    if not is_int(start) or not -1 <= start <= INT64_MAX:
+        raise names.error("logprob_start_len", "must be -1 (output only) or a prompt position")
+    top = options.top_logprobs_num
+    if not is_int(top) or not 0 <= top <= most:
+        raise names.error("top_logprobs_num", f"must be an integer in [0, {most}]")
     timeout = options.timeout_s
     if timeout is not None and not (is_number(timeout) and timeout > 0):
-        raise InvalidRequestError(
-            "timeout_s must be a number of seconds > 0 (or null: the server's default)"
+        raise names.error(
+            "timeout_s", "must be a number of seconds > 0 (or null: the server's default)"
         )
 
 
 def check_batch_size(count: int, limits: RequestLimits) -> None:
     """A call's requests (prompts x n) against --max-batch-size."""
-    if count > limits.max_batch_size:
+    most = limits.max_batch_size
+    if count > most:
         raise InvalidRequestError(
-            f"the call has {count} requests (prompts x n); at most {limits.max_batch_size} (--max-batch-size)"
+            f"the call has {count} requests (prompts x n); at most {most} (--max-batch-size)",
+            field="prompt",
         )
 
 
 def check_response_size(
-    requests: list[tuple[list[int], SamplingParams]], options: RequestOptions, limits: RequestLimits
-) -> None:
+    requests: list[tuple[list[int], SamplingParams]], options: RequestOptions, limits: RequestLimits,
+    names: FieldNames = CANONICAL,
+) -> None:  # fmt: skip
     """The logprob entries a call may return (`logprob_entries`, summed over its prompts
     and n) against --max-logprob-entries: they multiply, so a small body can ask for GBs.
     Checked before the requests are validated one by one (n samples of a long prompt cost
@@ -124,11 +196,13 @@ def check_response_size(
     total = sum(logprob_entries(len(ids), sampling, options) for ids, sampling in requests)
     most = limits.max_logprob_entries
     if total > most:
+        new, top = names("max_new_tokens"), names("top_logprobs_num")
+        start, n = names("logprob_start_len"), names("n")
         raise InvalidRequestError(
-            f"the call asks for {total} logprob entries ((prompt tokens from logprob_start_len + max_new_tokens) "
-            f"x (1 + top_logprobs_num), over every prompt and n); at most {most} (--max-logprob-entries): "
-            "lower n, max_new_tokens or top_logprobs_num, or raise logprob_start_len"
-        )
+            f"the call asks for {total} logprob entries ((prompt tokens from {start} + {new}) "
+            f"x (1 + {top}), over every prompt and {n}); at most {most} (--max-logprob-entries): "
+            f"lower {n}, {new} or {top}, or raise {start}"
+        )  # fmt: skip
 
 
 def logprob_entries(num_ids: int, sampling: SamplingParams, options: RequestOptions) -> int:
@@ -142,27 +216,31 @@ def logprob_entries(num_ids: int, sampling: SamplingParams, options: RequestOpti
     return positions * (1 + options.top_logprobs_num)
 
 
-def _constraint(sampling: SamplingParams, limits: ModelLimits) -> ConstraintSpec | None:
+def _constraint(
+    sampling: SamplingParams, limits: ModelLimits, names: FieldNames
+) -> ConstraintSpec | None:
     """The constraint converted to its spec, once. A JSON schema converts in a worker
     process that is stopped at the deadline (`constrained.convert`). A grammar's error
     names its field (`ebnf: line 3, column 7: ...`)."""
     if not sampling.has_constraint:
         return None
+    name = sampling.constraint_names[0]
     try:
         return constraint_spec(sampling, limits.conversion)
     except constrained_errors.ConstraintError as e:
-        raise named_error(e, sampling.constraint_names[0]) from None
+        raise named_error(e, name) from None
     except RecursionError:  # a schema nested deeper than the JSON parser's recursion allows
-        raise ConstraintError("json_schema is nested too deeply; flatten it or use $defs") from None
+        message = f"{names(name)} is nested too deeply; flatten it or use $defs"
+        raise ConstraintError(message, field=name) from None
 
 
 def named_error(error: constrained_errors.ConstraintError, name: str) -> ConstraintError:
-    """The runtime's ConstraintError, naming the grammar field it is about (`lark: line 1,
-    column 15: ...`); regex / schema / choices messages name theirs already."""
+    """The runtime's ConstraintError about constraint field `name` (`lark: line 1, column
+    15: ...`); regex / schema / choices messages name theirs already."""
     message = str(error)
     if name in GRAMMAR_KINDS and not message.startswith(name):
-        return ConstraintError(f"{name}: {message}")
-    return constraint_error(error)
+        message = f"{name}: {message}"
+    return ConstraintError(message, field=name)
 
 
 def constraint_spec(
@@ -176,48 +254,68 @@ def constraint_spec(
     )  # fmt: skip
 
 
-def batch_inputs(
-    text: Any, input_ids: Any, text_name: str = "prompt", limits: RequestLimits | None = None
-) -> tuple[list, bool]:
+def _prompts(text: Any, input_ids: Any, names: FieldNames) -> tuple[list, bool]:
     """(the prompts, each a string or a list of ids; whether a single prompt was given)."""
-    prompts, single = _prompts(text, input_ids, text_name)
-    check_batch_size(len(prompts), limits or RequestLimits())
-    return prompts, single
-
-
-def _prompts(text: Any, input_ids: Any, text_name: str) -> tuple[list, bool]:
     if (text is None) == (input_ids is None):
-        raise InvalidRequestError(f"give exactly one of {text_name} or input_ids")
+        message = f"give exactly one of {names('text')} or {names('input_ids')}"
+        raise InvalidRequestError(message, field="prompt")
     if text is not None:
         if isinstance(text, str):
             return [text], True
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
             return list(text), False
-        raise InvalidRequestError(f"{text_name} must be a string or a non-empty list of strings")
+        raise names.error("text", "must be a string or a non-empty list of strings")
     if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
         return [list(x) for x in input_ids], False
     if isinstance(input_ids, list):
         return [input_ids], True
-    raise InvalidRequestError("input_ids must be a list of token ids or a list of such lists")
+    raise names.error("input_ids", "must be a list of token ids or a list of such lists")
 
 
-def sampling_list(params: Any, n: int) -> list[SamplingParams]:
+def _samples(n: Any, limits: RequestLimits, names: FieldNames) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
+        raise names.error("n", f"must be an integer from 1 to {limits.max_n} (--max-n); got {n!r}")
+    return n
+
+
+def _ids(prompt: str | list[int], tokenize: Tokenize | None) -> list[int]:
+    if isinstance(prompt, str):
+        assert tokenize is not None, "text prompts need a tokenizer"
+        return tokenize(prompt)
+    return prompt
+
+
+def _sample(sampling: Any, j: int) -> Any:
+    """Sample j of a prompt: with a seed, seed + j (the samples differ, each reproducible);
+    a seed that is not an int is left for validate() to name."""
+    if j == 0 or not isinstance(sampling, SamplingParams) or not is_int(sampling.seed):
+        return sampling
+    return sampling.replace(seed=sampling.seed + j)
+
+
+def _sets_constraint(entry: Any) -> bool:
+    if isinstance(entry, SamplingParams):
+        return entry.has_constraint
+    return isinstance(entry, dict) and any(entry.get(k) is not None for k in CONSTRAINT_FIELDS)
+
+
+def sampling_list(params: Any, n: int, names: FieldNames = CANONICAL) -> list[SamplingParams]:
     """One SamplingParams per prompt: one dict / SamplingParams for all, or a list of n."""
     if isinstance(params, list):
         if len(params) != n:
-            raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts")
-        return [sampling_from(p) for p in params]
-    return [sampling_from(params)] * n
+            message = f"{len(params)} {names('sampling_params')} for {n} prompts"
+            raise InvalidRequestError(message, field="sampling_params")
+        return [sampling_from(p, names) for p in params]
+    return [sampling_from(params, names)] * n
 
 
-def sampling_from(params: Any) -> SamplingParams:
+def sampling_from(params: Any, names: FieldNames = CANONICAL) -> SamplingParams:
     if isinstance(params, SamplingParams):
         return params
     if params is not None and not isinstance(params, dict):
-        raise InvalidRequestError(
-            "sampling_params must be a JSON object (a dict) or a SamplingParams"
-        )
+        raise names.error("sampling_params", "must be a JSON object (a dict) or a SamplingParams")
     try:
         return SamplingParams.from_dict(params)
     except TypeError as e:  # a value of a type no field can hold
-        raise InvalidRequestError(f"bad sampling_params: {e}") from None
+        message = f"bad {names('sampling_params')}: {e}"
+        raise InvalidRequestError(message, field="sampling_params") from None

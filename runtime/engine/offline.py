@@ -22,18 +22,12 @@ from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
 from spruce.runtime.config import EngineConfig, use_passive_omp_threads
-from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.options import SERVER_ONLY, RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.update import Reporter
-from spruce.runtime.core.validation import (
-    batch_inputs,
-    check_options,
-    check_response_size,
-    sampling_list,
-    validate_request,
-)
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.core.validation import Draft, validate_call
+from spruce.runtime.errors import FieldNames, InvalidRequestError
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.scheduler.router import make_router
 from spruce.runtime.text.detokenizer import RequestOutput
@@ -86,29 +80,22 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | SamplingParams | list | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
+        **options: Any,
     ):
         """Returns one result dict (a list for list input), or an iterator of chunks when
-        `stream=True`. Every request is validated before any runs: one bad request raises
+        `stream=True`. `options`: RequestOptions' fields (return_logprob, logprob_start_len,
+        top_logprobs_num, stream) but the server's own (SERVER_ONLY). Every request is
+        validated before any runs (`validate_call`): one bad request raises
         InvalidRequestError and nothing is computed. A request the runtime fails later (its
         constraint does not compile, a failure of its own in a step) fails this call only:
         its error is raised (ConstraintError, scheduler.faults.RequestFault), or when
         streamed, its last chunk has finish_reason {"type": "abort", "message": ...}. Other
         requests, of this call or others, go on."""
-        prompts, single = batch_inputs(prompt, input_ids, limits=self.request_limits)
-        params = sampling_list(sampling_params, len(prompts))
-        options = RequestOptions(
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, stream=stream,
-        )  # fmt: skip
+        given = RequestOptions.from_keywords(options, "Engine.generate", SERVER_ONLY)
+        draft = Draft(prompt, input_ids, sampling_params, options=given)
         limits = replace(self.core.limits, request=self.request_limits)
-        check_options(options, self.request_limits)
-        requests = [(self._ids(p), sp) for p, sp in zip(prompts, params)]
-        check_response_size(requests, options, self.request_limits)
-        valid = [validate_request(ids, sp, options, limits) for ids, sp in requests]
+        call = validate_call(draft, limits, FieldNames({"text": "prompt"}), self.tokenizer.encode)
+        valid, single, stream = call.requests, call.single, given.stream
         reqs = [self._add(v) for v in valid]
         outputs = [RequestOutput(self.tokenizer, v, r.rid) for v, r in zip(valid, reqs)]
         self._live.update(r.rid for r in reqs)  # now: a stream's body starts only when iterated

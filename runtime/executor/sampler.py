@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from spruce.runtime.core.request import Req, TokenLogprobs
+from spruce.runtime.core.sampling_params import MIN_TEMPERATURE  # below: argmax (no overflow)
 
 logger = logging.getLogger("spruce.sampler")
-MIN_TEMPERATURE = 1e-5  # below: sampled by argmax (logits / temperature would overflow)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 

@@ -9,9 +9,8 @@ the body. A server without --api-key also takes the body alone, as one frame. Se
 messages are one frame: the JSON body. No pickle anywhere.
 
 Client -> server, one message per call:
-  {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...},
-   "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-   "stream", "timeout_s"}
+  {"type": "generate", "rid", "text" | "input_ids", "sampling_params": {...}, and the
+   fields of RequestOptions (runtime/core/options.py: return_logprob, stream, timeout_s...)}
       text / input_ids may be a list (a batch); a batch is answered by one "final"
       message whose "results" holds one result per input (streaming a batch is an error).
       For a batch, sampling_params may also be a list (one dict per input).
@@ -70,30 +69,44 @@ are the only (de)serializers.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 import orjson
 
+from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.errors import InvalidRequestError
 
 MAX_MESSAGE_BYTES = 32 * 2**20
 MAX_RID_BYTES = 256  # the envelope's rid frame
 
 
-@dataclass(slots=True)
-class GenerateMsg:
-    rid: str
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    timeout_s: float | None = None
-    type: str = "generate"
+def _generate_fields() -> list[tuple]:
+    """GenerateMsg's fields: the prompts and sampling, then every RequestOptions field (the
+    one list of per-request options, flat on the wire, with its defaults), then the tag."""
+    options = [(f.name, f.type, field(default=f.default)) for f in fields(RequestOptions)]
+    return [
+        ("rid", "str"),
+        ("text", "str | list[str] | None", field(default=None)),
+        ("input_ids", "list[int] | list[list[int]] | None", field(default=None)),
+        ("sampling_params", "dict[str, Any] | list[dict[str, Any]]", field(default_factory=dict)),
+        *options,
+        ("type", "str", field(default="generate")),
+    ]
+
+
+def _options(msg: Any) -> RequestOptions:
+    """The message's RequestOptions (as given: validation checks them)."""
+    return RequestOptions(**{name: getattr(msg, name) for name in RequestOptions.field_names()})
+
+
+GenerateMsg = make_dataclass(
+    "GenerateMsg", _generate_fields(), slots=True, namespace={"options": _options}
+)
+GenerateMsg.__module__ = __name__
+GenerateMsg.__doc__ = """A generate call: text or input_ids (one prompt or a batch), sampling_params
+(SamplingParams' fields and SGLang's n; a list: one per prompt), and RequestOptions' fields.
+`msg.options()` is the call's RequestOptions."""
 
 
 @dataclass(slots=True)

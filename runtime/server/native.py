@@ -9,19 +9,14 @@ from functools import cached_property
 from typing import Any
 
 from spruce.runtime.core.options import RequestOptions
-from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import (
+    Draft,
     ModelLimits,
+    ValidCall,
     ValidRequest,
-    batch_inputs,
-    check_batch_size,
-    check_options,
-    check_response_size,
-    sampling_list,
-    validate_request,
-)  # fmt: skip
-from spruce.runtime.errors import InvalidRequestError
-from spruce.runtime.limits import RequestLimits
+    validate_call,
+)
+from spruce.runtime.errors import FieldNames, InvalidRequestError
 from spruce.runtime.protocol.dsl import GenerateMsg
 from spruce.runtime.server.request_manager import Event, RequestManager, SchedulerUnavailable
 from spruce.runtime.server.work_pool import FrontPools
@@ -64,86 +59,54 @@ class ModelContext:
             "eos_token": self.tokenizer.eos_token,
         }
 
-    def prepare(
-        self, prompt: str | list[int], sampling: SamplingParams, options: RequestOptions
-    ) -> ValidRequest:
-        """Tokenizes and validates one request; InvalidRequestError says what to change."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return validate_request(ids, sampling, options, self.limits)
+    def check(self, draft: Draft, names: FieldNames) -> ValidCall:
+        """Tokenizes and validates a call, here and now (`validate_call`)."""
+        return validate_call(draft, self.limits, names, self.tokenizer.encode)
 
-    def _tokenized(
-        self, requests: list[tuple[str | list[int], SamplingParams]]
-    ) -> list[tuple[list[int], SamplingParams]]:
-        """Each request's prompt as token ids; a call's n samples share one prompt object,
-        tokenized once."""
-        ids_of: dict[int, list[int]] = {}
-        for prompt, _ in requests:
-            if id(prompt) not in ids_of:
-                ids_of[id(prompt)] = (
-                    self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                )
-        return [(ids_of[id(prompt)], sampling) for prompt, sampling in requests]
+    async def validate(self, draft: Draft, names: FieldNames) -> ValidCall:
+        """`check` of a call, on a thread of the front end's bounded pools (work_pool.py)
+        when it is constrained or has long prompt texts: tokenizing megabytes of text takes
+        a while, and a JSON schema converts in a worker process (stopped at the grammar
+        timeout) that the thread waits for; the event loop keeps serving every other client
+        meanwhile and never runs a conversion itself."""
+        if draft.has_constraint():
+            return await self.pools.convert.run(self.check, draft, names)
+        if draft.prompt_chars() > LONG_TEXT_CHARS:
+            return await self.pools.tokenize.run(self.check, draft, names)
+        return self.check(draft, names)
 
-    async def prepare_all(
-        self, requests: list[tuple[str | list[int], SamplingParams]], options: RequestOptions
-    ) -> list[ValidRequest]:
-        """`prepare` for each (prompt, sampling). A constrained call, or one with long prompt
-        texts, is prepared on a thread of the front end's bounded pools (work_pool.py): tokenizing megabytes of text takes a while, and
-        a JSON schema converts in a worker process (stopped at the grammar timeout) that the
-        thread waits for; the event loop keeps serving every other client meanwhile."""
 
-        def work() -> list[ValidRequest]:
-            check_options(options, self.limits.request)
-            tokenized = self._tokenized(requests)
-            check_response_size(tokenized, options, self.limits.request)
-            return [self.prepare(ids, sampling, options) for ids, sampling in tokenized]
-
-        if any(sampling.has_constraint for _, sampling in requests):
-            return await self.pools.convert.run(work)
-        if sum(len(prompt) for prompt, _ in requests if isinstance(prompt, str)) > LONG_TEXT_CHARS:
-            return await self.pools.tokenize.run(work)
-        return work()
+NATIVE_NAMES = FieldNames()  # /generate and ZeroMQ take the canonical names
 
 
 async def prepare_generate(
     msg: GenerateMsg, model: ModelContext
 ) -> tuple[list[ValidRequest], bool]:
-    """(the ValidRequests: n per prompt, prompt-major as SGLang orders them; whether the
-    call was a single prompt with n = 1, answered by one result rather than a list)."""
-    limits = model.limits.request
-    prompts, single = batch_inputs(msg.text, msg.input_ids, text_name="text", limits=limits)
-    sampling, n = parallel_samples(msg.sampling_params, limits)
-    check_batch_size(len(prompts) * n, limits)
-    params = sampling_list(sampling, len(prompts))
-    options = request_options(msg, limits)
-    requests = [(prompt, _sample(p, j)) for prompt, p in zip(prompts, params) for j in range(n)]
-    return await model.prepare_all(requests, options), single and n == 1
+    """A native generate call (HTTP /generate or ZeroMQ) validated: (the ValidRequests, n
+    per prompt, prompt-major; whether it is answered by one result rather than a list).
+    SGLang's `n` is taken out of sampling_params; the rest are the message's own fields."""
+    sampling, n = parallel_samples(msg.sampling_params)
+    draft = Draft(msg.text, msg.input_ids, sampling, n, msg.options())
+    call = await model.validate(draft, NATIVE_NAMES)
+    return call.requests, call.single
 
 
-def parallel_samples(sampling: Any, limits: RequestLimits) -> tuple[Any, int]:
+def parallel_samples(sampling: Any) -> tuple[Any, Any]:
     """SGLang's `n` in sampling_params: (the sampling_params without it, n). The n requests
     of a prompt go out together; the scheduler admits the first alone and the others next
     step (in-batch prefix sharing), so they find the prompt in the radix cache."""
     dicts = sampling if isinstance(sampling, list) else [sampling]
-    counts = {d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts}
-    if len(counts) > 1:
+    counts = [d.get("n", 1) if isinstance(d, dict) else 1 for d in dicts]
+    if any(c != counts[0] for c in counts):
         raise InvalidRequestError(
-            f"n must be the same in every sampling_params of a batch; got {sorted(counts)}"
-        )
-    n = counts.pop() if counts else 1  # an empty list: sampling_list says what is wrong
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
-        raise InvalidRequestError(
-            f"n must be an integer from 1 to {limits.max_n} (--max-n); got {n!r}"
+            f"n must be the same in every sampling_params of a batch; got {counts[:8]}",
+            field="n",
         )
     stripped = [
         {k: v for k, v in d.items() if k != "n"} if isinstance(d, dict) else d for d in dicts
     ]
+    n = counts[0] if counts else 1  # an empty list: validate_call says what is wrong
     return (stripped if isinstance(sampling, list) else stripped[0]), n
-
-
-def _sample(sampling: SamplingParams, j: int) -> SamplingParams:
-    """Sample j of a prompt: with a seed, seed + j (the samples differ, each reproducible)."""
-    return sampling if j == 0 or sampling.seed is None else sampling.replace(seed=sampling.seed + j)
 
 
 def present_meta(
@@ -174,16 +137,6 @@ def present_result(
 def _with_text(entry: list, model: ModelContext) -> list:
     logprob, token = entry[0], entry[1]
     return [logprob, token, model.tokenizer.decode([token], False)]
-
-
-def request_options(msg: GenerateMsg, limits: RequestLimits) -> RequestOptions:
-    options = RequestOptions(
-        return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-        top_logprobs_num=msg.top_logprobs_num, return_text_in_logprobs=msg.return_text_in_logprobs,
-        stream=msg.stream, timeout_s=msg.timeout_s,
-    )  # fmt: skip
-    check_options(options, limits)
-    return options
 
 
 # -- shared by the HTTP and ZeroMQ front ends ------------------------------------------------

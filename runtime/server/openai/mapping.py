@@ -1,26 +1,48 @@
 """OpenAI requests -> validated requests: sampling maps onto the one `SamplingParams`
 (OpenAI's names, and any SamplingParams field by its own name as an extension);
 `response_format`, vLLM's structured-output fields and tool calls become its one
-constraint, enforced by the constrained decoder; every choice is validated once
-(core.validation via ModelContext.prepare)."""
+constraint, enforced by the constrained decoder; a call's prompts, n and options map onto
+a `Draft` that the one validator checks (core.validation via ModelContext.validate), with
+OpenAI's spelling of the fields for its messages and `param`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from spruce.constrained.spec import too_many_constraints
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
-from spruce.runtime.core.validation import ValidRequest, check_batch_size, sampling_from
-from spruce.runtime.errors import ConstraintError, InvalidRequestError
+from spruce.runtime.core.validation import Draft, ValidCall, ValidRequest, sampling_from
+from spruce.runtime.errors import ConstraintError, FieldNames, InvalidRequestError
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai.schemas import (
-    MAX_TOP_LOGPROBS,
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatRequest,
+    CompletionRequest,
     ResponseFormat,
     SamplingRequest,
 )  # fmt: skip
 from spruce.runtime.server.openai.tool_tags import ANY_OBJECT
 from spruce.runtime.server.openai.vllm_fields import vllm_constraints
+
+# The canonical fields as OpenAI's two routes spell them (others keep their names).
+COMPLETION_NAMES = FieldNames({
+    "max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "return_logprob": "logprobs",
+    "logprob_start_len": "echo", "text": "prompt", "input_ids": "prompt",
+})  # fmt: skip
+CHAT_NAMES = FieldNames({
+    "max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "return_logprob": "logprobs",
+    "text": "messages", "input_ids": "messages", "prompt": "messages",
+})  # fmt: skip
+
+
+def names_of(req: SamplingRequest) -> FieldNames:
+    """How this request spells the fields (a chat request's max_completion_tokens, if given)."""
+    if not isinstance(req, ChatRequest):
+        return COMPLETION_NAMES
+    if req.max_completion_tokens is None:
+        return CHAT_NAMES
+    return FieldNames({**CHAT_NAMES.spelling, "max_new_tokens": "max_completion_tokens"})
 
 
 def check_model(server: ServerState, name: str) -> None:
@@ -44,7 +66,7 @@ def sampling_params(
         fields["stop"] = req.stop
     add_constraint(fields, req, tool_constraint)
     try:
-        return sampling_from(fields)
+        return sampling_from(fields, names_of(req))
     except InvalidRequestError as e:
         raise request_error(e, req) from None
 
@@ -55,9 +77,7 @@ def add_constraint(fields: dict, req: SamplingRequest, tool_constraint: dict | N
     sources = constraint_sources(fields, req, tool_constraint)
     if len(sources) > 1:
         names = [name for name, _ in sources]
-        raise ApiError(
-            400, f"give at most one output constraint; got {', '.join(names)}", param=names[1]
-        )
+        raise ApiError(400, too_many_constraints(names), param=names[1])
     for _, constraint in sources:
         fields.update(constraint)
 
@@ -91,12 +111,13 @@ def format_constraint(fmt: ResponseFormat) -> dict:
 
 
 def request_error(e: InvalidRequestError, req: SamplingRequest) -> ApiError:
-    """A 400 for a request the runtime refused; a bad constraint names the field the
-    request gave it by (`structured_outputs.grammar: 1(7): ...`, param too)."""
-    message = openai_names(str(e))
+    """A 400 for a request the runtime refused; its message names the field as OpenAI does
+    already (`names_of`), and so does `param`. A bad constraint names the field the request
+    gave it by (`structured_outputs.grammar: 1(7): ...`, param too)."""
+    message, names = str(e), names_of(req)
     sources = constraint_sources(req.extensions(), req) if isinstance(e, ConstraintError) else []
     if len(sources) != 1:
-        return ApiError(400, message)
+        return ApiError(400, message, param=None if e.field is None else names(e.field))
     name, given = sources[0]
     field = next(iter(given))
     if (
@@ -106,68 +127,55 @@ def request_error(e: InvalidRequestError, req: SamplingRequest) -> ApiError:
     return ApiError(400, message, param=name)
 
 
-async def choices(
-    server: ServerState, ids: list[int], base: SamplingParams, req: SamplingRequest, logprobs: bool, top: int,
-    echo: bool = False,
-) -> list[ValidRequest]:  # fmt: skip
-    """The `n` validated requests of one prompt (seeds n, n+1, ... when a seed is given)."""
-    check_n(server, req.n)
+async def completion_requests(
+    server: ServerState, req: CompletionRequest
+) -> tuple[list[ValidRequest], list[list[int]]]:
+    """(the validated requests: n per prompt, prompt-major; each prompt's token ids)."""
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    logprobs = req.logprobs is not None
     options = RequestOptions(
-        return_logprob=logprobs, logprob_start_len=0 if echo and logprobs else -1, top_logprobs_num=top,
-        stream=req.stream, timeout_s=req.timeout_s,
+        return_logprob=logprobs, logprob_start_len=0 if req.echo and logprobs else -1,
+        top_logprobs_num=req.logprobs or 0, stream=req.stream, timeout_s=req.timeout_s,
     )  # fmt: skip
-    seeded = [
-        base if base.seed is None or i == 0 else base.replace(seed=base.seed + i)
-        for i in range(req.n)
-    ]
+    text, ids = prompt_fields(req.prompt)
+    draft = Draft(text, ids, sampling_params(req, max_tokens), req.n, options)
+    call = await validated(server, draft, req)
+    return call.requests, [r.input_ids for r in call.requests[:: req.n]]
+
+
+def prompt_fields(prompt: Any) -> tuple[Any, Any]:
+    """OpenAI's prompt (a string, strings, token ids or lists of them) as (text, input_ids)."""
+    if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
+        return prompt, None
+    return None, prompt
+
+
+async def chat_requests(
+    server: ServerState, ids: list[int], base: SamplingParams, req: ChatRequest, top: int
+) -> list[ValidRequest]:
+    """The `n` validated requests of a rendered chat prompt (seeds n, n+1, ... when a seed
+    is given)."""
+    options = RequestOptions(
+        return_logprob=req.logprobs, top_logprobs_num=top, stream=req.stream,
+        timeout_s=req.timeout_s,
+    )  # fmt: skip
+    call = await validated(
+        server, Draft(input_ids=ids, sampling=base, n=req.n, options=options), req
+    )
+    return call.requests
+
+
+async def validated(server: ServerState, draft: Draft, req: SamplingRequest) -> ValidCall:
     try:
-        return await server.model.prepare_all([(ids, sampling) for sampling in seeded], options)
+        return await server.model.validate(draft, names_of(req))
     except InvalidRequestError as e:
         raise request_error(e, req) from None
 
 
-def check_n(server: ServerState, n: int) -> None:
-    most = server.model.limits.request.max_n
-    if not 1 <= n <= most:
-        raise ApiError(400, f"n must be between 1 and {most}", param="n")
-
-
-def openai_names(message: str) -> str:
-    return message.replace("max_new_tokens", "max_tokens")
-
-
-def completion_top_logprobs(logprobs: int | None) -> int:
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
-    return logprobs or 0
-
-
 def chat_top_logprobs(req: ChatRequest) -> int:
+    """top_logprobs, which needs logprobs: true (its range: the validator's)."""
     if req.top_logprobs is None:
         return 0
     if not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ApiError(
-            400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
-        )
     return req.top_logprobs
-
-
-def completion_prompts(prompt: Any, server: ServerState, n: int = 1) -> list[list[int]]:
-    """The prompts' token ids; prompts x n must fit --max-batch-size."""
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    check_n(server, n)
-    try:
-        check_batch_size(len(prompts) * n, server.model.limits.request)
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e), param="prompt") from None
-    tokenizer = server.model.tokenizer
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -28,21 +28,14 @@ from spruce.runtime.server.openai.chat_prompt import (
     server_formats,
 )
 from spruce.runtime.server.openai.mapping import (
+    chat_requests,
     chat_top_logprobs,
     check_model,
-    choices,
-    completion_prompts,
-    completion_top_logprobs,
-    openai_names,
+    completion_requests,
     request_error,
     sampling_params,
 )  # fmt: skip
-from spruce.runtime.server.openai.schemas import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    CompletionRequest,
-    parse,
-)
+from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, parse
 from spruce.runtime.server.openai.views import ChatView, CompletionView
 from spruce.runtime.server.request_manager import Call, Event
 
@@ -70,17 +63,9 @@ async def completions(request: Request) -> Response:
     check_model(server, req.model)
     if req.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    top = completion_top_logprobs(req.logprobs)
-    prompts = await server.model.pools.tokenize.run(
-        completion_prompts, req.prompt, server, req.n
-    )  # off the loop
-    items = []
-    for ids in prompts:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        base = sampling_params(req, max_tokens)
-        items += await choices(server, ids, base, req, req.logprobs is not None, top, echo=req.echo)
+    items, prompts = await completion_requests(server, req)
     call = server.manager.submit(items, client=client_key(request))
-    view = CompletionView(server, req, prompts, top)
+    view = CompletionView(server, req, prompts, items[0].options.top_logprobs_num)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
     return json_response(view.response(await _results(request, call)))
@@ -97,7 +82,7 @@ async def chat_completions(request: Request) -> Response:
     tools, prompt, base, answer_spec = await server.model.pools.convert.run(
         _chat_request, req, server
     )
-    items = await choices(server, prompt.ids, base, req, req.logprobs, top)
+    items = await chat_requests(server, prompt.ids, base, req, top)
     call = server.manager.submit(items, client=client_key(request))
     view = ChatView(server, req, prompt, tools, answer_spec)
     if req.stream:
@@ -131,5 +116,5 @@ async def _results(request: Request, call: Call) -> list[Event]:
     failed = batch_error(events, single=True)  # choices are not prompts: no "prompt i:" prefix
     if failed is not None:
         status, message = failed
-        raise ApiError(status, openai_names(message))
+        raise ApiError(status, message)
     return events

@@ -1,5 +1,6 @@
 """The OpenAI request bodies as pydantic models in strict mode (a string where a number
-belongs is a 400, not silently converted), and the limits on them."""
+belongs is a 400, not silently converted). Their limits are the server's RequestLimits,
+checked by the one validator (core.validation)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from spruce.runtime.server.http.common import ApiError, validation_message
 from spruce.runtime.server.openai.sglang_fields import ACCEPTED_FIELDS, SAMPLING_ALIASES, renamed
 from spruce.runtime.server.openai.vllm_fields import GUIDED_FIELDS
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's; the server's --max-top-logprobs may be lower
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
 IGNORED_FIELDS = {

@@ -11,7 +11,6 @@ from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.server.http.common import SSE_DONE, ServerState, sse, stream_error
 from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan, answer_report
 from spruce.runtime.server.openai.chat_stream import AnswerStream
-from spruce.runtime.server.openai.mapping import openai_names
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, SamplingRequest
 from spruce.runtime.server.request_manager import Call, Event
 
@@ -82,7 +81,7 @@ class _View:
     @staticmethod
     def stream_error(e: Event, nothing_sent: bool) -> bytes:
         """Before the first chunk an error is a proper HTTP status; after it, an error event."""
-        return stream_error(e, nothing_sent, openai_names(e.error), with_index=False)
+        return stream_error(e, nothing_sent, e.error, with_index=False)
 
     def finished(self, events: list[Event]) -> None:
         self.done.update((e.index, e) for e in events)

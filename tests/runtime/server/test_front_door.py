@@ -299,15 +299,15 @@ def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenize
     import threading
     import time
 
-    from spruce.runtime.core.validation import ModelLimits
-    from spruce.runtime.server.native import ModelContext
+    from spruce.runtime.core.validation import Draft, ModelLimits
+    from spruce.runtime.server.native import NATIVE_NAMES, ModelContext
 
     class SlowModel(ModelContext):
-        def prepare(self, prompt, sampling, options):
+        def check(self, draft, names):
             self.threads.append(threading.current_thread())
-            if sampling.has_constraint:
+            if draft.has_constraint():
                 time.sleep(0.3)  # stands in for a long schema conversion
-            return super().prepare(prompt, sampling, options)
+            return super().check(draft, names)
 
     model = SlowModel(tiny_tokenizer, "m", "/m", ModelLimits(384, 1024))
     object.__setattr__(model, "threads", [])
@@ -323,16 +323,16 @@ def test_a_slow_constraint_conversion_does_not_stop_the_event_loop(tiny_tokenize
 
         task = asyncio.ensure_future(ticker())
         sampling = SamplingParams(max_new_tokens=4, regex="[ab]{3}")
-        [valid] = await model.prepare_all([("hi", sampling)], RequestOptions())
+        call = await model.validate(Draft("hi", sampling=sampling), NATIVE_NAMES)
         task.cancel()
+        [valid] = call.requests
         assert valid.constraint is not None and ticks >= 10  # the loop ran while it converted
-        await model.prepare_all([("hi", SamplingParams(max_new_tokens=4))], RequestOptions())
+        plain = Draft("hi", sampling={"max_new_tokens": 4})
+        await model.validate(plain, NATIVE_NAMES)
         with pytest.raises(
             InvalidRequestError, match="context"
         ):  # long text: tokenized off the loop too
-            await model.prepare_all(
-                [("word " * 8000, SamplingParams(max_new_tokens=4))], RequestOptions()
-            )
+            await model.validate(Draft("word " * 8000, sampling=plain.sampling), NATIVE_NAMES)
 
     asyncio.run(main())
     main_thread = threading.main_thread()

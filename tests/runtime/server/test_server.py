@@ -711,7 +711,7 @@ BAD_INPUT = [
         400,
         "temperature must be >= 0",
     ),
-    (CHAT, {"model": "{model}", "messages": MSG, "n": 0}, 400, "n must be between"),
+    (CHAT, {"model": "{model}", "messages": MSG, "n": 0}, 400, "n must be an integer from 1"),
     (CHAT, {"model": "{model}", "messages": MSG, "frobnicate": 1}, 400, "unknown field"),
     (CHAT, {"model": "{model}", "messages": MSG, "top_logprobs": 2}, 400, "needs logprobs"),
     (
