@@ -68,13 +68,25 @@ async def completions(request: Request) -> Response:
     view = CompletionView(server, req, prompts, items[0].options.top_logprobs_num)
     if req.stream:
         return await stream_response(request, call, view.stream(call))
-    return json_response(view.response(await _results(request, call)))
+    return json_response(view.response(await chat_results(request, call)))
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     server = server_of(request)
     req: ChatRequest = parse(ChatRequest, await request.body())
+    call, view = await submit_chat(request, server, req)
+    if req.stream:
+        return await stream_response(request, call, view.stream(call))
+    return json_response(view.response(await chat_results(request, call)))
+
+
+async def submit_chat(
+    request: Request, server: ServerState, req: ChatRequest
+) -> tuple[Call, ChatView]:
+    """A parsed chat request down the one chat path: rendered, validated, submitted. The
+    other APIs that chat (Anthropic Messages, Responses) map their bodies onto a
+    ChatRequest and come here too; the view reads the results."""
     check_model(server, req.model)
     top = chat_top_logprobs(req)
     # rendering, tokenizing and converting tool / answer schemas take a while for big
@@ -84,10 +96,7 @@ async def chat_completions(request: Request) -> Response:
     )
     items = await chat_requests(server, prompt.ids, base, req, top)
     call = server.manager.submit(items, client=client_key(request))
-    view = ChatView(server, req, prompt, tools, answer_spec)
-    if req.stream:
-        return await stream_response(request, call, view.stream(call))
-    return json_response(view.response(await _results(request, call)))
+    return call, ChatView(server, req, prompt, tools, answer_spec)
 
 
 def _chat_request(
@@ -111,7 +120,8 @@ def _chat_request(
     return tools, prompt, base, answer_spec
 
 
-async def _results(request: Request, call: Call) -> list[Event]:
+async def chat_results(request: Request, call: Call) -> list[Event]:
+    """The finished events of a call; the first failure as an ApiError."""
     events = await all_results(request, call)
     failed = batch_error(events, single=True)  # choices are not prompts: no "prompt i:" prefix
     if failed is not None:
