@@ -153,8 +153,8 @@ def prompt_fields(prompt: Any) -> tuple[Any, Any]:
 async def chat_requests(
     server: ServerState, ids: list[int], base: SamplingParams, req: ChatRequest, top: int
 ) -> list[ValidRequest]:
-    """The `n` validated requests of a rendered chat prompt (seeds n, n+1, ... when a seed
-    is given)."""
+    """The `n` validated requests of a rendered chat prompt (seeds s, s + 1, ... when a
+    seed s is given)."""
     options = RequestOptions(
         return_logprob=req.logprobs, top_logprobs_num=top, stream=req.stream,
         timeout_s=req.timeout_s,
@@ -166,6 +166,7 @@ async def chat_requests(
 
 
 async def validated(server: ServerState, draft: Draft, req: SamplingRequest) -> ValidCall:
+    """The call checked by the one validator, its errors as OpenAI 400s (`request_error`)."""
     try:
         return await server.model.validate(draft, names_of(req))
     except InvalidRequestError as e:
