@@ -3,8 +3,9 @@ under which SamplingParams names, and `continue_final_message` for chat prompts.
 
 SGLang's clients send these with the openai client's `extra_body={...}`. Sampling fields
 are SamplingParams' own names (top_k, min_p, repetition_penalty, regex, stop_token_ids,
-ignore_eos, skip_special_tokens, no_stop_trim, stop_regex, logit_bias, ...) plus SGLang's
-alias `min_tokens`; anything else unknown stays a 400 naming the field.
+ignore_eos, skip_special_tokens, no_stop_trim, stop_regex, logit_bias, ...) plus the
+aliases `min_tokens` (SGLang's and vLLM's) and `include_stop_str_in_output` (vLLM's);
+anything else unknown stays a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from spruce.runtime.server.http.common import ApiError
 
 # SGLang / vLLM names on the OpenAI routes -> SamplingParams field names
-SAMPLING_ALIASES = {"min_tokens": "min_new_tokens"}
+SAMPLING_ALIASES = {"min_tokens": "min_new_tokens", "include_stop_str_in_output": "no_stop_trim"}
 # Accepted, changing nothing in how this server generates (`rid`: SGLang's request id, for logs).
 ACCEPTED_FIELDS = {"rid"}
 

@@ -229,6 +229,18 @@ def test_min_tokens_alias_sets_min_new_tokens(client):
     assert out.usage.completion_tokens == 4  # 42 is held back for 3 tokens, then it stops
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    """vLLM's name for no_stop_trim."""
+    model = client.models.list().data[0].id
+    plain = client.completions.create(model=model, prompt="hello", max_tokens=6, temperature=0)
+    assert len(plain.choices[0].text) >= 4, plain  # six byte-level tokens
+    stop = plain.choices[0].text[2:4]
+    args = {"model": model, "prompt": "hello", "max_tokens": 6, "temperature": 0, "stop": [stop]}
+    trimmed = client.completions.create(**args).choices[0].text
+    kept = client.completions.create(**args, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == trimmed + stop
+
+
 def test_openai_bad_extensions(http):
     model = http.get("/v1/models").json()["data"][0]["id"]
     base = {"model": model, "prompt": "hi", "max_tokens": 2}
@@ -236,6 +248,8 @@ def test_openai_bad_extensions(http):
     refused(http, {**base, "no_such_field": 1}, "no_such_field", "/v1/completions")
     refused(http, {**base, "logit_bias": {"999999": 5}}, "logit_bias", "/v1/completions")
     refused(http, {**base, "min_tokens": 1, "min_new_tokens": 1}, "min_tokens", "/v1/completions")
+    both = {**base, "include_stop_str_in_output": True, "no_stop_trim": True}
+    refused(http, both, "include_stop_str_in_output", "/v1/completions")
 
 
 def test_chat_continue_final_message(http):
