@@ -5,9 +5,11 @@ shown to change the output as documented; bad values are a 400 naming the field.
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from test_server import API_KEY, AUTH, sse_events, start_server, stop_server, zmq_call
@@ -270,3 +272,42 @@ def test_chat_continue_final_message(http):
     assert prompt != r2.json()["usage"]["prompt_tokens"]  # no end of turn, no new assistant header
     bad = {**body, "messages": messages[:1]}
     refused(http, bad, "continue_final_message", "/v1/chat/completions")
+
+
+# -- OpenAI routes: vLLM's structured-output fields, end to end --------------------------------
+
+SCHEMA = {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"type": "boolean"}},
+    "required": ["a", "b"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def _valid_json(text: str) -> bool:
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True
+
+
+# (the extra fields, a judge of the output that is not ours: re, jsonschema, membership)
+VLLM_CASES = [
+    ({"structured_outputs": {"json": SCHEMA}}, _valid_json),
+    ({"guided_json": SCHEMA}, _valid_json),
+    ({"structured_outputs": {"regex": "[a-c]{3}"}}, lambda t: re.fullmatch("[a-c]{3}", t)),
+    ({"guided_regex": "[a-c]{3}"}, lambda t: re.fullmatch("[a-c]{3}", t)),
+    ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+    ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+    ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, lambda t: re.fullmatch(r"x\d\d", t)),
+    ({"guided_grammar": 'start: "y" /[0-9]{2}/'}, lambda t: re.fullmatch(r"y\d\d", t)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, judge", VLLM_CASES, ids=lambda c: next(iter(c)) if isinstance(c, dict) else ""
+)
+def test_vllm_structured_output_fields_constrain_the_output(client, extra, judge):
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "answer"}], max_tokens=40,
+        temperature=0, extra_body=extra,
+    )  # fmt: skip
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop" and judge(text), text
