@@ -154,9 +154,6 @@ class Engine:
     def _has_work(self) -> bool:
         return any(core.has_work() for core in self.cores)
 
-    def _ids(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
     def _run(self, reqs: list[Req], outputs: list[RequestOutput]) -> list[dict]:
         """Each request's result, once all finished; its output is built from its one
         update (as the server's front end builds it)."""

@@ -55,7 +55,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError) -> Response:
-        return error_response(400, str(e))
+        return error_response(400, str(e), param=e.field)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> Response:

@@ -336,6 +336,11 @@ def test_bad_input(case, request, model_name):
     assert set(error) == {"message", "type", "param", "code"}
 
 
+def test_a_native_error_names_its_field_as_param(http):
+    status, error = post(Case("generate", gen(temperature=1e-40), 400, "temperature"), http, "")
+    assert status == 400 and error["param"] == "temperature", error
+
+
 def post(case: Case, http, model_name: str) -> tuple[int, dict]:
     r = send(case, http, model_name)
     if r.status_code in (429, 503):
