@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from spruce.constrained.backends import BACKEND_CHOICES
 from spruce.constrained.core import linear_regex
 from spruce.constrained.core.linear_regex import UnsupportedRegex
 from spruce.constrained.spec import too_many_constraints
@@ -67,6 +68,9 @@ class SamplingParams:
     # json_schema keywords the grammar cannot enforce: "strict" refuses them, "lenient" leaves
     # them out and reports them in meta_info; None: the server's default (lenient).
     schema_mode: str | None = None
+    # The grammar backend of this request's constraint (auto, spruce, llguidance, outlines);
+    # None: the server's --grammar-backend (vLLM's guided_decoding_backend maps here).
+    grammar_backend: str | None = None
 
     def __post_init__(self) -> None:
         # JSON-friendly input -> field types, however the object was built
@@ -233,6 +237,8 @@ class SamplingParams:
             _check_size(names, "choices", sum(map(len, choices)), limits.max_constraint_chars)
         _check(self.schema_mode in (None, "strict", "lenient"), names, "schema_mode",
                "must be 'strict' or 'lenient'")  # fmt: skip
+        _check(self.grammar_backend is None or self.grammar_backend in BACKEND_CHOICES, names,
+               "grammar_backend", f"must be one of {', '.join(BACKEND_CHOICES)}")  # fmt: skip
         given = self.constraint_names
         if len(given) > 1:
             message = too_many_constraints([names(name) for name in given])

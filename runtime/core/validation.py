@@ -13,7 +13,7 @@ each message names the field as that API spells it. The scheduler trusts what it
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spruce.constrained.backends import GRAMMAR_KINDS
@@ -247,7 +247,10 @@ def constraint_spec(
     sampling: SamplingParams, conversion: Conversion, check: bool = False
 ) -> ConstraintSpec | None:
     """The spec of the one constraint `sampling` holds (ConstraintError if bad or several);
-    `check`: its backend decided now (see make_spec)."""
+    `check`: its backend decided now (see make_spec). The request's grammar_backend, if it
+    names one, replaces the server's."""
+    if sampling.grammar_backend is not None:
+        conversion = replace(conversion, backend=sampling.grammar_backend)
     return conversion.spec(
         sampling.regex, sampling.json_schema, sampling.choices, sampling.schema_mode or "lenient",
         ebnf=sampling.ebnf, lark=sampling.lark, structural_tag=sampling.structural_tag, check=check,

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.server.http.common import ApiError, validation_message
 from spruce.runtime.server.openai.sglang_fields import ACCEPTED_FIELDS, SAMPLING_ALIASES, renamed
-from spruce.runtime.server.openai.vllm_fields import GUIDED_FIELDS
+from spruce.runtime.server.openai.vllm_fields import BACKEND_FIELD, GUIDED_FIELDS, vllm_backend
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Accepted and ignored: they change nothing in how this server generates.
@@ -24,7 +24,9 @@ IGNORED_FIELDS = {
     "best_of",
 } | ACCEPTED_FIELDS
 SAMPLING_EXTENSIONS = set(SamplingParams.field_names()) - {"max_new_tokens"}
-KNOWN_EXTENSIONS = SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES) | set(GUIDED_FIELDS)
+KNOWN_EXTENSIONS = (
+    SAMPLING_EXTENSIONS | set(SAMPLING_ALIASES) | set(GUIDED_FIELDS) | {BACKEND_FIELD}
+)
 
 
 class _Strict(BaseModel):
@@ -109,7 +111,7 @@ class SamplingRequest(BaseModel):
                 f"parameters {', '.join(sorted(KNOWN_EXTENSIONS))}",
                 param=unknown[0],
             )
-        return renamed({k: v for k, v in extra.items() if k in KNOWN_EXTENSIONS})
+        return vllm_backend(renamed({k: v for k, v in extra.items() if k in KNOWN_EXTENSIONS}))
 
 
 class CompletionRequest(SamplingRequest):

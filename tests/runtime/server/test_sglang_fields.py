@@ -311,3 +311,34 @@ def test_vllm_structured_output_fields_constrain_the_output(client, extra, judge
     )  # fmt: skip
     text = out.choices[0].message.content
     assert out.choices[0].finish_reason == "stop" and judge(text), text
+
+
+def test_guided_decoding_backend_picks_the_requests_grammar_backend(client, http):
+    """vLLM's guided_decoding_backend is the request's grammar_backend: its values reach the
+    conversion (the spruce backend takes no Lark grammar: a 400 says so), a backend this
+    server lacks is a 400 naming the field."""
+    model = client.models.list().data[0].id
+    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
+    for backend in ("guidance", "outlines", "auto"):
+        out = client.chat.completions.create(
+            **chat, temperature=0,
+            extra_body={"guided_regex": "[a-c]{3}", "guided_decoding_backend": backend},
+        )  # fmt: skip
+        assert re.fullmatch("[a-c]{3}", out.choices[0].message.content), backend
+    lark = {**chat, "guided_grammar": 'start: "y" /[0-9]{2}/'}
+    assert "spruce grammar backend" in refused(
+        http, {**lark, "grammar_backend": "spruce"}, "lark", "/v1/chat/completions"
+    )
+    refused(
+        http,
+        {**chat, "guided_decoding_backend": "xgrammar"},
+        "guided_decoding_backend",
+        "/v1/chat/completions",
+    )
+    native = generate(http, regex="[a-c]{3}", grammar_backend="outlines", max_new_tokens=8)
+    assert re.fullmatch("[a-c]{3}", native["text"])
+    refused(http, gen_body(grammar_backend="xgrammar"), "grammar_backend")
+
+
+def gen_body(**sampling) -> dict:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 4, **sampling}}
