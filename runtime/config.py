@@ -28,6 +28,7 @@ class ModelOptions:
     context_length: int | None = None  # cap below the model's own
     num_threads: int | None = None  # torch CPU threads; None: all cores
     disable_cuda_graph: bool = False
+    pooling: str = "auto"  # embeddings: auto (the model folder's sentence-transformers pooling, else last) | last | mean | cls
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from spruce.runtime.core.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: the request module stays light
     from concurrent.futures import Future
 
+    import torch
+
     from spruce.constrained.automaton.cursor import CursorBase
     from spruce.constrained.spec import ConstraintSpec
     from spruce.radix.radix_cache import RadixNode
@@ -80,6 +82,11 @@ class Req:
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
     rewritten_from: int | None = None  # first output id jump-forward re-tokenized since the
     # last report (core.update.Reporter turns it into the update's rollback count)
+    # embedding requests: how the prompt's final hidden states are pooled (last | mean |
+    # cls; None: not one), the pooled vector so far, and the positions it has taken in
+    pooling: str | None = None
+    pooled: torch.Tensor | None = None
+    pooled_upto: int = 0
     # results
     finish_reason: FinishReason | None = None
     error: Exception | None = None  # why the runtime refused it after admission (e.g. compile)

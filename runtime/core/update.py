@@ -10,6 +10,7 @@ here, from what jump-forward recorded on the request (`Req.rewritten_from`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from spruce.constrained.spec import JSON_SCHEMA
@@ -40,6 +41,7 @@ class Finished:
     first_token_s: float | None  # admission -> first token
     decode_s: float | None  # first token -> finish
     unenforced: list[str] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (unnormalized)
 
 
 @dataclass(slots=True)
@@ -104,8 +106,28 @@ def finished_of(req: Req) -> Finished:
     return Finished(
         req.finish_reason, req.jump_forward_tokens, req.finished_at - req.created_at,
         None if first is None else first - req.created_at,
-        None if first is None else req.finished_at - first, unenforced,
+        None if first is None else req.finished_at - first, unenforced, _pooled_vector(req),
     )  # fmt: skip
+
+
+def _pooled_vector(req: Req) -> list[float] | None:
+    """An embedding request's vector once its prompt is computed (engine/pooling.py)."""
+    if req.pooled is None or req.error is not None:
+        return None
+    vector = req.pooled / req.pooled_upto if req.pooling == "mean" else req.pooled
+    return vector.tolist()
+
+
+def finish_vector(
+    vector: list[float], dimensions: int | None = None, normalize: bool = True
+) -> list[float]:
+    """An embedding as a caller gets it: its first `dimensions` entries (truncation, as
+    OpenAI's `dimensions`), then scaled to unit length."""
+    out = vector[:dimensions] if dimensions else list(vector)
+    if not normalize:
+        return out
+    norm = math.sqrt(math.fsum(x * x for x in out)) or 1.0
+    return [x / norm for x in out]
 
 
 def _pairs(top):

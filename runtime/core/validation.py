@@ -41,6 +41,7 @@ class ModelLimits:
     conversion: Conversion = field(
         default_factory=Conversion
     )  # JSON whitespace; a schema's deadline
+    hidden_size: int = 0  # the model's: the length of an embedding (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class ValidRequest:
     sampling: SamplingParams
     options: RequestOptions
     constraint: ConstraintSpec | None
+    embed: bool = False  # return the prompt's pooled final hidden state (generates nothing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +61,16 @@ class Draft:
     """A generate call as an API gave it, in the canonical names, not yet checked: `text`
     (a string or a list of them) or `input_ids` (ids or a list of id lists), exactly one;
     `sampling`: one dict / SamplingParams for every prompt, or a list of one per prompt;
-    `n`: samples per prompt; `options`: the call's RequestOptions."""
+    `n`: samples per prompt; `options`: the call's RequestOptions; `embed`: an embedding
+    call (each prompt's pooled hidden state; its sampling generates nothing)."""
 
     text: Any = None
     input_ids: Any = None
     sampling: Any = None
     n: Any = 1
     options: RequestOptions = field(default_factory=RequestOptions)
+    embed: bool = False
+    dimensions: Any = None  # an embedding call's: its vectors' first entries only
 
     def prompt_chars(self) -> int:
         """Characters of the prompt texts (0 for token ids): how long tokenizing takes."""
@@ -112,7 +117,27 @@ def validate_call(
     pairs = [(i, _sample(p, j)) for i, p in zip(ids, params) for j in range(n)]
     check_response_size(pairs, draft.options, request, names)
     valid = [validate_request(i, p, draft.options, limits, names) for i, p in pairs]
+    if draft.embed:
+        _check_dimensions(draft.dimensions, limits.hidden_size, names)
+        valid = [_embedding(v, names) for v in valid]
     return ValidCall(valid, single and n == 1)
+
+
+def _check_dimensions(dimensions: Any, hidden_size: int, names: FieldNames) -> None:
+    most = hidden_size or INT64_MAX
+    if dimensions is not None and not (is_int(dimensions) and 1 <= dimensions <= most):
+        raise names.error(
+            "dimensions", f"must be an integer from 1 to {most} (the model's embedding size)"
+        )
+
+
+def _embedding(valid: ValidRequest, names: FieldNames) -> ValidRequest:
+    """The request as an embedding request: it computes its prompt and generates nothing."""
+    if valid.sampling.max_new_tokens != 0 or valid.constraint is not None:
+        raise names.error(
+            "max_new_tokens", "must be 0 in an embedding request (it generates nothing)"
+        )
+    return replace(valid, embed=True)
 
 
 def validate_request(

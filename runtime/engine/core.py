@@ -22,6 +22,7 @@ from spruce.runtime.config import EngineConfig
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.engine import tp_worker
+from spruce.runtime.engine.pooling import pool, pooled_rows, resolve_pooling
 from spruce.runtime.errors import InvalidRequestError, SpruceError
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import RankLost, close_group, start_keepalive
@@ -116,6 +117,7 @@ class EngineCore:
         if self.tp is not None:
             tp_worker.share_pool_sizes(self.runner, self.tp)
         self.vocab_size = model_config.vocab_size
+        self.pooling = resolve_pooling(config.model.pooling, self.loaded.path)
         pool = self.runner.pool
         prefix_cache = (
             NoPrefixCache(pool.allocator)
@@ -186,7 +188,10 @@ class EngineCore:
             c.grammar_memory_mb,
             c.grammar_backend,
         )
-        return ModelLimits(self.vocab_size, self.context_len, conversion=conversion)
+        hidden = self.loaded.config.hidden_size
+        return ModelLimits(
+            self.vocab_size, self.context_len, conversion=conversion, hidden_size=hidden
+        )
 
     def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:
         """Queues a validated request (see core.validation: the scheduler trusts it); a
@@ -194,6 +199,7 @@ class EngineCore:
         req = Req(
             rid=rid or uuid.uuid4().hex, prompt_ids=list(valid.input_ids), sampling=valid.sampling,
             options=valid.options, constraint=valid.constraint,
+            pooling=self.pooling if valid.embed else None,
         )  # fmt: skip
         if req.constraint is not None:
             req.grammar_future = self.compiler.submit(req.constraint)
@@ -277,6 +283,9 @@ class EngineCore:
         for i, (scheduled, item) in enumerate(zip(out.scheduled, items)):
             first, end = forward.offsets[i], forward.offsets[i + 1]
             scheduled.result = Sampled()
+            if item.hidden:
+                h = forward.hidden_offsets
+                pool(scheduled.req, item.prefix_len, forward.hidden[h[i] : h[i + 1]])
             if item.all_logits:  # prompt logprobs first: the sampler changes the logits in place
                 self._prompt_logprobs(scheduled, forward.logits[first:end])
             if scheduled.samples and scheduled.result.error is None:
@@ -318,7 +327,8 @@ class EngineCore:
         # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
         all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
         new_ids = req.token_ids(start, start + n)
-        return ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits)
+        hidden = pooled_rows(req, start, n)
+        return ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits, hidden)
 
     # -- observability ------------------------------------------------------------------------
 

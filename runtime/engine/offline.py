@@ -25,7 +25,7 @@ from spruce.runtime.config import EngineConfig, use_passive_omp_threads
 from spruce.runtime.core.options import SERVER_ONLY, RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
-from spruce.runtime.core.update import Reporter
+from spruce.runtime.core.update import Reporter, finish_vector
 from spruce.runtime.core.validation import Draft, validate_call
 from spruce.runtime.errors import FieldNames, InvalidRequestError
 from spruce.runtime.limits import RequestLimits
@@ -103,6 +103,27 @@ class Engine:
             return self._stream(reqs, outputs)
         results = self._run(reqs, outputs)
         return results[0] if single else results
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
+        normalize: bool = True,
+    ) -> list[float] | list[list[float]]:
+        """Each prompt's embedding: the model's final hidden states pooled (`--pooling`:
+        the model folder's sentence-transformers pooling, else the last token), its first
+        `dimensions` entries, scaled to unit length unless `normalize=False`. One vector for
+        one prompt, a list for a list. The prompts share the prefix cache as generate's do."""
+        draft = Draft(prompt, input_ids, {"max_new_tokens": 0}, embed=True, dimensions=dimensions)
+        limits = replace(self.core.limits, request=self.request_limits)
+        call = validate_call(draft, limits, FieldNames({"text": "prompt"}), self.tokenizer.encode)
+        reqs = [self._add(v) for v in call.requests]
+        outputs = [RequestOutput(self.tokenizer, v, r.rid) for v, r in zip(call.requests, reqs)]
+        self._live.update(r.rid for r in reqs)
+        self._run(reqs, outputs)
+        vectors = [finish_vector(o.embedding, dimensions, normalize) for o in outputs]
+        return vectors[0] if call.single else vectors
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(

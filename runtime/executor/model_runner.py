@@ -20,19 +20,24 @@ class ForwardItem:
 
     The request's row in the request-to-token table already holds the slots of its first
     `prefix_len` tokens; `new_slots` are where the K/V of `new_ids` go (allocated by the
-    caller). `all_logits` asks for logits of every new position, not only the last."""
+    caller). `all_logits` asks for logits of every new position, not only the last.
+    `hidden`: the final hidden states it wants (an embedding request): "last" (of its last
+    new position), "first", "all" (of every new position), or "" (none)."""
 
     row: int
     prefix_len: int
     new_ids: list[int]
     new_slots: torch.Tensor
     all_logits: bool = False
+    hidden: str = ""
 
 
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor  # [rows, vocab] float32
     offsets: list[int]  # item i's logits are rows offsets[i] .. offsets[i + 1]
+    hidden: torch.Tensor | None = None  # [rows, hidden] float32, of the items that asked
+    hidden_offsets: list[int] | None = None  # item i's are rows hidden_offsets[i] .. [i + 1]
 
 
 class ModelRunner:
@@ -88,16 +93,19 @@ class ModelRunner:
             send_step(self.tp, StepMessage(steps, self.req_to_token.take_journal()))
         ctx, input_ids = self._build(items)
         logits_rows, offsets = self._logits_rows(items)
+        hidden_offsets = self._hidden_rows(items, ctx)
         if (
             self.graphs is not None
             and ctx.is_decode
             and logits_rows is None
+            and hidden_offsets is None
             and self.graphs.can_run(len(items))
         ):
             logits = self.graphs.run(input_ids, ctx.positions, ctx.out_slots, ctx.req_pool_indices)
         else:
             logits = self.model(input_ids, ctx, self.backend, logits_rows)
-        return ForwardOutput(logits.float(), offsets)
+        hidden = None if ctx.hidden is None else ctx.hidden.float()
+        return ForwardOutput(logits.float(), offsets, hidden, hidden_offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
         prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
@@ -140,6 +148,20 @@ class ModelRunner:
         if len(rows) == start:
             return None, offsets
         return torch.tensor(rows, device=self.device), offsets
+
+    def _hidden_rows(self, items: list[ForwardItem], ctx: ForwardContext) -> list[int] | None:
+        """Sets the rows whose hidden states the items want; their offsets (None: none)."""
+        if not any(it.hidden for it in items):
+            return None
+        rows, offsets, start = [], [0], 0
+        for it in items:
+            n = len(it.new_ids)
+            wanted = {"last": [start + n - 1], "first": [start], "all": range(start, start + n)}
+            rows.extend(wanted.get(it.hidden, []))
+            offsets.append(len(rows))
+            start += n
+        ctx.hidden_rows = torch.tensor(rows, device=self.device)
+        return offsets
 
     def follow(self) -> None:
         """A tensor-parallel follower: runs rank 0's steps until it says stop."""

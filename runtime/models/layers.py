@@ -358,6 +358,9 @@ class DecoderModel(nn.Module):
             x, residual = plan.run(x, ctx, backend)
         for layer in self.layers if plan is None else ():
             x, residual = layer(x, residual, ctx.positions, backend, ctx)
+        if ctx.hidden_rows is not None:  # embeddings: the final hidden states of these rows
+            rows = ctx.hidden_rows
+            ctx.hidden = self.norm(x[rows], residual[rows])[0]
         if logits_rows is not None:
             x, residual = x[logits_rows], residual[logits_rows]
         x, _ = self.norm(x, residual)

@@ -74,6 +74,7 @@ class Ready:
     vocab_size: int
     kv_slots: int
     config: dict[str, Any]
+    hidden_size: int = 0  # the length of an embedding
     replica: int = 0  # the sender (--dp)
     type: str = "ready"
 

@@ -43,12 +43,15 @@ class CacheManager:
         """Gives the request a row and reuses the longest cached prefix of its tokens.
 
         At least one token is left to compute (its logits are needed), and prompt
-        positions whose logprobs are wanted are recomputed."""
+        positions whose logprobs are wanted are recomputed, as are all positions of an
+        embedding request pooled over them (mean) or over its first (cls)."""
         req.row = self.table.alloc_row()
         limit = req.total_len - 1
         start = req.prompt_logprob_start
         if start is not None:
             limit = min(limit, max(start - 1, 0))
+        if req.pooling in ("mean", "cls"):
+            limit = 0
         match = self.prefix_cache.match_prefix(req.token_ids(0, limit))
         self.prefix_cache.lock(match.last_node)
         self.table.write(req.row, 0, match.slots)

@@ -20,6 +20,7 @@ from spruce.runtime.server.http.common import (
     server_of,
     validation_message,
 )
+from spruce.runtime.server.embeddings import embedding_routes
 from spruce.runtime.server.http.native_routes import native_routes
 from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
@@ -35,6 +36,7 @@ def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> 
     app.state.server = ServerState(launcher, model, metrics, ready)
     app.include_router(sglang_routes())  # SGLang's route names; first: it wraps POST /abort_request
     app.include_router(native_routes())
+    app.include_router(embedding_routes())  # /v1/embeddings, /encode
     app.include_router(openai_router)
     _add_error_handlers(app)
     return app

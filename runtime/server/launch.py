@@ -251,8 +251,9 @@ class Launcher:
         conversion = Conversion(c["grammar_whitespace_pattern"] or "", c["grammar_timeout_s"],
                                 c["grammar_memory_mb"], c["grammar_backend"])  # fmt: skip
         limits = ModelLimits(
-            ready.vocab_size, ready.context_length, self.options.request_limits, conversion
-        )
+            ready.vocab_size, ready.context_length, self.options.request_limits, conversion,
+            ready.hidden_size,
+        )  # fmt: skip
         pools = FrontPools(self.options.serving_limits.retry_after_s)
         model = self.model = ModelContext(tokenizer, name, ready.model_path, limits, pools)
         metrics = Metrics()

@@ -86,4 +86,6 @@ class RequestState:
             "output_ids": list(self.output.ids),
             "meta_info": meta,
         }
+        if self.output.embedding is not None:
+            event.result["embedding"] = self.output.embedding
         return event

@@ -122,6 +122,7 @@ def _ready(core, replica: int = 0) -> Ready:
         vocab_size=core.vocab_size,
         kv_slots=core.runner.pool.capacity,
         config=core.config.to_dict(),
+        hidden_size=core.loaded.config.hidden_size,
         replica=replica,
     )
 

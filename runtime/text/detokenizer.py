@@ -133,6 +133,11 @@ class RequestOutput:
         return self.text.ids
 
     @property
+    def embedding(self) -> list[float] | None:
+        """An embedding request's pooled vector (unnormalized), once finished."""
+        return None if self.finished is None else self.finished.embedding
+
+    @property
     def finish_reason(self) -> FinishReason | None:
         return None if self.finished is None else self.finished.reason
 

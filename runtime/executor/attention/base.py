@@ -30,6 +30,10 @@ class ForwardContext:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     backend_state: Any = field(default=None)  # what the backend's prepare() computed
+    # rows whose final hidden states (after the last norm) the caller wants (embeddings);
+    # the model sets `hidden` to them, [len(hidden_rows), hidden_size]
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
