@@ -242,3 +242,14 @@ def use_passive_omp_threads() -> None:
     libgomp reads the variable once, when torch is first imported, so the entry points (the
     CLI, the Engine) call this before they import torch; importing a package never does."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def wait_policy() -> str:
+    """The OpenMP wait policy of this process, in words (the benchmarks print it)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    if spin is not None:
+        return f"spin {spin} iterations, then sleep (GOMP_SPINCOUNT={spin})"
+    if policy in ("PASSIVE", "ACTIVE"):
+        return f"OMP_WAIT_POLICY={policy} ({'sleep at once' if policy == 'PASSIVE' else 'always spin'})"
+    return "libgomp's default (spin 300,000 iterations, then sleep)"

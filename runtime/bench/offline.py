@@ -5,10 +5,11 @@ batch, that step against the model's bare matrix multiplications for the batch (
 pairs, see step_over_matmuls), batch-1 decode tokens/s and the prefill tokens/s of one long
 prompt (means of 5 runs). `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
-`--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128, pp512) and
+`--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128 at 1 and N threads, pp512) and
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
-GGUF file and threads, runs the same workloads through Spruce, and prints the ratios in one
-table; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
+GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr 1`), runs the same
+workloads through Spruce, and prints the ratios in one table with the thread wait policy in
+use; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
@@ -21,15 +22,21 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
-import subprocess
 import time
 
 import torch
 
 from spruce.runtime.bench import write_json
 from spruce.runtime.bench.breakdown import print_breakdown, step_breakdown
+from spruce.runtime.bench.llama_cpp import (
+    PARALLEL,
+    llama_batched,
+    llama_cpp_tools,
+    run_llama_cpp,
+    table_rows,
+)
+from spruce.runtime.config import wait_policy
 
 USES_ENGINE = True
 
@@ -48,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["hf", "llama.cpp"], default=None)
     parser.add_argument("--llama-cpp-bin", default=None,
         help="folder of llama-bench / llama-batched-bench (default: PATH)")  # fmt: skip
+    parser.add_argument("--llama-cpp-args", default="",
+        help="more arguments for llama.cpp's tools, e.g. '-nr 1' (no AMX repack)")  # fmt: skip
     parser.add_argument(
         "--hf-batch-size", type=int, default=None, help="default: all prompts in one batch"
     )
@@ -334,47 +343,7 @@ def print_report(r: dict) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------
-# llama.cpp on the same GGUF file
-# ---------------------------------------------------------------------------------------
-
-PARALLEL = (16, 64)  # sequences of 128 prompt + 128 generated tokens
-
-
-def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
-    path = bin_dir if bin_dir else os.environ.get("PATH")
-    found = [shutil.which(name, path=path) for name in ("llama-bench", "llama-batched-bench")]
-    return None if None in found else (found[0], found[1])
-
-
-def run_llama_cpp(tools: tuple[str, str], model: str, threads: int) -> dict[str, float]:
-    """tokens/s: batch-1 decode (tg128), prefill (pp512), and per parallel count, the decode
-    phase and end to end (generated tokens over the whole run)."""
-    bench = subprocess.run(
-        [tools[0], "-m", model, "-t", str(threads), "-p", "512", "-n", "128", "-o", "json"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    out = {}
-    for row in json.loads(bench.stdout):
-        out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
-    return out | llama_batched(tools[1], model, threads, PARALLEL)
-
-
-def llama_batched(tool: str, model: str, threads: int, counts: tuple[int, ...]) -> dict[str, float]:
-    """llama-batched-bench, `counts` sequences of 128 prompt + 128 generated tokens:
-    tokens/s of the decode phase and end to end (generated tokens over the whole run)."""
-    batched = subprocess.run(
-        [tool, "-m", model, "-t", str(threads), "-c", str(256 * max(counts)), "-b", "2048", "-ub", "512",
-         "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, counts)), "--output-format", "jsonl"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    out = {}
-    for line in batched.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[f"decode_{row['pl']}"] = row["speed_tg"]
-            out[f"end_to_end_{row['pl']}"] = row["pl"] * row["tg"] / row["t"]
-    return out
+# -- llama.cpp on the same GGUF file (its tools: bench/llama_cpp.py) ------------------------
 
 
 def spruce_parallel(engine, tokenizer) -> dict[str, float]:
@@ -387,6 +356,16 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
         out[f"decode_{count}"] = r["decode_step_batch"] / (r["decode_step_ms"] / 1e3)
         out[f"end_to_end_{count}"] = r["output_tokens_per_s"]
     return out
+
+
+def one_thread_decode(engine, tokenizer) -> float:
+    """Batch-1 decode tokens/s with torch (and the C kernels) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return single_probes(engine, tokenizer)["batch1_decode_tokens_per_s"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
@@ -402,25 +381,17 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
               else single_probes(engine, engine.tokenizer))  # fmt: skip
     ours["tg128"], ours["pp512"] = (probes["batch1_decode_tokens_per_s"],
                                     probes["prefill_512_tokens_per_s"])  # fmt: skip
-    theirs = run_llama_cpp(tools, path, threads)
-    result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs}
-    print(
-        f"\n| workload ({threads} threads, same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |"
-    )
+    ours["tg128_t1"] = one_thread_decode(engine, engine.tokenizer)
+    theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
+    result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy()}
+    print(f"\nthread wait policy: {wait_policy()}")
+    print("| workload (same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
     print("| --- | --- | --- | --- |")
-    for key, label in _LLAMA_ROWS:
+    for key, label in table_rows(threads):
         if key in theirs and key in ours:
             print(
                 f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |"
             )
-
-
-_LLAMA_ROWS = [
-    ("tg128", "batch-1 decode (tg128)"),
-    ("pp512", "prefill, 512-token prompt (pp512)"),
-    *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
-    *((f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated") for n in PARALLEL),
-]
 
 
 def measure_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:

@@ -1,0 +1,78 @@
+"""llama.cpp's own benchmarks on the same GGUF file, for same-run ratios: `llama-bench`
+(tg128 batch-1 decode at each thread count asked for, pp512 prefill) and
+`llama-batched-bench` (sequences of 128 prompt + 128 generated tokens). `extra` holds
+arguments for both tools, e.g. `-nr 1` (no weight repacking: llama.cpp's AMX repack crashes
+in some VMs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+
+PARALLEL = (16, 64)  # sequences of 128 prompt + 128 generated tokens
+
+
+def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
+    path = bin_dir if bin_dir else os.environ.get("PATH")
+    found = [shutil.which(name, path=path) for name in ("llama-bench", "llama-batched-bench")]
+    return None if None in found else (found[0], found[1])
+
+
+def run_llama_cpp(
+    tools: tuple[str, str], model: str, threads: list[int], extra: str = ""
+) -> dict[str, float]:
+    """tokens/s: batch-1 decode (tg128) at each thread count (`tg128_t<N>`; `tg128` at the
+    largest), prefill (pp512, at the largest), and per parallel count the decode phase and
+    end to end (generated tokens over the whole run)."""
+    most = max(threads)
+    counts = ",".join(map(str, sorted(set(threads))))
+    bench = subprocess.run(
+        [tools[0], "-m", model, "-t", counts, "-p", "512", "-n", "128", "-o", "json", *shlex.split(extra)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    out = {}
+    for row in json.loads(bench.stdout):
+        if row["n_prompt"]:
+            if row["n_threads"] == most:
+                out["pp512"] = row["avg_ts"]
+        else:
+            out[f"tg128_t{row['n_threads']}"] = row["avg_ts"]
+    out["tg128"] = out[f"tg128_t{most}"]
+    return out | llama_batched(tools[1], model, most, PARALLEL, extra)
+
+
+def llama_batched(
+    tool: str, model: str, threads: int, counts: tuple[int, ...], extra: str = ""
+) -> dict[str, float]:
+    """llama-batched-bench, `counts` sequences of 128 prompt + 128 generated tokens:
+    tokens/s of the decode phase and end to end (generated tokens over the whole run)."""
+    batched = subprocess.run(
+        [tool, "-m", model, "-t", str(threads), "-c", str(256 * max(counts)), "-b", "2048", "-ub", "512",
+         "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, counts)), "--output-format", "jsonl",
+         *shlex.split(extra)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    out = {}
+    for line in batched.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[f"decode_{row['pl']}"] = row["speed_tg"]
+            out[f"end_to_end_{row['pl']}"] = row["pl"] * row["tg"] / row["t"]
+    return out
+
+
+def table_rows(threads: int) -> list[tuple[str, str]]:
+    """(result key, label) of the comparison table's rows."""
+    return [
+        ("tg128_t1", "batch-1 decode (tg128), 1 thread"),
+        ("tg128", f"batch-1 decode (tg128), {threads} threads"),
+        ("pp512", "prefill, 512-token prompt (pp512)"),
+        *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
+        *(
+            (f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated")
+            for n in PARALLEL
+        ),
+    ]
