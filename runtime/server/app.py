@@ -25,6 +25,7 @@ from spruce.runtime.server.http.native_routes import native_routes
 from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
 from spruce.runtime.server.native import ModelContext
+from spruce.runtime.server.openai.responses import router as responses_router
 from spruce.runtime.server.openai.routes import router as openai_router
 from spruce.runtime.server.request_manager import Refused
 
@@ -38,6 +39,7 @@ def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> 
     app.include_router(native_routes())
     app.include_router(embedding_routes())  # /v1/embeddings, /encode
     app.include_router(openai_router)
+    app.include_router(responses_router)  # POST /v1/responses
     _add_error_handlers(app)
     return app
 
