@@ -12,6 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spruce.runtime.errors import INTERNAL_ERROR, InvalidRequestError
 from spruce.runtime.protocol.ipc import Ready
+from spruce.runtime.server.anthropic.routes import router as anthropic_router
+from spruce.runtime.server.embeddings import embedding_routes
 from spruce.runtime.server.http.common import (
     ApiError,
     ServerState,
@@ -20,7 +22,6 @@ from spruce.runtime.server.http.common import (
     server_of,
     validation_message,
 )
-from spruce.runtime.server.embeddings import embedding_routes
 from spruce.runtime.server.http.native_routes import native_routes
 from spruce.runtime.server.http.sglang_routes import sglang_routes
 from spruce.runtime.server.metrics import Metrics
@@ -39,6 +40,7 @@ def build_app(launcher, model: ModelContext, metrics: Metrics, ready: Ready) -> 
     app.include_router(native_routes())
     app.include_router(embedding_routes())  # /v1/embeddings, /encode
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     app.include_router(responses_router)  # POST /v1/responses
     _add_error_handlers(app)
     return app

@@ -38,8 +38,10 @@ class GuardMiddleware:
         if self.launcher.draining:
             return await _send_error(send, 503, "the server is shutting down")
         if self.expected is not None and scope["path"] != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            if not self._key_given(headers):
+                message = (
+                    "missing or wrong API key: send 'Authorization: Bearer <key>' or 'x-api-key'"
+                )
                 return await _send_error(send, 401, message, code="invalid_api_key")
         if self.app is None:
             return await _send_error(
@@ -59,6 +61,12 @@ class GuardMiddleware:
                 return await _send_error(send, 415, message, code="unsupported_media_type")
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    def _key_given(self, headers: dict) -> bool:
+        """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_api_key = b"Bearer " + headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(x_api_key, self.expected) or bearer
 
     def _host_allowed(self, host: bytes | None) -> bool:
         """No Host (HTTP/1.0) passes: browsers always send one."""
