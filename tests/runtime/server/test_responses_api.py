@@ -156,6 +156,14 @@ def test_forced_call_then_its_output_then_an_answer(client):
     assert answer.usage.input_tokens > r.usage.input_tokens
 
 
+def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(client):
+    plain = create(client, max_output_tokens=1)
+    none = create(client, tools=TOOLS, tool_choice="none", max_output_tokens=1)
+    auto = create(client, tools=TOOLS, max_output_tokens=1)
+    assert none.usage.input_tokens == plain.usage.input_tokens < auto.usage.input_tokens
+    assert (none.tool_choice, auto.tool_choice) == ("none", "auto")
+
+
 def test_streamed_call_arguments_add_up(client):
     whole = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                    max_output_tokens=120)  # fmt: skip
