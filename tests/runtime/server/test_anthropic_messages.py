@@ -6,7 +6,9 @@ greedy text, streamed or not)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -16,7 +18,14 @@ from test_chat_server import PARAMS, TEMPLATE
 from test_server import API_KEY, AUTH, start_server, stop_server
 
 from spruce.runtime.server.anthropic.mapping import chat_request
+from spruce.runtime.server.anthropic.routes import answered
 from spruce.runtime.server.anthropic.schemas import MessagesRequest
+from spruce.runtime.server.anthropic.views import MessageView
+from spruce.runtime.server.metrics import Metrics
+from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
+from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
+from spruce.runtime.server.request_manager import Refused
+from spruce.runtime.server.request_state import Event
 from spruce.runtime.text.reasoning import REASONING_FORMATS
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -298,3 +307,79 @@ def test_blocks_map_onto_the_chat_messages():
     )
     assert (user.role, user.content) == ("user", "and?")
     assert (req.tool_choice, req.parallel_tool_calls, req.max_tokens) == ("required", False, 5)
+
+
+# -- the view and the error wrapper, without a model ------------------------------------------
+
+
+def test_a_stream_opens_a_block_per_kind_and_ends_in_an_error_event_once_started():
+    """Thinking, then text, then a call: three blocks, each opened and closed in order; the
+    input_json_delta pieces add up to the call's input. A later failure is an error event."""
+    prompt = ChatPrompt("", [1, 2, 3], REASONING_FORMATS["qwen3"], thinking=True)
+    tools = ToolPlan(
+        [{"type": "function", "function": {"name": "f"}}], "auto", TOOL_CALL_FORMATS["hermes"], None
+    )
+    view = MessageView(MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": USER}),
+                       SimpleNamespace(prompt=prompt, tools=tools))  # fmt: skip
+    text = 'hm</think>Hi<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    meta = {
+        "cached_tokens": 1,
+        "completion_tokens": 7,
+        "finish_reason": {"type": "stop", "matched": 0},
+    }
+    events = [Event(0, text[i : i + 4], meta_info=meta) for i in range(0, len(text), 4)]
+    events[-1].finished = True
+    events.append(Event(0, error="gone", status=500))
+    data = asyncio.run(_events(view.stream(_Call(events))))
+    kinds = [d["type"] for d in data]
+    starts = [d["content_block"]["type"] for d in data if d["type"] == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert kinds.count("content_block_stop") == 3 and kinds[-3:] == [
+        "message_delta",
+        "message_stop",
+        "error",
+    ]
+    deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "hm"
+    assert "".join(d.get("text", "") for d in deltas) == "Hi"
+    assert json.loads("".join(d.get("partial_json", "") for d in deltas)) == {"a": 1}
+    assert data[-3]["delta"]["stop_reason"] == "tool_use"
+    assert data[-3]["usage"] == {"input_tokens": 2, "output_tokens": 7, "cache_read_input_tokens": 1,
+                                 "cache_creation_input_tokens": 0}  # fmt: skip
+    assert data[-1]["error"] == {"type": "api_error", "message": "gone"}
+
+
+def test_refusals_for_load_are_overloaded_or_rate_limit_errors():
+    metrics = Metrics()
+    request = SimpleNamespace(
+        app=SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(metrics=metrics)))
+    )
+    for status, kind in ((503, "overloaded_error"), (429, "rate_limit_error")):
+
+        async def refused(_request, status=status):
+            raise Refused(status, "busy", retry_after_s=2)
+
+        response = asyncio.run(answered(request, refused))
+        assert response.status_code == status and response.headers["Retry-After"] == "2"
+        assert json.loads(response.body) == {
+            "type": "error",
+            "error": {"type": kind, "message": "busy"},
+        }
+
+
+class _Call:
+    def __init__(self, events):
+        self.events = events
+
+    async def __aiter__(self):
+        for e in self.events:
+            yield e
+
+
+async def _events(chunks) -> list[dict]:
+    out = []
+    async for chunk in chunks:
+        name, data = chunk.decode().split("\n")[:2]
+        assert name == "event: " + json.loads(data[6:])["type"]
+        out.append(json.loads(data[6:]))
+    return out
