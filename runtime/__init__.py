@@ -1,7 +1,7 @@
 """spruce.runtime: the serving runtime (models, KV pool, scheduler, Engine, server).
 
 Importing it has no side effects: the Engine (torch and the model code) loads on first use,
-and the environment is left alone (see `config.use_passive_omp_threads`)."""
+and the environment is left alone (see `config.use_omp_wait_policy`)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from spruce.runtime.config import ServerOptions, option_fields, use_passive_omp_threads
+from spruce.runtime.config import ServerOptions, option_fields, use_omp_wait_policy
 from spruce.runtime.errors import SpruceError
 from spruce.runtime.limits import RequestLimits, ServingLimits
 
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_passive_omp_threads()  # before anything imports torch
+    use_omp_wait_policy()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     level = (getattr(args, "log_level", None) or "info").upper()

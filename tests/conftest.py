@@ -8,19 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from spruce.runtime.config import use_passive_omp_threads
-
-use_passive_omp_threads()  # before torch is imported, as the CLI and the Engine do
-import torch  # noqa: E402
+# Idle threads sleep at once in tests: several processes (servers, the tests) share a few
+# cores, where spinning threads slow each other. Set before torch is imported; the servers
+# the tests start inherit it (a user's OMP_WAIT_POLICY is kept: config.use_omp_wait_policy).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch
 
 # Triton kernels run in its interpreter when there is no GPU; the variable must be set
 # before triton is first imported anywhere.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from support import write_tiny_model  # noqa: E402
+from support import write_tiny_model
 
-from spruce.runtime.executor.kernels import cpu_library  # noqa: E402
+from spruce.runtime.executor.kernels import cpu_library
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any
 
-from spruce.runtime.config import EngineConfig, use_passive_omp_threads
+from spruce.runtime.config import EngineConfig, use_omp_wait_policy
 from spruce.runtime.core.options import SERVER_ONLY, RequestOptions
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ class Engine:
         self.request_limits = request_limits_from(request_limits)
         self.config = EngineConfig.from_options(model_path=model_path, **options)
         check_data_parallel(dp_size, router, self.config)
-        use_passive_omp_threads()  # before torch is imported, if it was not yet
+        use_omp_wait_policy()  # before torch is imported, if it was not yet
         from spruce.runtime.engine.core import EngineCore  # torch and the model code
 
         if self.config.log_level:

@@ -331,8 +331,8 @@ POISON = [9, 9, 9, 9, 9, 9, 9, 9]
 # so the patch applies there too.
 FAULTY_SERVE = f"""
 import sys
-from spruce.runtime.config import use_passive_omp_threads
-use_passive_omp_threads()
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tests share two cores among processes
 from spruce.runtime.executor.model_runner import ModelRunner
 
 forward = ModelRunner.forward

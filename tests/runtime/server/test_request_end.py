@@ -39,8 +39,8 @@ INTEGER_SCHEMA = {
 
 FAULTY_SERVE = f"""
 import os, sys, time
-from spruce.runtime.config import use_passive_omp_threads
-use_passive_omp_threads()
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tests share two cores among processes
 import spruce.runtime.server.scheduler_process as scheduler_process
 from spruce.runtime.executor.model_runner import ModelRunner
 from spruce.runtime.server.request_manager import RequestState
