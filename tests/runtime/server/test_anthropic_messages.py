@@ -14,8 +14,8 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_chat_server import PARAMS, TEMPLATE
-from test_server import API_KEY, AUTH, start_server, stop_server
+from test_chat_server import PARAMS, qwen3_style_server
+from test_server import API_KEY, AUTH, stop_server
 
 from spruce.runtime.server.anthropic.mapping import chat_request
 from spruce.runtime.server.anthropic.routes import answered
@@ -37,11 +37,7 @@ TOOLS = [{"name": "get_weather", "description": "The weather", "input_schema": P
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("anthropic-server")
-    (folder / "qwen3-style.jinja").write_text(TEMPLATE)
-    extra = ("--api-key", API_KEY, "--chat-template", str(folder / "qwen3-style.jinja"),
-             "--served-model-name", "m")  # fmt: skip
-    srv = start_server(tiny_llama_dir, folder / "server.log", *extra)
+    srv = qwen3_style_server(tiny_llama_dir, tmp_path_factory.mktemp("anthropic-server"))
     yield srv
     assert stop_server(srv) == 0, srv.log()
 

@@ -10,7 +10,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from test_server import API_KEY, AUTH, start_server, stop_server
+from test_server import API_KEY, AUTH, ServerProcess, start_server, stop_server
 
 from spruce.runtime.text.reasoning import REASONING_FORMATS
 
@@ -39,19 +39,18 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+def qwen3_style_server(model_dir, folder) -> ServerProcess:
+    """`spruce serve` with the Qwen3-style template above, the API key and model name "m"
+    (the chat-shaped API tests share it: chat, Responses, Anthropic Messages)."""
+    (folder / "qwen3-style.jinja").write_text(TEMPLATE)
+    extra = ("--api-key", API_KEY, "--chat-template", str(folder / "qwen3-style.jinja"),
+             "--served-model-name", "m")  # fmt: skip
+    return start_server(model_dir, folder / "server.log", *extra)
+
+
 @pytest.fixture(scope="module")
 def chat_server(tiny_llama_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat-server")
-    (folder / "qwen3-style.jinja").write_text(TEMPLATE)
-    extra = (
-        "--api-key",
-        API_KEY,
-        "--chat-template",
-        str(folder / "qwen3-style.jinja"),
-        "--served-model-name",
-        "m",
-    )
-    srv = start_server(tiny_llama_dir, folder / "server.log", *extra)
+    srv = qwen3_style_server(tiny_llama_dir, tmp_path_factory.mktemp("chat-server"))
     yield srv
     assert stop_server(srv) == 0, srv.log()
 

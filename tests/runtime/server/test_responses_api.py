@@ -21,8 +21,8 @@ from openai.types.responses import (
     ResponseStreamEvent,
     ResponseTextDeltaEvent,
 )
-from test_chat_server import PARAMS, TEMPLATE
-from test_server import API_KEY, AUTH, start_server, stop_server
+from test_chat_server import PARAMS, qwen3_style_server
+from test_server import API_KEY, AUTH, stop_server
 
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": PARAMS}]
 FORCED = {"type": "function", "name": "get_weather"}
@@ -41,11 +41,7 @@ JSON_FORMAT = {"format": {"type": "json_schema", "name": "r", "schema": OK_SCHEM
 
 @pytest.fixture(scope="module")
 def responses_server(tiny_llama_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("responses-server")
-    (folder / "qwen3-style.jinja").write_text(TEMPLATE)
-    extra = ("--api-key", API_KEY, "--chat-template", str(folder / "qwen3-style.jinja"),
-             "--served-model-name", "m")  # fmt: skip
-    srv = start_server(tiny_llama_dir, folder / "server.log", *extra)
+    srv = qwen3_style_server(tiny_llama_dir, tmp_path_factory.mktemp("responses-server"))
     yield srv
     assert stop_server(srv) == 0, srv.log()
 
