@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict
 
 from spruce.runtime.core.update import finish_vector
 from spruce.runtime.core.validation import Draft
@@ -31,15 +30,13 @@ from spruce.runtime.server.http.common import (
 )
 from spruce.runtime.server.native import NATIVE_NAMES, batch_error
 from spruce.runtime.server.openai.mapping import check_model
-from spruce.runtime.server.openai.schemas import parse
+from spruce.runtime.server.openai.schemas import StrictModel, parse
 from spruce.runtime.server.request_manager import Event
 
 OPENAI_NAMES = FieldNames({"text": "input", "input_ids": "input", "prompt": "input"})
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class EmbeddingRequest(StrictModel):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"

@@ -8,12 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+from spruce.runtime.server.openai.schemas import StrictModel
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
@@ -27,7 +25,7 @@ class ImageBlock(BaseModel):
     type: Literal["image", "document"]
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -35,7 +33,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
@@ -43,7 +41,7 @@ class ToolResultBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     """An earlier answer's thinking, passed back: it reaches the template as the
     assistant's reasoning_content. The signature is not checked (this server signs nothing)."""
 
@@ -52,7 +50,7 @@ class ThinkingBlock(_Strict):
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -63,12 +61,12 @@ Block = Annotated[
 ]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """A client tool (Anthropic's server tools, with other types, are not served here)."""
 
     type: Literal["custom"] | None = None
@@ -79,13 +77,13 @@ class Tool(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
 
 
-class Thinking(_Strict):
+class Thinking(StrictModel):
     """Extended thinking on or off: the template's `enable_thinking` (as Qwen3's and
     others' read it). The budget is not enforced apart from max_tokens."""
 
@@ -94,17 +92,17 @@ class Thinking(_Strict):
     display: Literal["summarized", "omitted"] | None = None
 
 
-class JsonOutputFormat(_Strict):
+class JsonOutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     format: JsonOutputFormat | None = None
     effort: str | None = None  # accepted; nothing to trade here
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """The prompt of a message: what /v1/messages/count_tokens counts."""
 
     model: str

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from spruce.runtime.server.http.common import (
     ApiError,
@@ -25,7 +25,7 @@ from spruce.runtime.server.http.common import (
 )  # fmt: skip
 from spruce.runtime.server.openai.responses_stream import ResponsesView
 from spruce.runtime.server.openai.routes import chat_results, submit_chat
-from spruce.runtime.server.openai.schemas import ChatRequest, parse
+from spruce.runtime.server.openai.schemas import ChatRequest, StrictModel, parse
 
 router = APIRouter(prefix="/v1")
 
@@ -35,11 +35,7 @@ RESPONSES_NAMES = {
 }  # fmt: skip
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """A function tool in the Responses' flat shape; `strict` defaults to true there."""
 
     type: Literal["function"]
@@ -49,12 +45,12 @@ class FunctionTool(_Strict):
     strict: bool | None = True
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -62,11 +58,11 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat = TextFormat(type="text")
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(StrictModel):
     """Accepted: the model thinks as its chat template has it (see chat_template_kwargs)."""
 
     effort: str | None = None
@@ -74,7 +70,7 @@ class ReasoningConfig(_Strict):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -101,7 +97,7 @@ class ResponsesRequest(_Strict):
 # -- input items ---------------------------------------------------------------------------
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[dict[str, Any]]
@@ -110,7 +106,7 @@ class MessageItem(_Strict):
     phase: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -119,7 +115,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[dict[str, Any]]
@@ -127,12 +123,12 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     """An earlier answer's reasoning, sent back: its text becomes the next assistant
     message's reasoning_content (templates may show it)."""
 
     type: Literal["reasoning"]
-    summary: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = Field(default_factory=list)
     content: list[dict[str, Any]] | None = None
     encrypted_content: str | None = None
     id: str | None = None

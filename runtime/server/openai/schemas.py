@@ -29,23 +29,25 @@ KNOWN_EXTENSIONS = (
 )
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body part: unknown fields and type coercions are 400s."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's formats, and the structural tag (SGLang / vLLM / XGrammar) in either form:
     `format` (XGrammar's tree) or `structures` + `triggers` (the older list)."""
 
@@ -62,7 +64,7 @@ class ResponseFormat(_Strict):
         )
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object,
     structural_tag). `disable_fallback` is accepted: Spruce never falls back to another
     backend. `grammar` is EBNF (GBNF) unless it reads as Lark (see vllm_fields)."""
@@ -121,7 +123,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
@@ -157,12 +159,12 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class CustomGrammar(_Strict):
+class CustomGrammar(StrictModel):
     syntax: Literal["lark", "regex"]
     definition: str
 
 
-class CustomFormat(_Strict):
+class CustomFormat(StrictModel):
     """A custom tool's input: free text, or text in a grammar (OpenAI's Lark dialect is
     llguidance's)."""
 
@@ -178,13 +180,13 @@ class CustomFormat(_Strict):
         return self
 
 
-class CustomToolDef(_Strict):
+class CustomToolDef(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     format: CustomFormat | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     """A function tool, or a custom tool (its input is free text or text in a grammar)."""
 
     type: Literal["function", "custom"]
@@ -203,16 +205,16 @@ class Tool(_Strict):
         return self
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class NamedCustomToolChoice(_Strict):
+class NamedCustomToolChoice(StrictModel):
     type: Literal["custom"]
     custom: NamedFunction
 
