@@ -71,6 +71,14 @@ class SamplingParams:
     # The grammar backend of this request's constraint (auto, spruce, llguidance, outlines);
     # None: the server's --grammar-backend (vLLM's guided_decoding_backend maps here).
     grammar_backend: str | None = None
+    # Thinking budget: at most `thinking_budget` output tokens inside the reasoning block,
+    # then the runtime writes `thinking_close` itself (the family's end marker, after an
+    # optional message) and the answer, constrained or not, starts. The block is open from
+    # the first output token when `thinking_open` is None, else from where the output
+    # writes `thinking_open`. Both are matched and written as their token ids.
+    thinking_budget: int | None = None
+    thinking_open: str | None = None
+    thinking_close: str = "</think>"
 
     def __post_init__(self) -> None:
         # JSON-friendly input -> field types, however the object was built
@@ -138,6 +146,7 @@ class SamplingParams:
         self._check_stop_regex(limits, names)
         self._check_logit_bias(limits, names)
         self._check_constraint(limits, names)
+        self._check_thinking(limits, names)
         cap = limits.max_new_tokens_limit
         _check(cap is None or self.max_new_tokens <= cap, names, "max_new_tokens",
                f"must be at most {cap} on this server")  # fmt: skip
@@ -222,6 +231,16 @@ class SamplingParams:
         most = limits.max_logit_bias
         _check(len(bias) <= most, names, "logit_bias",
                f"has {len(bias)} entries; at most {most} (--max-logit-bias)")  # fmt: skip
+
+    def _check_thinking(self, limits: RequestLimits, names: FieldNames) -> None:
+        budget, most = self.thinking_budget, limits.max_stop_string_chars
+        _check(budget is None or (is_int64(budget) and budget >= 1), names, "thinking_budget",
+               "must be an integer >= 1")  # fmt: skip
+        for name in ("thinking_open", "thinking_close"):
+            value = getattr(self, name)
+            _check((value is None and name == "thinking_open") or (isinstance(value, str) and value),
+                   names, name, "must be a non-empty string")  # fmt: skip
+            _check_size(names, name, len(value or ""), most, "--max-stop-string-chars")
 
     def _check_constraint(self, limits: RequestLimits, names: FieldNames) -> None:
         for name in TEXT_CONSTRAINTS:

@@ -36,6 +36,7 @@ from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.scheduler import Scheduler
+from spruce.runtime.scheduler.thinking import ThinkingBudget
 from spruce.runtime.text.stop import StopChecker
 
 logger = logging.getLogger("spruce")
@@ -204,6 +205,7 @@ class EngineCore:
             rid=rid or uuid.uuid4().hex, prompt_ids=list(valid.input_ids), sampling=valid.sampling,
             options=valid.options, constraint=valid.constraint,
             pooling=self.pooling if valid.embed else None,
+            thinking=ThinkingBudget.of(valid.sampling, self.tokenizer),
         )  # fmt: skip
         if req.constraint is not None:
             req.grammar_future = self.compiler.submit(req.constraint)

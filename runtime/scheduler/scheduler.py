@@ -271,6 +271,8 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
             return
         reason = self.stops.check(req, 1)
+        if reason is None and req.thinking is not None:
+            reason = self._close_thinking(req)
         if (
             reason is None
             and req.cursor is not None
@@ -279,6 +281,20 @@ class Scheduler:
             reason = self._jump_forward(req)
         if reason is not None:
             self._finish(req, reason)
+
+    def _close_thinking(self, req: Req) -> FinishReason | None:
+        """Writes the reasoning block's end marker when the request's thinking budget is
+        spent (thinking.py); its ids go through the grammar cursor as sampled ones do."""
+        room = req.sampling.max_new_tokens - len(req.output_ids)
+        ids = req.thinking.forced(req.output_ids)[: max(room, 0)]
+        if not ids or (req.cursor is not None and not req.cursor.accepts(0, ids)):
+            return None  # nothing due, or not yet (a character left open): after the next token
+        for token in ids:
+            if req.cursor is not None:
+                req.cursor.accept_token(token)
+            req.output_ids.append(token)
+        req.thinking.done = True
+        return self.stops.check(req, len(ids))
 
     def _jump_forward(self, req: Req) -> FinishReason | None:
         """Appends the text the grammar forces now, re-tokenized canonically; the new tokens

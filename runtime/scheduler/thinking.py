@@ -1,0 +1,81 @@
+"""The thinking budget: a reasoning model may write at most `thinking_budget` tokens inside
+its reasoning block; when they are spent the runtime writes the block's end marker itself
+(`thinking_close`, optionally after a short message) and the answer starts, constrained or
+not. Without it an unbounded block can eat `max_new_tokens` before a constrained answer
+begins.
+
+The markers are found in the output's text (the model may spell them in other tokens than
+the canonical ones) and written as their canonical token ids; a marker the model has half
+written when the budget runs out is completed, not repeated. The forced ids go through the request's grammar
+cursor like sampled ones (a reasoning constraint allows the end marker), and are computed
+in one extend pass next step, as jump-forward's are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spruce.runtime.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ThinkingBudget:
+    """Where one request stands against its budget. `start`: the output index where the
+    block's text begins (None while the block is not open yet)."""
+
+    budget: int
+    open_text: str | None
+    close_text: str
+    close_ids: tuple[int, ...]
+    start: int | None
+    tokenizer: Any
+    done: bool = False
+    seen: int = 0  # output ids already looked at (jump-forward may append several at once)
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, tokenizer) -> ThinkingBudget | None:
+        """The budget state of a request (None when it has no budget)."""
+        if sampling.thinking_budget is None:
+            return None
+        close = sampling.thinking_close
+        ids = tuple(tokenizer.encode(close, add_special_tokens=False))
+        opens = sampling.thinking_open
+        return cls(sampling.thinking_budget, opens, close, ids, None if opens else 0, tokenizer)
+
+    def forced(self, output_ids: list[int]) -> list[int]:
+        """Called after each token appended to the output: the ids to write now (the rest
+        of the end marker) when the budget is spent, else []. The caller sets `done` once
+        it wrote them (it may wait a token: a grammar refuses the marker in the middle of
+        a character the last token left open)."""
+        if self.done:
+            return []
+        n, seen = len(output_ids), min(self.seen, len(output_ids))
+        self.seen = n
+        if self.start is None:
+            self.start = self._marker_end(self.open_text, output_ids, seen, 0)
+            if self.start is None:
+                return []
+        if self._marker_end(self.close_text, output_ids, max(seen, self.start), self.start):
+            self.done = True  # the model closed the block itself
+            return []
+        if n - self.start < self.budget:
+            return []
+        return list(self.close_ids[_partial_marker(output_ids, self.close_ids) :])
+
+    def _marker_end(self, marker: str, ids: list[int], seen: int, first: int) -> int | None:
+        """The index after the token that completes the first `marker` written in ids[seen:]
+        (text from index `first` on), or None: the tail decoded, as wide as a marker spans."""
+        start = max(first, seen - len(marker.encode()))
+        decode = lambda end: self.tokenizer.decode(ids[start:end], skip_special_tokens=False)  # noqa: E731
+        if marker not in decode(len(ids)):
+            return None
+        return next(end for end in range(seen + 1, len(ids) + 1) if marker in decode(end))
+
+
+def _partial_marker(ids: list[int], marker: tuple[int, ...]) -> int:
+    """How many leading ids of `marker` the output already ends with (a marker begun)."""
+    for k in range(min(len(marker) - 1, len(ids)), 0, -1):
+        if tuple(ids[-k:]) == marker[:k]:
+            return k
+    return 0
