@@ -441,9 +441,12 @@ def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
     """--chat-template replaces the model's template; the reasoning and tool-call parser
     names are checked (and "auto" resolved) before the first request."""
     from spruce.runtime.server.openai.chat_prompt import chat_formats
+    from spruce.runtime.server.openai.tool_parsers import register_plugin
     from spruce.runtime.text.tokenizer import read_chat_template
 
     try:
+        if options.tool_call_parser_plugin:
+            register_plugin(options.tool_call_parser_plugin)
         if options.chat_template:
             tokenizer.chat_template = read_chat_template(options.chat_template)
         reasoning, tools = chat_formats(

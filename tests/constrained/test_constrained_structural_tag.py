@@ -257,9 +257,33 @@ def _tool_outputs(name: str) -> dict[str, str]:
         )
         return {f"[TOOL_CALLS][{one}, {two}]": "accepted", f"[{one}]": "accepted", "No call.": "accepted",
                 '[{"name": "count", "arguments": {"n": null}}]': "refused", f"[{one}] more": "refused"}  # fmt: skip
+    if name in XML_CALL:
+        one, two, bad = (XML_CALL[name](*c) for c in (("get_weather", "city", "Oslo"), ("count", "n", "2"), ("count", "n", "x")))  # fmt: skip
+        return {f"Sure. {one} {two} ok": "accepted", bad: "refused", "No call.": "accepted"}
+    if name in SPECIAL_CALL:
+        begin, call, end = SPECIAL_CALL[name]
+        one, two = call("get_weather", '{"city": "Oslo"}'), call("count", '{"n": 2}')
+        between = "\n" if name == "deepseek_v3" else ""  # V3's template: a newline between calls
+        return {f"Sure. {begin}{one}{between}{two}{end} ok": "accepted", "No call.": "accepted",
+                begin + call("count", '{"n": "2"}') + end: "refused"}  # fmt: skip
     assert name == "pythonic"
     return {'[get_weather(city="Oslo"), count(n=2)]': "accepted", "[count(n=2.5)]": "refused",
             "No call.": "accepted", "[count(m=1)]": "refused"}  # fmt: skip
+
+
+# A call f(k=v) in the XML-like formats (tool_formats_xml), as their templates write it.
+XML_CALL = {
+    "qwen3_coder": lambda f, k, v: f"<tool_call>\n<function={f}>\n<parameter={k}>\n{v}\n</parameter>\n</function>\n</tool_call>",
+    "glm45": lambda f, k, v: f"<tool_call>{f}\n<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n</tool_call>",
+    "minimax_m2": lambda f, k, v: f'<minimax:tool_call>\n<invoke name="{f}">\n<parameter name="{k}">{v}</parameter>\n</invoke>\n</minimax:tool_call>',
+}  # fmt: skip
+DS = {w: f"<\uff5ctool\u2581{w.replace('_', chr(0x2581))}\uff5c>" for w in ("calls_begin", "calls_end", "call_begin", "call_end", "sep")}  # fmt: skip
+# (section begin, a call of f with arguments a, section end) in the special-token formats.
+SPECIAL_CALL = {
+    "deepseek_v3": (DS["calls_begin"], lambda f, a: f"{DS['call_begin']}function{DS['sep']}{f}\n```json\n{a}\n```{DS['call_end']}", DS["calls_end"]),
+    "deepseek_v31": (DS["calls_begin"], lambda f, a: f"{DS['call_begin']}{f}{DS['sep']}{a}{DS['call_end']}", DS["calls_end"]),
+    "kimi_k2": ("<|tool_calls_section_begin|>", lambda f, a: f"<|tool_call_begin|>functions.{f}:0<|tool_call_argument_begin|>{a}<|tool_call_end|>", "<|tool_calls_section_end|>"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_CALL_FORMATS))

@@ -68,7 +68,7 @@ class ToolPlan:
     ) -> None:  # fmt: skip
         self.tools = tools  # the function tools (custom tools are not shown to the template)
         self.choice = choice  # "none" | "auto" | "required" | "named" | "custom"
-        self.format = fmt
+        self.format = fmt.bind([t["function"] for t in tools])  # values typed by the schemas
         self.constraint = constraint  # {"regex": ...}, {"json_schema": ...} or {"lark": ...}
         self.names = {t["function"]["name"] for t in tools}
         self.custom = custom  # the custom tool tool_choice names: the answer is its input

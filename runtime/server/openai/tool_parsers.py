@@ -1,3 +1,5 @@
+# ruff: noqa: RUF002
+# (the DeepSeek markers in the list are spelled with full-width bars and U+2581)
 """Tool-call formats: how a model family writes its calls, read from whole or streamed
 output (`scan`), and the constraint that makes the decoder write them (`constraint`, for
 tool_choice "required" or a named function; `structural_tag`, for tool_choice "auto" with
@@ -16,20 +18,57 @@ Formats (`TOOL_CALL_FORMATS`, the server's --tool-call-parser):
   pythonic     Llama 3.2+ / 4 style: `[f(a=1), g(b="x")]`, values as Python or JSON literals
   json         the fallback for templates that do not render tools: Hermes blocks, or the
                whole output a JSON call object or array (constrained: a JSON array of calls)
+  qwen3_coder  Qwen3-Coder: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+               </parameter>...</function>\n</tool_call>` (tool_formats_xml, as the next two)
+  glm45        GLM-4.5 / 4.6 / 4.7: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V
+               </arg_value>...</tool_call>`
+  minimax_m2   MiniMax-M2: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V
+               </parameter>...</invoke>\n</minimax:tool_call>`
+  deepseek_v3  DeepSeek-V3 / V3-0324: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+               <｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`
+               (tool_formats_special, as the next two)
+  deepseek_v31 DeepSeek-V3.1 / V3.2: `...<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+               <｜tool▁call▁end｜>...`
+  kimi_k2      Kimi-K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+               <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>`
+
+The XML-like formats read raw argument values by the request's
+function schemas (`ToolCallFormat.bind`). `--tool-call-parser-plugin module:Class` adds a
+format of one's own (`register_plugin`); `auto` picks the format whose markers the chat
+template writes, the most specific where several match.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from spruce.constrained.convert import Conversion
 from spruce.constrained.core.patterns import escape_literal
-from spruce.runtime.server.openai.json_prefix import object_members, skip_space
+from spruce.runtime.server.openai.json_prefix import skip_space
+from spruce.runtime.server.openai.tool_format_base import (
+    PartialCall,
+    Scan,
+    ToolCallFormat,
+    any_call_schema,
+    call_schema,
+    json_calls,
+    repeated,
+    required_schema,
+)
+from spruce.runtime.server.openai.tool_formats_special import (
+    DeepSeekV3Format,
+    DeepSeekV31Format,
+    KimiK2Format,
+)
+from spruce.runtime.server.openai.tool_formats_xml import (
+    Glm45Format,
+    MiniMaxM2Format,
+    Qwen3CoderFormat,
+)
 from spruce.runtime.server.openai.tool_tags import (
-    ANY_OBJECT,
     call_tags,
     calls_list,
     calls_or_text,
@@ -37,136 +76,9 @@ from spruce.runtime.server.openai.tool_tags import (
 )
 from spruce.runtime.text.stop import stop_prefix_len
 
-ARGUMENT_KEYS = ("arguments", "parameters")
-
-
-@dataclass(slots=True)
-class PartialCall:
-    """A call as far as it is known: `name` None until whole; `arguments` the JSON text of
-    the arguments so far (a prefix of the final text); `complete` once the call is closed."""
-
-    name: str | None
-    arguments: str = ""
-    complete: bool = False
-
-
-@dataclass(slots=True)
-class Scan:
-    content: str
-    calls: list[PartialCall] = field(default_factory=list)
-    broken: bool = False  # final scans only: a call that does not parse
-
-
-class ToolCallFormat:
-    """Base of the formats: `name`, the chat-template `markers` that identify it, `scan`
-    and the `constraint` for required / named calls."""
-
-    name = ""
-    markers: tuple[str, ...] = ()
-    instructions = ""  # how to call, for a system prompt (templates that do not render tools)
-
-    def scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
-
-    def constraint(
-        self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
-    ) -> dict[str, Any]:
-        """{"regex": ...} or {"json_schema": ...}: one call when `single` or not `parallel`,
-        else one or more, each of the `calls` schemas (see `call_schema`)."""
-        raise NotImplementedError
-
-    def structural_tag(self, functions: list[dict], parallel: bool) -> dict[str, Any]:
-        """The structural tag (constrained/backends/structural_tag.py) of what tool_choice "auto" may
-        write: free text until the call marker, then a call of one of the `functions` whose
-        arguments follow its `parameters` exactly, then free text or (when `parallel`) the
-        next call."""
-        raise NotImplementedError
-
-
-def call_schema(function: dict[str, Any], arguments_key: str = "arguments") -> dict[str, Any]:
-    """One call of `function`: {"name": <its name>, <arguments_key>: <its parameters>}."""
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": function["name"]},
-            arguments_key: function.get("parameters") or ANY_OBJECT,
-        },
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    }
-
-
-def any_call_schema(
-    functions: list[dict[str, Any]], arguments_key: str = "arguments"
-) -> dict[str, Any]:
-    calls = [call_schema(f, arguments_key) for f in functions]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A non-empty array of calls of any of the functions (one call when not parallel)."""
-    schema = {"type": "array", "items": any_call_schema(functions), "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
-
-
-def repeated(item: str, separator: str, many: bool) -> str:
-    return f"{item}(?:{separator}{item})*" if many else item
-
-
-def json_call(body: str, start: int, final: bool) -> tuple[PartialCall | None, int | None, bool]:
-    """(the call so far or None before its name, index past it or None, whether it is
-    broken) of the JSON call object at `start`."""
-    members, end = object_members(body, start)
-    by_key = {m.key: m for m in members}
-    name_member = by_key.get("name")
-    if final and end is None:
-        return None, None, True
-    if name_member is None or name_member.end is None:
-        return None, end, end is not None
-    try:
-        name = json.loads(body[name_member.start : name_member.end])
-    except (ValueError, RecursionError):  # a number past Python's digit limit, deep nesting
-        return None, end, True
-    arguments = next((by_key[k] for k in ARGUMENT_KEYS if k in by_key), None)
-    if not isinstance(name, str):
-        return None, end, True
-    if arguments is None:  # no arguments member (yet): none once the object is closed
-        return PartialCall(name, "" if end is None else "{}", end is not None), end, False
-    text = body[arguments.start : len(body) if arguments.end is None else arguments.end]
-    return (
-        PartialCall(name, text if arguments.end is not None else text.rstrip(), end is not None),
-        end,
-        False,
-    )
-
-
-def json_calls(
-    text: str, start: int, final: bool, separator: str = ",", close: str | None = None
-) -> Scan:
-    """The call objects from `start` on, separated by `separator`, up to `close` or the end."""
-    scan = Scan("")
-    i = skip_space(text, start)
-    while i < len(text):
-        if text[i] != "{":
-            scan.broken = not (
-                close is not None and text[i] == close and skip_space(text, i + 1) == len(text)
-            )
-            return scan
-        call, end, broken = json_call(text, i, final)
-        if broken:
-            scan.broken = True
-            return scan
-        if call is not None:
-            scan.calls.append(call)
-        if end is None:
-            return scan
-        i = skip_space(text, end)
-        if i < len(text) and text[i] == separator:
-            i = skip_space(text, i + 1)
-    scan.broken = final and (close is not None or not scan.calls)
-    return scan
+# Read by the other modules from here (the formats' common part lives in tool_format_base).
+__all__ = ["TOOL_CALL_FORMATS", "PartialCall", "Scan", "ToolCallFormat", "required_schema",
+           "tool_call_format", "detect_tool_call_format", "register_plugin"]  # fmt: skip
 
 
 class HermesFormat(ToolCallFormat):
@@ -454,7 +366,19 @@ def _arguments_regex(items: list[tuple[str, bool]], first: bool) -> str:
 
 TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
     fmt.name: fmt
-    for fmt in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), PythonicFormat(), JsonFormat())
+    for fmt in (
+        HermesFormat(),
+        Llama3JsonFormat(),
+        MistralFormat(),
+        PythonicFormat(),
+        JsonFormat(),
+        Qwen3CoderFormat(),
+        Glm45Format(),
+        MiniMaxM2Format(),
+        DeepSeekV3Format(),
+        DeepSeekV31Format(),
+        KimiK2Format(),
+    )
 }
 AUTO = "auto"
 
@@ -472,8 +396,36 @@ def tool_call_format(name: str, chat_template: str | None) -> ToolCallFormat:
 
 
 def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
+    """The format all of whose markers the template writes; of several, the one with the
+    most markers (the more specific: Qwen3-Coder's and GLM's templates write Hermes's
+    `<tool_call>` too, and `<function=` or `<arg_key>` besides); else "json"."""
     template = chat_template or ""
-    for fmt in TOOL_CALL_FORMATS.values():
-        if fmt.markers and all(m in template for m in fmt.markers):
-            return fmt
-    return TOOL_CALL_FORMATS["json"]
+    found = [
+        fmt
+        for fmt in TOOL_CALL_FORMATS.values()
+        if fmt.markers and all(m in template for m in fmt.markers)
+    ]
+    if not found:
+        return TOOL_CALL_FORMATS["json"]
+    return max(found, key=lambda fmt: len(fmt.markers))  # the first of the most specific
+
+
+def register_plugin(spec: str) -> ToolCallFormat:
+    """--tool-call-parser-plugin `module:Class`: imports the ToolCallFormat subclass and
+    registers an instance under its `name` (replacing a built-in format of that name), so
+    --tool-call-parser names it and "auto" detects it by its markers. A bad spec is a
+    ValueError saying why."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"--tool-call-parser-plugin {spec!r}: expected module:Class")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--tool-call-parser-plugin {spec!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, ToolCallFormat)):
+        raise ValueError(f"--tool-call-parser-plugin {spec!r} is not a ToolCallFormat subclass")
+    fmt = cls()
+    if not fmt.name or fmt.name == AUTO:
+        raise ValueError(f"--tool-call-parser-plugin {spec!r}: the class needs a `name`")
+    TOOL_CALL_FORMATS[fmt.name] = fmt
+    return fmt

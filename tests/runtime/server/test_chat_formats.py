@@ -399,11 +399,38 @@ def test_named_and_single_calls_are_one_call():
             "llama3_json": '{"name":"get_weather","parameters":{"city":"A"}}',
             "mistral": '[{"name":"get_weather","arguments":{"city":"A"}}]',
             "pythonic": '[get_weather(city="A")]',
+            **NEW_FORMAT_CALLS,
         }[name]
         assert pattern.fullmatch(one), name
     assert required_schema(FUNCTIONS, parallel=False)["maxItems"] == 1
 
 
+# One call of get_weather(city="A") in each format of tool_formats_xml / tool_formats_special.
+NEW_FORMAT_CALLS = {
+    "qwen3_coder": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
+        "</function>\n</tool_call>"
+    ),
+    "glm45": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>A</arg_value>\n</tool_call>",
+    "minimax_m2": (
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">A</parameter>\n'
+        "</invoke>\n</minimax:tool_call>"
+    ),
+    "deepseek_v3": (
+        "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>function"
+        '<\uff5ctool\u2581sep\uff5c>get_weather\n```json\n{"city":"A"}\n```'
+        "<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>"
+    ),
+    "deepseek_v31": (
+        "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>get_weather"
+        '<\uff5ctool\u2581sep\uff5c>{"city":"A"}'
+        "<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>"
+    ),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city":"A"}<|tool_call_end|><|tool_calls_section_end|>'
+    ),
+}
 LLAMA31_MARKERS = '{{- "<|start_header_id|>" }} Respond in the format {"name": function name, "parameters": dictionary}'
 
 
@@ -431,6 +458,7 @@ def test_every_format_teaches_its_calls():
 
     shown = {"hermes": "<tool_call>", "json": "<tool_call>", "llama3_json": '"parameters"'}
     shown |= {"mistral": "[TOOL_CALLS]", "pythonic": "func_name1(arg1=value1"}
+    shown |= {name: fmt.open_tag for name, fmt in TOOL_CALL_FORMATS.items() if name not in shown}
     for name, fmt in TOOL_CALL_FORMATS.items():
         prompt = tools_system_prompt(
             [{"type": "function", "function": FUNCTIONS[0]}], fmt.instructions
