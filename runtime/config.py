@@ -72,6 +72,36 @@ class ConstraintOptions:
 
 
 @dataclass(frozen=True)
+class SpeculativeOptions:
+    """Speculative decoding (scheduler/speculative.py): `ngram` drafts from the request's own
+    prompt and output (prompt lookup), verified with the next token in one forward pass."""
+
+    speculative_algorithm: str = "none"  # none | ngram
+    speculative_num_draft_tokens: int = 4  # drafted tokens a step, at most
+    speculative_ngram_min_match_window_size: int = 2  # shortest suffix that may match
+    speculative_ngram_max_match_window_size: int = 8  # longest suffix tried first
+    speculative_max_batch_size: int = 16  # decoding requests above it: no drafts that step
+    # one more row's cost as a share of a one-row step, for choosing draft lengths
+    # (speculative.best_length); None: measured defaults for the CPU and for a GPU
+    speculative_row_cost: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise InvalidRequestError(
+                f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
+                f"got {self.speculative_algorithm!r}"
+            )
+        low = self.speculative_ngram_min_match_window_size
+        if not 1 <= low <= self.speculative_ngram_max_match_window_size:
+            raise InvalidRequestError("speculative ngram match windows: need 1 <= min <= max")
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise InvalidRequestError("speculative_num_draft_tokens must be in [1, 64]")
+
+
+SPECULATIVE_ALGORITHMS = ("none", "ngram")
+
+
+@dataclass(frozen=True)
 class ParallelOptions:
     tp_size: int = 1  # tensor parallelism (--tp): processes that each hold a slice of every layer
     nnodes: int = 1  # machines the tp ranks span (tp_size / nnodes ranks on each)
@@ -87,6 +117,7 @@ class EngineConfig:
     cache: CacheOptions = field(default_factory=CacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     constraint: ConstraintOptions = field(default_factory=ConstraintOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     parallel: ParallelOptions = field(default_factory=ParallelOptions)
     seed: int = 0
     log_level: str | None = None  # None: leave the "spruce" logger as the application set it
@@ -135,7 +166,8 @@ class EngineConfig:
 
 _SECTIONS = {
     "model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,
-    "constraint": ConstraintOptions, "parallel": ParallelOptions,
+    "constraint": ConstraintOptions, "speculative": SpeculativeOptions,
+    "parallel": ParallelOptions,
 }  # fmt: skip
 _OWNER = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
 _TOP_LEVEL = {"seed", "log_level"}

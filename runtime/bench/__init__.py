@@ -10,6 +10,7 @@ BENCHMARKS = {
     "gpu": "spruce.runtime.bench.gpu",
     "json": "spruce.runtime.bench.json_bench",
     "grammar": "spruce.runtime.bench.grammar_bench",
+    "spec": "spruce.runtime.bench.spec",
 }
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # annotations only: the request module stays light
     from spruce.constrained.automaton.cursor import CursorBase
     from spruce.constrained.spec import ConstraintSpec
     from spruce.radix.radix_cache import RadixNode
+    from spruce.runtime.scheduler.speculative import SpecState
     from spruce.runtime.scheduler.thinking import ThinkingBudget
 
 
@@ -83,6 +84,7 @@ class Req:
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, not decoded
     rewritten_from: int | None = None  # first output id jump-forward re-tokenized since the
     # last report (core.update.Reporter turns it into the update's rollback count)
+    spec: SpecState | None = None  # its speculative decoding record, once it drafted
     thinking: ThinkingBudget | None = None  # its thinking budget's state (scheduler/thinking.py)
     # embedding requests: how the prompt's final hidden states are pooled (last | mean |
     # cls; None: not one), the pooled vector so far, and the positions it has taken in

@@ -79,6 +79,8 @@ class SamplingParams:
     thinking_budget: int | None = None
     thinking_open: str | None = None
     thinking_close: str = "</think>"
+    # False: this request never drafts, even where the server speculates (scheduler/speculative.py)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # JSON-friendly input -> field types, however the object was built
@@ -180,7 +182,7 @@ class SamplingParams:
                "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 2]")  # fmt: skip
 
     def _check_flags(self, names: FieldNames) -> None:
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "speculative"):
             _check(isinstance(getattr(self, name), bool), names, name, "must be true or false")
         _check(self.custom_params is None or isinstance(self.custom_params, dict), names,
                "custom_params",

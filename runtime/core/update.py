@@ -42,6 +42,8 @@ class Finished:
     decode_s: float | None  # first token -> finish
     unenforced: list[str] | None = None
     embedding: list[float] | None = None  # an embedding request's pooled vector (unnormalized)
+    spec_draft_tokens: int = 0  # speculative decoding: tokens drafted for it, and accepted
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -107,6 +109,7 @@ def finished_of(req: Req) -> Finished:
         req.finish_reason, req.jump_forward_tokens, req.finished_at - req.created_at,
         None if first is None else first - req.created_at,
         None if first is None else req.finished_at - first, unenforced, _pooled_vector(req),
+        *((req.spec.drafted, req.spec.accepted) if req.spec is not None else ()),
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.engine import tp_worker
 from spruce.runtime.engine.pooling import pool, pooled_rows, resolve_pooling
 from spruce.runtime.engine.threads import ThreadGovernor
+from spruce.runtime.engine.verify import sample_rows
 from spruce.runtime.errors import InvalidRequestError, SpruceError
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import RankLost, close_group, start_keepalive
@@ -36,6 +37,7 @@ from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.scheduler import Scheduler
+from spruce.runtime.scheduler.speculative import Speculator
 from spruce.runtime.scheduler.thinking import ThinkingBudget
 from spruce.runtime.text.stop import StopChecker
 
@@ -134,8 +136,11 @@ class EngineCore:
         stops = StopChecker(self.tokenizer, eos)
         self.sampler = Sampler(self.vocab_size, eos, self.runner.device, config.seed)
         release = lambda req: self.sampler.release(req.rid)  # noqa: E731  (per-request generators)
+        speculator = None
+        if config.speculative.speculative_algorithm != "none":
+            speculator = Speculator(config.speculative, self.context_len, device)
         self.scheduler = Scheduler(
-            config.scheduler, self.cache_manager, stops, config.constraint, release
+            config.scheduler, self.cache_manager, stops, config.constraint, release, speculator
         )
         self.grammar_mask = GrammarMask(
             self.vocab_size, config.scheduler.max_running_requests, self.runner.device
@@ -282,36 +287,36 @@ class EngineCore:
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> None:
         """Runs the step's forward pass and sampling; sets each scheduled request's `result`."""
-        items = [self._forward_item(s) for s in out.scheduled]
+        groups = [self._forward_items(s) for s in out.scheduled]
+        items = [item for group in groups for item in group]
         with (
             self.tp.lock if self.tp is not None else nullcontext()
         ):  # --tp: no keepalive amid the step's collectives
             forward = self.runner.forward(items)
         sampling: list[tuple[Scheduled, int]] = []  # who samples, from which logits row
-        for i, (scheduled, item) in enumerate(zip(out.scheduled, items)):
-            first, end = forward.offsets[i], forward.offsets[i + 1]
+        i = 0  # the group's first item
+        for scheduled, group in zip(out.scheduled, groups):
+            item, j = group[0], i + len(group)
+            first, end = forward.offsets[i], forward.offsets[j]
             scheduled.result = Sampled()
             if item.hidden:
                 h = forward.hidden_offsets
-                pool(scheduled.req, item.prefix_len, forward.hidden[h[i] : h[i + 1]])
+                pool(scheduled.req, item.prefix_len, forward.hidden[h[i] : h[j]])
             if item.all_logits:  # prompt logprobs first: the sampler changes the logits in place
                 self._prompt_logprobs(scheduled, forward.logits[first:end])
             if scheduled.samples and scheduled.result.error is None:
-                sampling.append((scheduled, end - 1))
+                sampling.append((scheduled, end - 1 - len(scheduled.draft)))
+            i = j
         if sampling:
             self._sample(forward.logits, sampling)
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Scheduled, int]]) -> None:
-        """Samples each request's next token from its logits row; sets its result's token,
+        """Samples each request's next token from its logits row (a drafting request's
+        drafts verified from the rows after it: verify.py); sets its result's tokens,
         logprobs and row error."""
-        rows = [row for _, row in sampling]
-        if len(rows) < logits.shape[0]:  # a decode batch samples every row: no gather (12 MB copy)
-            logits = logits[rows]
-        sampled = self.sampler.sample(logits, [s.req for s, _ in sampling], self.grammar_mask)
-        for j, (scheduled, _) in enumerate(sampling):
-            result = scheduled.result
-            result.token_id, result.logprobs = sampled.ids[j], sampled.logprobs[j]
-            result.error = sampled.errors.get(j)
+        sample_rows(
+            logits, sampling, lambda rows, reqs: self.sampler.sample(rows, reqs, self.grammar_mask)
+        )
 
     def _prompt_logprobs(self, scheduled: Scheduled, rows: torch.Tensor) -> None:
         """Sets the request's prompt logprobs of this step, or its error (its row only)."""
@@ -328,15 +333,27 @@ class EngineCore:
         if futures:
             wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
 
-    def _forward_item(self, scheduled: Scheduled) -> ForwardItem:
-        req, n = scheduled.req, scheduled.num_tokens
+    def _forward_items(self, scheduled: Scheduled) -> list[ForwardItem]:
+        """The request's part of the forward pass: one item, or with drafts one item per
+        token (its last, then each draft) at consecutive positions of its row, so a step of
+        decodes and drafts stays a decode step (each row attends as a decode token does,
+        with the same numbers: verify.py compares against plain decoding's logits)."""
+        req, n, draft = scheduled.req, scheduled.num_tokens, scheduled.draft
         start = req.computed_len
+        if draft:
+            ids = [*req.token_ids(start, start + 1), *draft]
+            slots = scheduled.slots.split(1)
+            return [ForwardItem(req.row, start + j, [t], slots[j]) for j, t in enumerate(ids)]
         lp_start = req.prompt_logprob_start
         # prompt logprobs need every position from logprob_start_len - 1 to the prompt's end
         all_logits = lp_start is not None and start < len(req.prompt_ids) and start + n >= lp_start
         new_ids = req.token_ids(start, start + n)
         hidden = pooled_rows(req, start, n)
-        return ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits, hidden)
+        return [ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits, hidden)]
+
+    def _speculator_total(self, name: str) -> int:
+        speculator = self.scheduler.speculator
+        return 0 if speculator is None else getattr(speculator, name)
 
     # -- observability ------------------------------------------------------------------------
 
@@ -379,6 +396,8 @@ class EngineCore:
             "steps_total": s.steps,
             "failed_steps_total": s.failed_steps,  # forward passes rolled back
             "request_faults_total": s.request_faults,  # requests aborted for a failure of their own
+            "spec_draft_tokens_total": self._speculator_total("drafted"),
+            "spec_accepted_tokens_total": self._speculator_total("accepted"),
             "grammar_cache_bytes": self.compiler.cached_bytes,  # counted: NFA, DFA rows, masks
             "time": time.time(),
         }

@@ -100,6 +100,7 @@ class ModelRunner:
             and logits_rows is None
             and hidden_offsets is None
             and self.graphs.can_run(len(items))
+            and not ctx.shared_rows
         ):
             logits = self.graphs.run(input_ids, ctx.positions, ctx.out_slots, ctx.req_pool_indices)
         else:
@@ -135,6 +136,7 @@ class ModelRunner:
             extend_lens=extend.to(self.device),
             prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=extend.tolist(),
+            shared_rows=len(set(rows.tolist())) < len(items),
         )
         return ctx, input_ids.to(self.device)
 

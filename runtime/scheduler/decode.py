@@ -11,18 +11,27 @@ class DecodeManager:
     def __init__(self, cache: CacheManager) -> None:
         self.cache = cache
 
-    def schedule(self, out: ScheduleOutput, decoding: list[Req], running: list[Req]) -> list[Req]:
-        """Adds every decoding request with one new slot. When the pool (after eviction)
-        cannot give a slot to each, the most recently admitted running requests are
-        retracted until it can; returns the retracted requests."""
+    def schedule(
+        self, out: ScheduleOutput, decoding: list[Req], running: list[Req],
+        drafts: dict[int, list[int]] | None = None,
+    ) -> list[Req]:  # fmt: skip
+        """Adds every decoding request with one new slot, plus one per drafted token
+        (`drafts`: {id(req): draft}). When the pool (after eviction) cannot give that, the
+        drafts go first, then the most recently admitted running requests are retracted
+        until it can; returns the retracted requests."""
         retracted: list[Req] = []
         candidates = sorted(running, key=lambda r: r.admit_order)
+        drafts = drafts or {}
         while decoding:
-            slots = self.cache.alloc(len(decoding))
+            counts = [1 + len(drafts.get(id(req), ())) for req in decoding]
+            slots = self.cache.alloc(sum(counts))
             if slots is not None:
-                for req, slot in zip(decoding, slots.split(1)):
-                    out.add(req, 1, slot)
+                for req, n, slot in zip(decoding, counts, slots.split(counts)):
+                    out.add(req, n, slot, drafts.get(id(req)))
                 return retracted
+            if drafts:
+                drafts = {}
+                continue
             victim = candidates.pop()
             retracted.append(victim)
             if victim in decoding:

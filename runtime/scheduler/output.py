@@ -19,6 +19,10 @@ class Sampled:
 
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
+    # a drafting request's verified tokens: the accepted drafts then the sampled token
+    # (token_id is their first), with their logprobs when asked
+    tokens: list[int] | None = None
+    token_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
     error: str | None = None
 
@@ -26,11 +30,14 @@ class Sampled:
 @dataclass(slots=True)
 class Scheduled:
     """A request that advances this step by `num_tokens` tokens, whose K/V go into `slots`
-    (new KV slots, one per token). `result` is filled by the step that ran it."""
+    (new KV slots, one per token). `draft`: drafted tokens computed after its last token
+    (the last `len(draft)` of `num_tokens`; speculative.py). `result` is filled by the step
+    that ran it."""
 
     req: Req
     num_tokens: int
     slots: torch.Tensor
+    draft: list[int] = field(default_factory=list)
     result: Sampled | None = None
 
     @property
@@ -38,7 +45,8 @@ class Scheduled:
         """True when the advance reaches the end of the request's tokens and it still wants
         a token: its next token is sampled after this step."""
         req = self.req
-        return req.computed_len + self.num_tokens == req.total_len and req.wants_sample
+        own = self.num_tokens - len(self.draft)
+        return req.computed_len + own == req.total_len and req.wants_sample
 
 
 @dataclass(slots=True)
@@ -47,9 +55,11 @@ class ScheduleOutput:
 
     scheduled: list[Scheduled] = field(default_factory=list)
 
-    def add(self, req: Req, num_tokens: int, slots: torch.Tensor) -> None:
+    def add(
+        self, req: Req, num_tokens: int, slots: torch.Tensor, draft: list[int] | None = None
+    ) -> None:
         assert slots.numel() == num_tokens > 0
-        self.scheduled.append(Scheduled(req, num_tokens, slots))
+        self.scheduled.append(Scheduled(req, num_tokens, slots, draft or []))
 
     def remove(self, req: Req) -> torch.Tensor | None:
         """Takes a request out again (retraction); returns its new slots to free, or None

@@ -30,8 +30,9 @@ from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
 from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks
-from spruce.runtime.scheduler.output import Sampled, ScheduleOutput
+from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.prefill import PrefillManager
+from spruce.runtime.scheduler.speculative import Speculator
 from spruce.runtime.text.stop import StopChecker
 
 logger = logging.getLogger("spruce.scheduler")
@@ -57,6 +58,7 @@ class Scheduler:
         stops: StopChecker,
         constraint_options: ConstraintOptions | None = None,
         on_release=None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.options = options
         self.constraint_options = constraint_options or ConstraintOptions()
@@ -71,6 +73,7 @@ class Scheduler:
         self._finished_outside_step: list[Req] = []
         self._aborts: dict[str, str] = {}
         self.on_release = on_release  # optional callback(req) when a request leaves (sampler state)
+        self.speculator = speculator  # drafts for decoding requests (None: no speculation)
 
     # -- queue ------------------------------------------------------------------------
 
@@ -117,7 +120,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.remaining == 1 and id(r) not in held]
         continuing = [r for r in self.running if r.remaining > 1 and id(r) not in held]
         if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
-            for req in self.decode.schedule(out, decoding, self.running):
+            drafts = self.speculator.drafts(decoding) if self.speculator is not None else None
+            for req in self.decode.schedule(out, decoding, self.running, drafts):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
         budget = self.prefill.continue_running(out, continuing, budget)
@@ -188,10 +192,16 @@ class Scheduler:
         for item in out.scheduled:
             req, result = item.req, item.result
             assert result is not None, "update() of a step that did not run"
-            req.computed_len += item.num_tokens  # the forward pass wrote these K/V
             error = result.error
-            if error is None:
-                error = self._update_one(req, item.num_tokens, result)
+            if item.draft and error is None:
+                error = self._update_drafted(item)
+            elif item.draft:  # its row failed: its last token is computed, the drafts go
+                req.computed_len += 1
+                self._drop_draft_slots(item, 1)
+            else:
+                req.computed_len += item.num_tokens  # the forward pass wrote these K/V
+                if error is None:
+                    error = self._update_one(req, item.num_tokens, result)
             if error is not None:
                 self.fail_request(req, error)
             if result.token_id is not None or req.finished:
@@ -216,6 +226,43 @@ class Scheduler:
             logger.exception("processing the output of request %s failed", req.rid)
             return "processing this request's output failed (see the server log)"
         return None
+
+    def _update_drafted(self, item: Scheduled) -> str | None:
+        """A drafting request's part of update(): its last token and the accepted drafts
+        become computed one by one as the verified tokens are appended (stop strings, the
+        grammar, jump-forward and the thinking budget act after each as in plain decoding);
+        appending stops where the request finishes or its output stops following the
+        drafts, and the slots past what is computed are freed at once."""
+        req, result = item.req, item.result
+        start, counted = req.computed_len, 0
+        tokens, logprobs = result.tokens, result.token_logprobs
+        rewritten = req.rewritten_from
+        try:
+            for i, token in enumerate(tokens):
+                counted += 1  # the last token (i == 0) or the draft token i - 1 is computed
+                req.computed_len = start + counted
+                expected = len(req.output_ids) + 1
+                self._append(req, token, logprobs[i] if logprobs else None)
+                moved = len(req.output_ids) != expected or req.rewritten_from != rewritten
+                if req.finished or moved:
+                    break
+        except constrained_errors.ConstraintError as e:
+            req.error = constraint_error(e)
+            return str(e)
+        except Exception:
+            logger.exception("processing the output of request %s failed", req.rid)
+            return "processing this request's output failed (see the server log)"
+        finally:
+            self._drop_draft_slots(item, counted)
+            if self.speculator is not None:
+                self.speculator.record(req, len(item.draft), len(tokens) - 1)
+        return None
+
+    def _drop_draft_slots(self, item: Scheduled, counted: int) -> None:
+        """Frees the step's slots past the first `counted` (those became computed)."""
+        if counted < item.num_tokens:
+            self.cache.free_slots(item.slots[counted:])
+            item.slots = item.slots[:counted]
 
     # -- failures -------------------------------------------------------------------------
 

@@ -45,6 +45,16 @@ class Metrics:
             "spruce_e2e_request_latency_seconds", "arrival -> finish",
             buckets=LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.spec_draft = Counter(
+            "spruce_spec_draft_tokens", "tokens drafted by speculative decoding", registry=registry
+        )
+        self.spec_accepted = Counter(
+            "spruce_spec_accepted_tokens", "drafted tokens accepted", registry=registry
+        )
+        self.spec_acceptance = Histogram(
+            "spruce_spec_acceptance_ratio", "accepted / drafted tokens, per request that drafted",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=registry,
+        )  # fmt: skip
         self.running = Gauge("spruce_running_requests", "requests running", registry=registry)
         self.waiting = Gauge("spruce_waiting_requests", "requests waiting", registry=registry)
         self.kv_used = Gauge(
@@ -134,6 +144,11 @@ class Metrics:
         self.replica_prompt_tokens.labels(replica).inc(prompt)
         self.replica_cached_tokens.labels(replica).inc(cached)
         self.e2e.observe(latency)
+        done = update.finished
+        if done.spec_draft_tokens:
+            self.spec_draft.inc(done.spec_draft_tokens)
+            self.spec_accepted.inc(done.spec_accepted_tokens)
+            self.spec_acceptance.observe(done.spec_accepted_tokens / done.spec_draft_tokens)
         decode_s = update.finished.decode_s
         if decode_s is not None:
             self.ttft.observe(max(latency - decode_s, 0.0))

@@ -172,6 +172,9 @@ class RequestOutput:
             "finish_reason": done.reason.to_dict(), "e2e_latency": done.e2e_s,
             "jump_forward_tokens": done.jump_forward_tokens,
         }  # fmt: skip
+        if done.spec_draft_tokens:
+            info["spec_draft_tokens"] = done.spec_draft_tokens
+            info["spec_accepted_tokens"] = done.spec_accepted_tokens
         if self.valid.sampling.custom_params is not None:
             info["ignored"] = {"custom_params": CUSTOM_PARAMS_NOTE}
         report = self._schema_report()

@@ -34,6 +34,9 @@ class ForwardContext:
     # the model sets `hidden` to them, [len(hidden_rows), hidden_size]
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    # several items share a request's row (speculative drafts, one token each): a token's
+    # K/V must be in the pool before the rows after it attend (no fused store-and-attend)
+    shared_rows: bool = False
 
     @property
     def batch_size(self) -> int:

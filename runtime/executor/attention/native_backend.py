@@ -130,7 +130,8 @@ class NativeAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer, ctx):
         state: _NativeState = ctx.backend_state
         window = self.windows[layer]
-        if state.all_decode and self.cpu_kernel is not None:  # the kernel stores the new K/V itself
+        fused = state.all_decode and self.cpu_kernel is not None and not ctx.shared_rows
+        if fused:  # the kernel stores the new K/V itself
             return self._attend_decode(q, layer, window, state.decode, new_kv=(k, v, ctx.out_slots))
         self.pool.write(layer, ctx.out_slots, k, v)
         if state.all_decode:

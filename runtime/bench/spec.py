@@ -1,0 +1,153 @@
+"""Speculative decoding: --speculative-algorithm ngram against none on the same requests.
+
+Workloads (the chat template of the model, greedy): extraction (a short document per prompt
+and a JSON object of spans of it, under a JSON schema), chat (plain questions, no
+constraint) and code (a snippet to repeat with one change). Each at batch 1 (one request
+at a time) and batch N (--batch, that many running at once). Both engines share one copy of
+the weights and run in the same process, one after the other per row; the outputs must be
+identical token for token (the benchmark fails otherwise). Reported: output tokens per
+second off and on, their ratio, and the share of drafted tokens accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from spruce.runtime.bench import write_json
+
+USES_ENGINE = True
+
+FIRST = ["Harriet", "Tomasz", "Aiko", "Ngozi", "Rafael", "Ingrid", "Dev", "Lucia", "Omar"]
+LAST = ["Kowalski", "Okafor", "Lindqvist", "Tanaka", "Moreau", "Haddad", "Varga", "Silva"]
+TOWNS = ["Larkspur", "Brightwater", "Eastvale", "Port Morrow", "Kilnsey", "Alder Cross"]
+ITEMS = ["solar inverters", "oak flooring", "lab centrifuges", "bicycle frames", "printer ink"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "invoice": {"type": "string"}, "customer": {"type": "string"},
+        "town": {"type": "string"}, "item": {"type": "string"},
+        "quantity": {"type": "integer"}, "total": {"type": "string"},
+    },
+    "required": ["invoice", "customer", "town", "item", "quantity", "total"],
+    "additionalProperties": False,
+}  # fmt: skip
+QUESTIONS = [
+    "Why is the sky blue?", "Give three tips for sleeping better.",
+    "What is a prime number?", "Describe a cat in two sentences.",
+    "How do plants make food?", "What should I pack for a beach trip?",
+    "Explain what a database index is.", "Suggest a name for a bakery.",
+]  # fmt: skip
+SNIPPET = """def {name}(items):
+    total = 0
+    for item in items:
+        if item.{field} > {limit}:
+            total += item.{field}
+    return total
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default="extraction,chat,code")
+    parser.add_argument("--num-prompts", type=int, default=64, help="per workload at batch N")
+    parser.add_argument("--batch1-prompts", type=int, default=8, help="per workload at batch 1")
+    parser.add_argument("--batch", type=int, default=16, help="requests running at once")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--output-json", default=None)
+
+
+def extraction(rng: random.Random) -> tuple[str, dict]:
+    name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+    invoice, town, item = f"INV-{rng.randint(1000, 9999)}", rng.choice(TOWNS), rng.choice(ITEMS)
+    qty, total = rng.randint(2, 90), f"{rng.randint(100, 9999)}.{rng.randint(10, 99)} EUR"
+    doc = (
+        f"Invoice {invoice} was issued on 12 March to {name}, who runs a small workshop in "
+        f"{town}. The order covered {qty} units of {item}, shipped in two crates. The total "
+        f"due is {total}, payable within thirty days. {name.split()[0]} asked for a paper copy."
+    )
+    ask = "Extract invoice, customer, town, item, quantity and total from this text as JSON."
+    return f"{doc}\n\n{ask}", {"json_schema": json.dumps(SCHEMA)}
+
+
+def code(rng: random.Random) -> tuple[str, dict]:
+    name, field = (
+        rng.choice(["sum_large", "heavy_total", "big_sum"]),
+        rng.choice(["price", "weight", "size"]),
+    )
+    text = SNIPPET.format(name=name, field=field, limit=rng.randint(5, 500))
+    return f"Rewrite this function with the name `{name}_v2`, otherwise unchanged:\n\n{text}", {}
+
+
+def workload(kind: str, n: int, seed: int) -> list[tuple[str, dict]]:
+    rng = random.Random(seed)
+    if kind == "chat":
+        return [(QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)), {}) for i in range(n)]
+    return [(extraction if kind == "extraction" else code)(rng) for _ in range(n)]
+
+
+def run(args: argparse.Namespace, engine_options: dict) -> int:
+    from spruce.runtime.engine.offline import Engine
+
+    options = {k: v for k, v in engine_options.items() if not k.startswith("speculative_")}
+    off = Engine(**options, max_running_requests=args.batch)
+    on = Engine(
+        loaded=off.core.loaded, **options, max_running_requests=args.batch,
+        speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens,
+    )  # fmt: skip
+    base = {"temperature": 0, "max_new_tokens": args.output_len}
+    off.generate(input_ids=[[5, 6, 7]], sampling_params=base)  # warm-up
+    rows = []
+    print(
+        f"{'workload':<11} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'accepted':>9}"
+    )
+    for kind in args.workloads.split(","):
+        for batch, count in ((1, args.batch1_prompts), (args.batch, args.num_prompts)):
+            work = workload(kind, count, seed=len(rows))
+            prompts = [chat_ids(off, text) for text, _ in work]
+            params = [{**base, **extra} for _, extra in work]
+            row = compare(off, on, prompts, params, batch)
+            row.update(workload=kind, batch=batch)
+            rows.append(row)
+            print(f"{kind:<11} {batch:>5} {row['off_tok_s']:>10.1f} {row['on_tok_s']:>9.1f} "
+                  f"{row['ratio']:>5.2f}x {row['acceptance']:>8.0%}")  # fmt: skip
+    write_json(
+        args.output_json,
+        {"config": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows},
+    )
+    return 0
+
+
+def chat_ids(engine, text: str) -> list[int]:
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def compare(off, on, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
+    """Both engines over the same requests (one at a time at batch 1); identical outputs."""
+    before = on.stats()
+    off_s, off_out = timed(off, prompts, params, batch)
+    on_s, on_out = timed(on, prompts, params, batch)
+    for a, b in zip(off_out, on_out):
+        if a["output_ids"] != b["output_ids"]:
+            raise SystemExit("speculative decoding changed a greedy output: a bug")
+    tokens = sum(len(o["output_ids"]) for o in on_out)
+    after = on.stats()
+    drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
+    accepted = after["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
+    return {
+        "tokens": tokens, "off_tok_s": tokens / off_s, "on_tok_s": tokens / on_s,
+        "ratio": off_s / on_s, "acceptance": accepted / drafted if drafted else 0.0,
+    }  # fmt: skip
+
+
+def timed(engine, prompts, params, batch: int) -> tuple[float, list[dict]]:
+    start = time.perf_counter()
+    if batch == 1:
+        out = [engine.generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, params)]
+    else:
+        out = engine.generate(input_ids=prompts, sampling_params=params)
+    return time.perf_counter() - start, out

@@ -1,0 +1,202 @@
+"""Speculative decoding: drafts for decoding requests, and when not to draft.
+
+A decoding request computes its last token plus up to k drafted tokens in one forward pass
+(the extend path); the engine then samples each position in turn with the request's own
+state advanced over the drafts before it, and keeps drafts while the sampled token equals
+the draft (engine/verify.py). That is sequential sampling, so greedy output is identical
+token for token and sampled output keeps its distribution; the drafter only decides how
+many forward passes it takes.
+
+Drafter: prompt lookup (`NgramDrafter`): the longest suffix of the request's tokens
+(between the min and max window) that occurred before in its prompt or output proposes the
+tokens that followed its latest earlier occurrence. No extra model, no extra memory; it
+pays where outputs copy their prompt (extraction, code edits, quotes). A drafter has one
+call, `propose(req, k) -> token ids`, so other drafters (a draft model, EAGLE-style heads)
+fit the same place.
+
+Knowing when not to: each extra row costs a share of a step (`row_cost`: large on a CPU,
+where the integer GEMV is bound by its arithmetic, small on a GPU). Each request keeps an
+estimate of how often its draft tokens are accepted (`SpecState`); a draft is as long as
+maximizes expected tokens per unit of step time for the batch at hand (`best_length`), and
+none when no length pays (the request pauses, then tries again). No request drafts in a step
+with more than `speculative_max_batch_size` decoding requests. Drafts are also cut where
+they cannot be verified within the step's bounds (`cut_for_grammar`: the first token the
+grammar refuses, or whose next mask is not made yet) and where the request must stop anyway
+(max_new_tokens, the context).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from spruce.runtime.config import SpeculativeOptions
+from spruce.runtime.core.request import Req
+
+PAUSE_STEPS = 16  # steps a request waits once drafting stopped paying, before it tries again
+DECAY = 0.8  # weight of the past in the acceptance estimate
+PRIOR = (4.0, 5.0)  # (accepted, tried) a fresh estimate starts from: 0.8, worth a try
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's drafting record: totals (meta_info) and the estimate of how likely
+    its next draft token is accepted (`rate`: accepted / tried draft tokens, decayed, where
+    a draft is tried up to its first rejected token)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    hits: float = PRIOR[0]
+    tries: float = PRIOR[1]
+    paused_until: int = 0  # the speculator's step count it may draft again at
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.hits = DECAY * self.hits + accepted
+        self.tries = DECAY * self.tries + accepted + (accepted < drafted)
+
+    def pause(self, step: int) -> None:
+        self.paused_until = step + PAUSE_STEPS
+        self.hits, self.tries = PRIOR
+
+
+def best_length(rate: float, row_cost: float, batch: int, most: int) -> int:
+    """How many tokens to draft (0: none) when each is accepted with probability `rate`
+    (until the first rejection), a step of R rows costs 1 + row_cost * (R - 1) times a
+    one-row step, and `batch` requests decode (each assumed to draft as many): the length
+    that most raises expected tokens per unit of step time, if any does."""
+    plain = 1 + row_cost * (batch - 1)
+    best, best_gain = 0, 1.0
+    for k in range(1, most + 1):
+        tokens = k + 1 if rate >= 1 else (1 - rate ** (k + 1)) / (1 - rate)
+        gain = tokens * plain / (1 + row_cost * (batch * (k + 1) - 1))
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+class NgramDrafter:
+    """Prompt lookup over the request's own tokens, searched as bytes (C speed)."""
+
+    def __init__(self, min_window: int, max_window: int) -> None:
+        self.min_window, self.max_window = min_window, max_window
+
+    def propose(self, req: Req, k: int) -> list[int]:
+        tokens = array("i", req.prompt_ids)
+        tokens.extend(req.output_ids)
+        data, n = tokens.tobytes(), len(tokens)
+        for window in range(min(self.max_window, n - 1), self.min_window - 1, -1):
+            start = _latest_earlier(data, tokens[n - window :].tobytes(), n - window)
+            if start is not None:
+                follow = start + window
+                return tokens[follow : follow + k].tolist()
+        return []
+
+
+def _latest_earlier(data: bytes, pattern: bytes, before: int) -> int | None:
+    """The token index of the latest occurrence of `pattern` that starts before token index
+    `before` (the suffix itself starts there), aligned to whole tokens, or None."""
+    end = (before - 1) * 4 + len(pattern)  # an occurrence starting at before - 1 ends here
+    while end > 0:
+        at = data.rfind(pattern, 0, end)
+        if at < 0:
+            return None
+        if at % 4 == 0:
+            return at // 4
+        end = at + len(pattern) - 1
+    return None
+
+
+# One more row's cost as a share of a one-row decode step. CPU (2-core AMD EPYC VM, the
+# bundled SmolLM2 Q4_1, batch 1): 1 row 6.5 ms, 2 rows 10.9, 3 12.9, 5 22.2 (best of 30):
+# about 0.6. A GPU's decode step is bound by reading the weights: extra rows are nearly free.
+ROW_COST_CPU = 0.6
+ROW_COST_GPU = 0.05
+
+
+class Speculator:
+    """Decides each step which decoding requests draft and what: `drafts(decoding, step)`."""
+
+    def __init__(self, options: SpeculativeOptions, context_len: int, device: str) -> None:
+        self.options = options
+        self.context_len = context_len
+        self.row_cost = options.speculative_row_cost
+        if self.row_cost is None:
+            self.row_cost = ROW_COST_GPU if device != "cpu" else ROW_COST_CPU
+        self.drafter = NgramDrafter(
+            options.speculative_ngram_min_match_window_size,
+            options.speculative_ngram_max_match_window_size,
+        )
+        self.step = 0
+        self.drafted = 0  # totals over all requests (metrics)
+        self.accepted = 0
+
+    def drafts(self, decoding: list[Req]) -> dict[int, list[int]]:
+        """{id(req): its draft} for the requests that draft this step."""
+        self.step += 1
+        if len(decoding) > self.options.speculative_max_batch_size:
+            return {}
+        out = {}
+        for req in decoding:
+            draft = self._draft(req, len(decoding))
+            if draft:
+                out[id(req)] = draft
+        return out
+
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if req.spec is not None:
+            req.spec.record(drafted, accepted)
+
+    def _draft(self, req: Req, batch: int) -> list[int]:
+        if not req.sampling.speculative or req.pooling is not None:
+            return []
+        if req.spec is None:
+            req.spec = SpecState()
+        if self.step < req.spec.paused_until:
+            return []
+        most = best_length(
+            req.spec.rate, self.row_cost, batch, self.options.speculative_num_draft_tokens
+        )
+        if most == 0:  # drafting does not pay at this acceptance: try again later
+            req.spec.pause(self.step)
+            return []
+        # room: the sampled token plus the drafts must fit max_new_tokens and the context
+        room = min(
+            req.sampling.max_new_tokens - len(req.output_ids) - 1,
+            self.context_len - req.total_len - 1,
+            most,
+        )
+        if room <= 0:
+            return []
+        draft = self.drafter.propose(req, room)
+        return cut_for_grammar(req, draft) if req.cursor is not None else draft
+
+
+def cut_for_grammar(req: Req, draft: list[int]) -> list[int]:
+    """The longest head of `draft` the grammar accepts and whose every next mask is already
+    made (drafts never make masks: that work stays in the step's mask budget). The cursor
+    is walked and rolled back."""
+    cursor, pushed, kept = req.cursor, 0, 0
+    for token in draft:
+        if not cursor.accept_token(token):
+            break
+        pushed += 1
+        if not _mask_ready(cursor):
+            break  # the mask after this token is not made: it cannot be verified
+        kept += 1
+    cursor.rollback(pushed)
+    return draft[:kept]
+
+
+def _mask_ready(cursor) -> bool:
+    try:
+        return cursor.prepare_mask(0)
+    except Exception:  # noqa: BLE001 (a mask past its bound: the step's own check reports it)
+        return False

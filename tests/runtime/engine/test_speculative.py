@@ -1,0 +1,169 @@
+"""Speculative decoding (prompt lookup) in the Engine on the tiny random model: outputs are
+identical to decoding without it, token for token (greedy, and seeded sampling, which
+verification draws exactly as plain decoding does), under constraints, stop strings,
+logprobs, a warm prefix cache and retraction; the KV accounting stays exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_engine import make_engine, prompts
+
+from spruce.runtime.core.options import RequestOptions
+from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.core.validation import ValidRequest
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+ALWAYS = {"speculative_row_cost": 0.0}  # rows are free: every request drafts what it can
+
+
+def repeating_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short random span: the drafter finds matches at once."""
+    return [p * 3 for p in prompts(n, seed=seed, lo=3, hi=10)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir):
+    return make_engine(tiny_llama_dir, kv_memory_gb=0.05, grammar_backend="spruce")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_dir):
+    return make_engine(
+        tiny_llama_dir, kv_memory_gb=0.05, grammar_backend="spruce",
+        speculative_algorithm="ngram", speculative_num_draft_tokens=5, **ALWAYS,
+    )  # fmt: skip
+
+
+def run_both(plain, spec, params, ps, **options):
+    a = plain.generate(input_ids=ps, sampling_params=params, **options)
+    b = spec.generate(input_ids=ps, sampling_params=params, **options)
+    spec.core.check_integrity()
+    return a, b
+
+
+def test_greedy_outputs_are_identical_and_drafts_are_accepted(plain, spec):
+    before = spec.core.stats()
+    a, b = run_both(plain, spec, GREEDY, repeating_prompts(8))
+    assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+    after = spec.core.stats()
+    drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
+    accepted = after["spec_accepted_tokens_total"] - before["spec_accepted_tokens_total"]
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert sum(y["meta_info"].get("spec_accepted_tokens", 0) for y in b) == accepted
+    # fewer forward passes than tokens: accepted drafts came free
+    assert after["steps_total"] - before["steps_total"] < sum(len(y["output_ids"]) for y in b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_sampling_is_identical(plain, spec, seed):
+    params = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 40, "ignore_eos": True,
+              "seed": seed}  # fmt: skip
+    a, b = run_both(plain, spec, params, repeating_prompts(4, seed=seed))
+    assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+
+
+def test_stops_lengths_and_penalties_are_identical(plain, spec):
+    ps = repeating_prompts(6, seed=3)
+    text = plain.generate(input_ids=ps[0], sampling_params=GREEDY)["text"]
+    cases = [
+        {**GREEDY, "stop": [text[5:8]]},
+        {**GREEDY, "stop_token_ids": [plain.generate(input_ids=ps[1], sampling_params=GREEDY)["output_ids"][9]]},
+        {**GREEDY, "max_new_tokens": 7},
+        {**GREEDY, "min_new_tokens": 12, "ignore_eos": False},
+        {**GREEDY, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+    ]  # fmt: skip
+    for params in cases:
+        a, b = run_both(plain, spec, params, ps)
+        assert [(x["output_ids"], x["meta_info"]["finish_reason"]) for x in a] == [
+            (y["output_ids"], y["meta_info"]["finish_reason"]) for y in b
+        ], params
+
+
+def test_logprobs_match(plain, spec):
+    ps = repeating_prompts(3, seed=4)
+    a, b = run_both(plain, spec, GREEDY, ps, return_logprob=True, top_logprobs_num=2)
+    for x, y in zip(a, b):
+        mx, my = x["meta_info"], y["meta_info"]
+        assert [t for _, t, *_ in mx["output_token_logprobs"]] == [
+            t for _, t, *_ in my["output_token_logprobs"]
+        ]
+        for (lx, *_), (ly, *_) in zip(mx["output_token_logprobs"], my["output_token_logprobs"]):
+            assert abs(lx - ly) < 1e-3  # an extend pass sums in another order than a decode
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize(
+    "backend, jump", [("spruce", True), ("spruce", False), ("llguidance", True)]
+)
+def test_constrained_outputs_are_identical_and_valid(tiny_llama_dir, plain, spec, backend, jump):
+    ps = repeating_prompts(6, seed=5)
+    params = {"temperature": 0, "max_new_tokens": 60, "json_schema": json.dumps(SCHEMA)}
+    if backend != "spruce" or not jump:
+        options = {
+            "kv_memory_gb": 0.05,
+            "grammar_backend": backend,
+            "disable_jump_forward": not jump,
+        }
+        plain = make_engine(tiny_llama_dir, **options)
+        spec = make_engine(tiny_llama_dir, **options, speculative_algorithm="ngram", **ALWAYS)
+    a, b = run_both(plain, spec, params, ps)
+    assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+    for y in b:
+        if y["meta_info"]["finish_reason"]["type"] == "stop":
+            assert set(json.loads(y["text"])) == {"a", "b"}
+
+
+def test_warm_cache_and_request_opt_out(plain, spec):
+    ps = repeating_prompts(4, seed=6)
+    first = spec.generate(input_ids=ps, sampling_params=GREEDY)
+    again = spec.generate(input_ids=ps, sampling_params=GREEDY)  # prefixes cached now
+    assert [x["output_ids"] for x in first] == [y["output_ids"] for y in again]
+    assert all(y["meta_info"]["cached_tokens"] > 0 for y in again)
+    off = spec.generate(input_ids=ps, sampling_params={**GREEDY, "speculative": False})
+    assert [x["output_ids"] for x in first] == [y["output_ids"] for y in off]
+    assert not any("spec_draft_tokens" in y["meta_info"] for y in off)
+    spec.core.check_integrity()
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_retraction_keeps_outputs_and_frees_every_slot(tiny_llama_dir, plain, disable_radix_cache):
+    batch = [p * 3 for p in prompts(16, seed=5, lo=8, hi=20)]
+    params = {**GREEDY, "max_new_tokens": 40}
+    expected = [x["output_ids"] for x in plain.generate(input_ids=batch, sampling_params=params)]
+    # ~4 requests' worth of slots, no reserve at admission: decoding (with drafts) must retract
+    small = make_engine(
+        tiny_llama_dir, kv_memory_gb=400 * 512 / 2**30, context_length=200,
+        decode_reserve_ratio=0.0, disable_radix_cache=disable_radix_cache,
+        speculative_algorithm="ngram", **ALWAYS,
+    )  # fmt: skip
+    got = [y["output_ids"] for y in small.generate(input_ids=batch, sampling_params=params)]
+    assert got == expected
+    stats = small.stats()
+    assert stats["retractions_total"] > 0 and stats["spec_accepted_tokens_total"] > 0
+    small.core.cache_manager.check_integrity([])
+    small.flush_cache()
+    assert small.stats()["kv_slots_free"] == small.stats()["kv_slots_total"]
+
+
+def test_an_abort_while_drafting_frees_its_slots(spec):
+    core, ps = spec.core, repeating_prompts(3, seed=8)
+    sampling = SamplingParams(**{**GREEDY, "max_new_tokens": 200})
+    reqs = [core.add_request(ValidRequest(p, sampling, RequestOptions(), None)) for p in ps]
+    while not any(r.spec is not None and r.spec.drafted for r in reqs):
+        core.step()
+    for r in reqs:
+        core.abort(r.rid)
+    while core.has_work():
+        core.step()
+    assert all(r.finish_reason.type == "abort" for r in reqs)
+    core.check_integrity()
+    spec.flush_cache()
+    assert spec.stats()["kv_slots_free"] == spec.stats()["kv_slots_total"]
