@@ -207,8 +207,11 @@ class ServerOptions:
     chat_template: str | None = (
         None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
     )
-    reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1
-    tool_call_parser: str = "auto"  # chat: how the model writes tool calls: auto (from the chat template) | hermes | llama3_json | mistral | pythonic | json | qwen3_coder | glm45 | minimax_m2 | deepseek_v3 | deepseek_v31 | kimi_k2 (or a plugin's name)
+    reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1 | glm45 | minimax | kimi | mistral | gpt-oss (or a plugin's name)
+    reasoning_parser_plugin: str | None = None  # module:Class of a ReasoningFormat subclass
+    reasoning_budget: int = -1  # chat: default thinking budget, tokens (-1: none, 0: off)
+    reasoning_budget_message: str | None = None  # written before the end marker at the budget
+    tool_call_parser: str = "auto"  # chat: how the model writes tool calls: auto (from the chat template) | hermes | llama3_json | mistral | pythonic | json | qwen3_coder | glm45 | minimax_m2 | deepseek_v3 | deepseek_v31 | kimi_k2 | gpt-oss (or a plugin's name)
     tool_call_parser_plugin: str | None = (
         None  # module:Class of a ToolCallFormat subclass, registered under its name (docs/serving.md)
     )

@@ -440,7 +440,7 @@ def _alive(pid: int) -> bool:
 def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
     """--chat-template replaces the model's template; the reasoning and tool-call parser
     names are checked (and "auto" resolved) before the first request."""
-    from spruce.runtime.server.openai.chat_prompt import chat_formats
+    from spruce.runtime.server.openai.chat_prompt import startup_formats
     from spruce.runtime.server.openai.tool_parsers import register_plugin
     from spruce.runtime.text.tokenizer import read_chat_template
 
@@ -449,9 +449,7 @@ def _set_chat_formats(tokenizer, options: ServerOptions) -> None:
             register_plugin(options.tool_call_parser_plugin)
         if options.chat_template:
             tokenizer.chat_template = read_chat_template(options.chat_template)
-        reasoning, tools = chat_formats(
-            options.reasoning_parser, options.tool_call_parser, tokenizer.chat_template
-        )
+        reasoning, tools = startup_formats(options, tokenizer.chat_template)
     except (ModelLoadError, ValueError) as e:
         raise StartupError(str(e)) from None
     logger.info("chat: reasoning parser %s, tool-call format %s",

@@ -1,22 +1,28 @@
-"""Reasoning output: the `<think>...</think>` block some models (Qwen3, DeepSeek-R1) write
-before their answer, split from it (whole or while streaming), and the constraint (a regex,
-or a Lark grammar for constraints that are not regular) that lets such a model think freely
-before a constrained answer.
+"""Reasoning output: the block a reasoning model writes before its answer (`<think>...
+</think>` for Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2; `[THINK]...[/THINK]` for Magistral;
+`◁think▷...◁/think▷` for Kimi; gpt-oss's harmony analysis channel), split from it (whole or
+while streaming), the constraint (a regex, or a Lark grammar for constraints that are not
+regular) that lets such a model think freely before a constrained answer, and the thinking
+budget's markers (`budget_fields`: the runtime closes the block itself once it is spent).
 
-A format is chosen by name (`REASONING_FORMATS`, the server's --reasoning-parser) or found
-in a chat template that writes the tags (`detect_reasoning`). Whether the output starts
-inside the block is decided from the rendered prompt: a prompt that ends in an open
-`<think>` (DeepSeek-R1's template always, Qwen3 thinking variants) leaves the model
-thinking; Qwen3's `enable_thinking: false` closes the block in the prompt, so the output is
-all answer.
+A format is chosen by name (`REASONING_FORMATS`, the server's --reasoning-parser, plugins
+by --reasoning-parser-plugin) or found in a chat template that writes its markers
+(`detect_reasoning`). Whether the output starts inside the block is decided from the
+rendered prompt: a prompt that ends in an open `<think>` (DeepSeek-R1's template always,
+Qwen3 thinking variants) leaves the model thinking; Qwen3's `enable_thinking: false` closes
+the block in the prompt, so the output is all answer.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+from typing import Any
 
 from spruce.constrained.core.patterns import escape_literal
+from spruce.runtime.text import harmony
 from spruce.runtime.text.stop import stop_prefix_len
 
 THINK_SEPARATOR = r"[ \t\r\n]{0,4}"  # between `</think>` and a constrained answer
@@ -25,12 +31,16 @@ THINK_SEPARATOR = r"[ \t\r\n]{0,4}"  # between `</think>` and a constrained answ
 @dataclass(frozen=True, slots=True)
 class ReasoningFormat:
     """`starts_open`: the output is reasoning from its first token even when the prompt does
-    not end with the opening tag (DeepSeek-R1 models often omit it)."""
+    not end with the opening tag (DeepSeek-R1 models often omit it). `markers`: what a chat
+    template of the family writes (`detect_reasoning`; none: never detected). `special_tokens`:
+    the tags are special tokens, so the output is decoded with special tokens kept."""
 
     name: str
     open_tag: str = "<think>"
     close_tag: str = "</think>"
     starts_open: bool = False
+    markers: tuple[str, ...] = ()
+    special_tokens: bool = False
 
     def starts_inside(self, prompt: str) -> bool:
         """Whether output after `prompt` begins inside the reasoning block."""
@@ -50,6 +60,20 @@ class ReasoningFormat:
 
     def stream(self, inside: bool) -> ReasoningStream:
         return ReasoningStream(self, inside)
+
+    def for_calls(self) -> ReasoningFormat:
+        """The format when the constrained answer is tool calls in the model's own format
+        (harmony writes those in another channel than the answer)."""
+        return self
+
+    def budget_fields(self, budget: int, inside: bool, message: str | None) -> dict[str, Any]:
+        """SamplingParams' thinking fields for at most `budget` tokens of reasoning: the
+        block starts at the first output token when the output starts inside it, else where
+        the output opens it; once spent the runtime writes `message` (if any) then the end
+        marker, after which the answer starts (as `constraint_regex` lets it)."""
+        opens = None if inside or self.starts_open else self.open_tag
+        return {"thinking_budget": budget, "thinking_open": opens,
+                "thinking_close": (message or "") + self.close_tag}  # fmt: skip
 
     def constraint_regex(self, answer_regex: str, inside: bool) -> str:
         """A regex for reasoning text (anything but the closing tag) then the constrained
@@ -130,11 +154,87 @@ class ReasoningStream:
         return out
 
 
-REASONING_FORMATS = {
-    "qwen3": ReasoningFormat("qwen3"),
-    "deepseek-r1": ReasoningFormat("deepseek-r1", starts_open=True),
-}
+@dataclass(frozen=True, slots=True)
+class HarmonyFormat(ReasoningFormat):
+    """gpt-oss (harmony, see `text.harmony`): reasoning is the analysis channel's messages,
+    content the final channel's text and the other messages (a tool call, a message with a
+    recipient, stays whole for `tool_format_harmony`). The generation prompt ends in
+    `<|start|>assistant`, so the output starts at a message header; `inside`: the prompt ends
+    in an open analysis message. `answer_header` heads a constrained answer: the final
+    channel, or nothing when the answer is tool calls (they write their own header)."""
+
+    answer_header: str = harmony.FINAL
+
+    def starts_inside(self, prompt: str) -> bool:
+        return prompt.endswith(harmony.ANALYSIS)
+
+    def closed_in_prompt(self, prompt: str) -> bool:
+        return prompt.endswith(harmony.FINAL)
+
+    def for_calls(self) -> ReasoningFormat:
+        return replace(self, answer_header="")
+
+    def budget_fields(self, budget: int, inside: bool, message: str | None) -> dict[str, Any]:
+        close = (message or "") + harmony.NEXT + self.answer_header
+        opens = None if inside else harmony.ANALYSIS
+        return {"thinking_budget": budget, "thinking_open": opens, "thinking_close": close}
+
+    def constraint_regex(self, answer_regex: str, inside: bool) -> str:
+        """An analysis message (any text but `<|end|>`), then the answer's message."""
+        block = f"{text_without_regex(harmony.END)}{escape_literal(harmony.NEXT)}"
+        answer = f"{escape_literal(self.answer_header)}(?:{answer_regex})"
+        if inside:
+            return block + answer
+        return f"(?:{escape_literal(harmony.ANALYSIS)}{block})?{answer}"
+
+    def constraint_lark(self, answer: str, inside: bool) -> str:
+        head = " HEAD" if self.answer_header else ""
+        start = f"think NEXT{head} answer" if inside else f"(OPEN think NEXT)?{head} answer"
+        lines = [
+            f"start: {start}",
+            f"OPEN: {json.dumps(harmony.ANALYSIS)}",
+            f"NEXT: {json.dumps(harmony.START + 'assistant')}",
+            f"think[lazy]: /(?s:.*){lark_regex_literal(harmony.END)}/",
+            f"answer: {answer}",
+        ]
+        if self.answer_header:
+            lines.insert(3, f"HEAD: {json.dumps(self.answer_header)}")
+        return "\n".join(lines) + "\n"
+
+    def _visible(self, text: str, inside: bool, final: bool) -> tuple[str | None, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for m in harmony.messages(text, inside, final):
+            if m.header is None:
+                content.append(m.body)
+            elif m.recipient is not None:
+                content.append(m.raw)  # a tool call: whole, for the tool-call format
+            elif m.channel == "analysis":
+                reasoning.append(m.body)
+            else:
+                content.append(m.body)
+        return ("\n".join(reasoning) if reasoning else None), "".join(content)
+
+
+_THINK = ("<think>", "</think>")
+REASONING_FORMATS: dict[str, ReasoningFormat] = {
+    fmt.name: fmt
+    for fmt in (
+        ReasoningFormat("qwen3", markers=_THINK),
+        ReasoningFormat("deepseek-r1", starts_open=True),  # auto: qwen3 reads its prompt
+        ReasoningFormat("glm45", markers=(*_THINK, "[gMASK]")),
+        ReasoningFormat("minimax", starts_open=True, markers=(*_THINK, "]~b]")),
+        ReasoningFormat("kimi", "◁think▷", "◁/think▷", markers=("◁think▷", "◁/think▷")),
+        ReasoningFormat("mistral", "[THINK]", "[/THINK]", markers=("[THINK]", "[/THINK]"),
+                        special_tokens=True),
+        HarmonyFormat("gpt-oss", harmony.ANALYSIS, harmony.END, special_tokens=True,
+                      markers=(harmony.CHANNEL, harmony.MESSAGE, "analysis")),
+    )
+}  # fmt: skip
 AUTO, NONE = "auto", "none"
+# Template variables that turn a family's thinking off (Qwen3, GLM: enable_thinking;
+# DeepSeek-V3.1 and others: thinking), passed as false where the template reads them.
+THINKING_SWITCHES = ("enable_thinking", "thinking")
 
 
 def reasoning_format(name: str, chat_template: str | None) -> ReasoningFormat | None:
@@ -151,11 +251,46 @@ def reasoning_format(name: str, chat_template: str | None) -> ReasoningFormat | 
 
 
 def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
-    """A template that writes both tags: its model thinks in them. The Qwen3 format covers
-    DeepSeek-R1's template too (its prompt ends in an open `<think>`)."""
+    """The format all of whose markers the template writes; of several, the one with the
+    most (GLM's and MiniMax's templates write `<think>` too, and their own role markers);
+    the first registered of those. Qwen3's format covers DeepSeek-R1's template (its prompt
+    ends in an open `<think>`)."""
     template = chat_template or ""
-    fmt = REASONING_FORMATS["qwen3"]
-    return fmt if fmt.open_tag in template and fmt.close_tag in template else None
+    found = [
+        f for f in REASONING_FORMATS.values() if f.markers and all(m in template for m in f.markers)
+    ]
+    return max(found, key=lambda f: len(f.markers)) if found else None
+
+
+def thinking_off(chat_template: str | None) -> dict[str, bool]:
+    """The template variables that turn thinking off, as the template reads them."""
+    template = chat_template or ""
+    return {
+        name: False
+        for name in THINKING_SWITCHES
+        if re.search(rf"(?<![\w.'\"]){name}(?![\w'\"(])", template)
+    }
+
+
+def register_plugin(spec: str) -> ReasoningFormat:
+    """--reasoning-parser-plugin `module:Name`: a ReasoningFormat subclass (made with no
+    arguments: its fields need defaults, `name` among them) or instance, registered under
+    its `name` (replacing a built-in format of that name) so --reasoning-parser names it
+    and "auto" finds it by its `markers`. A bad spec is a ValueError saying why."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--reasoning-parser-plugin {spec!r}: expected module:Class")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+        fmt = found() if isinstance(found, type) and issubclass(found, ReasoningFormat) else found
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ValueError(f"--reasoning-parser-plugin {spec!r}: {e}") from None
+    if not isinstance(fmt, ReasoningFormat):
+        raise ValueError(f"--reasoning-parser-plugin {spec!r} is not a ReasoningFormat subclass")
+    if not fmt.name or fmt.name in (AUTO, NONE):
+        raise ValueError(f"--reasoning-parser-plugin {spec!r}: the format needs a `name`")
+    REASONING_FORMATS[fmt.name] = fmt
+    return fmt
 
 
 def text_without_regex(word: str) -> str:

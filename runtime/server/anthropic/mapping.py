@@ -35,6 +35,8 @@ def chat_request(req: CountTokensRequest) -> ChatRequest:
         body.update(tool_choice(req.tool_choice))
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        if req.thinking.type != "disabled" and req.thinking.budget_tokens is not None:
+            body["thinking_token_budget"] = req.thinking.budget_tokens  # enforced by the runtime
     fmt = req.output_format or (req.output_config and req.output_config.format)
     if fmt is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.schema_}}

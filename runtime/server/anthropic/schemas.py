@@ -85,7 +85,8 @@ class ToolChoice(StrictModel):
 
 class Thinking(StrictModel):
     """Extended thinking on or off: the template's `enable_thinking` (as Qwen3's and
-    others' read it). The budget is not enforced apart from max_tokens."""
+    others' read it); `budget_tokens` is the thinking budget the runtime enforces (the chat
+    path's thinking_token_budget)."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None

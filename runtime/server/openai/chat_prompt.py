@@ -15,6 +15,7 @@ from spruce.constrained.convert import Conversion
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.report import schema_report
 from spruce.constrained.spec import ConstraintSpec
+from spruce.runtime.config import ServerOptions
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
 from spruce.runtime.core.validation import constraint_spec, named_error
 from spruce.runtime.server.http.common import ApiError, ServerState
@@ -33,6 +34,7 @@ from spruce.runtime.server.openai.schemas import (
     NamedToolChoice,
 )
 from spruce.runtime.server.openai.sglang_fields import check_continue_final, continued
+from spruce.runtime.server.openai.thinking_fields import template_thinking
 from spruce.runtime.server.openai.tool_parsers import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
@@ -41,6 +43,7 @@ from spruce.runtime.server.openai.tool_parsers import (
 from spruce.runtime.server.openai.tool_stream import ToolCallStream, final_calls
 from spruce.runtime.server.openai.tool_tags import strict_auto_tag
 from spruce.runtime.text.reasoning import ReasoningFormat, reasoning_format
+from spruce.runtime.text.reasoning import register_plugin as register_reasoning
 from spruce.runtime.text.tokenizer import TEMPLATE_ARGUMENTS
 
 
@@ -51,6 +54,15 @@ def chat_formats(reasoning_parser: str, tool_call_parser: str, template: str | N
     return reasoning_format(reasoning_parser, template), tool_call_format(
         tool_call_parser, template
     )
+
+
+def startup_formats(
+    options: ServerOptions, template: str | None
+) -> tuple[ReasoningFormat | None, ToolCallFormat]:
+    """At start-up: --reasoning-parser-plugin registered, then the formats (`chat_formats`)."""
+    if options.reasoning_parser_plugin:
+        register_reasoning(options.reasoning_parser_plugin)
+    return chat_formats(options.reasoning_parser, options.tool_call_parser, template)
 
 
 def server_formats(server: ServerState) -> tuple[ReasoningFormat | None, ToolCallFormat]:
@@ -233,6 +245,8 @@ def chat_prompt(req: ChatRequest, tools: ToolPlan, server: ServerState) -> ChatP
     reasoning = server_formats(server)[0]
     if reasoning is not None and reasoning.closed_in_prompt(text):
         reasoning = None  # no reasoning to separate, none to allow before a constrained answer
+    if reasoning is not None and tools.constrained and tools.custom is None:
+        reasoning = reasoning.for_calls()  # the constrained answer is calls (harmony: no final)
     thinking = reasoning is not None and reasoning.starts_inside(text)
     return ChatPrompt(text, server.model.tokenizer.encode(text), reasoning, thinking)
 
@@ -246,7 +260,8 @@ def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:
             messages, tool_calls.tools_system_prompt(template_tools, tools.format.instructions)
         )
         template_tools = None
-    extra = template_kwargs(req.chat_template_kwargs)
+    extra = {**template_thinking(req, server.options, tokenizer.chat_template),
+             **template_kwargs(req.chat_template_kwargs)}  # fmt: skip
     check_continue_final(req.messages, req.continue_final_message)
     try:
         text = tokenizer.apply_chat_template(

@@ -63,9 +63,11 @@ class TextConfig(StrictModel):
 
 
 class ReasoningConfig(StrictModel):
-    """Accepted: the model thinks as its chat template has it (see chat_template_kwargs)."""
+    """`effort`: the chat path's reasoning_effort (the template reads it, or it sets a
+    thinking budget); `max_tokens`: its thinking_token_budget."""
 
     effort: str | None = None
+    max_tokens: int | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -259,6 +261,8 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
         "response_format": chat_format(req.text), "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "chat_template_kwargs": req.chat_template_kwargs, "timeout_s": req.timeout_s,
+        "reasoning_effort": req.reasoning and req.reasoning.effort,
+        "thinking_token_budget": req.reasoning and req.reasoning.max_tokens,
     }  # fmt: skip
     try:
         return ChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})

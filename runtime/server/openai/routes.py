@@ -36,6 +36,7 @@ from spruce.runtime.server.openai.mapping import (
     sampling_params,
 )  # fmt: skip
 from spruce.runtime.server.openai.schemas import ChatRequest, CompletionRequest, parse
+from spruce.runtime.server.openai.thinking_fields import with_thinking
 from spruce.runtime.server.openai.views import ChatView, CompletionView
 from spruce.runtime.server.request_manager import Call, Event
 
@@ -112,9 +113,9 @@ def _chat_request(
     if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
         max_tokens = max(server.model.context_length - len(prompt.ids), 0)
     try:
-        base, answer_spec = prompt.constrain(
-            sampling_params(req, max_tokens, tools.constraint), conversion
-        )
+        sampling = with_thinking(sampling_params(req, max_tokens, tools.constraint), req, prompt,
+                                 tools, server.options, server.model.tokenizer.chat_template)  # fmt: skip
+        base, answer_spec = prompt.constrain(sampling, conversion)
     except InvalidRequestError as e:
         raise request_error(e, req) from None
     return tools, prompt, base, answer_spec

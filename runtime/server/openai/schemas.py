@@ -238,6 +238,11 @@ class ChatRequest(SamplingRequest):
     continue_final_message: bool = (
         False  # SGLang's: continue the last (assistant) message, no new turn
     )
+    # thinking (see thinking_fields): a budget of thinking tokens (vLLM's name, or the other
+    # common one; -1: unlimited) and OpenAI's reasoning_effort, which the template reads
+    thinking_token_budget: int | None = None
+    max_thinking_tokens: int | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 def parse(model: type[BaseModel], body: bytes) -> Any:

@@ -58,6 +58,7 @@ from spruce.runtime.server.openai.tool_format_base import (
     repeated,
     required_schema,
 )
+from spruce.runtime.server.openai.tool_format_harmony import HarmonyToolFormat
 from spruce.runtime.server.openai.tool_formats_special import (
     DeepSeekV3Format,
     DeepSeekV31Format,
@@ -378,6 +379,7 @@ TOOL_CALL_FORMATS: dict[str, ToolCallFormat] = {
         DeepSeekV3Format(),
         DeepSeekV31Format(),
         KimiK2Format(),
+        HarmonyToolFormat(),
     )
 }
 AUTO = "auto"

@@ -430,6 +430,9 @@ NEW_FORMAT_CALLS = {
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city":"A"}<|tool_call_end|><|tool_calls_section_end|>'
     ),
+    "gpt-oss": (  # tool_format_harmony
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"A"}'
+    ),
 }
 LLAMA31_MARKERS = '{{- "<|start_header_id|>" }} Respond in the format {"name": function name, "parameters": dictionary}'
 
