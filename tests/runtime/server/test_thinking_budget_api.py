@@ -190,3 +190,34 @@ def test_effort_maps_to_a_budget_where_the_template_ignores_it():
         thinking_budget(request(thinking_token_budget=1, max_thinking_tokens=2), options, plain)
     with pytest.raises(ApiError, match="-1"):
         thinking_budget(request(thinking_token_budget=-5), options, plain)
+
+
+def test_the_budget_takes_the_prompts_reasoning_format():
+    from spruce.runtime.core.sampling_params import SamplingParams
+    from spruce.runtime.server.openai.chat_prompt import ChatPrompt, ToolPlan
+    from spruce.runtime.server.openai.thinking_fields import with_thinking
+    from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
+    from spruce.runtime.text.reasoning import REASONING_FORMATS
+
+    options, tools = ServerOptions(reasoning_budget_message=" ok"), ToolPlan.of(request())
+    harmony = ChatPrompt("", [], REASONING_FORMATS["gpt-oss"], False)
+    out = with_thinking(SamplingParams(), request(thinking_token_budget=16), harmony, tools,
+                        options, None)  # fmt: skip
+    assert (out.thinking_budget, out.thinking_open, out.skip_special_tokens) == (
+        16, "<|channel|>analysis<|message|>", False)  # fmt: skip
+    assert out.thinking_close == " ok<|end|><|start|>assistant<|channel|>final<|message|>"
+    # no reasoning format (or thinking off in the prompt): the budget is ignored
+    plain = with_thinking(SamplingParams(), request(thinking_token_budget=16),
+                          ChatPrompt("", [], None, False), tools, options, None)  # fmt: skip
+    assert plain.thinking_budget is None and plain.skip_special_tokens
+    # the request's own markers (SamplingParams' fields) are left as given
+    own = request(thinking_budget=3, thinking_close="</t>")
+    qwen3 = ChatPrompt("", [], REASONING_FORMATS["qwen3"], True)
+    given = SamplingParams(thinking_budget=3, thinking_close="</t>")
+    assert with_thinking(given, own, qwen3, tools, options, None) == given
+    # a tool-call format whose markers are special tokens keeps them too
+    calls = ToolPlan.of(request(tools=[{"type": "function", "function": {"name": "f"}}]),
+                        TOOL_CALL_FORMATS["gpt-oss"])  # fmt: skip
+    kept = with_thinking(SamplingParams(), request(), ChatPrompt("", [], None, False), calls,
+                         options, None)  # fmt: skip
+    assert not kept.skip_special_tokens

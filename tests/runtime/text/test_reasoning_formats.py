@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from spruce.constrained.backends.llguidance_text import nested_lark
+from spruce.constrained.spec import make_spec
 from spruce.runtime.cli import build_parser, server_options
 from spruce.runtime.text import reasoning
 from spruce.runtime.text.reasoning import (
@@ -125,6 +127,16 @@ def test_constraint_regex_lets_each_family_think_then_answer(name):
     assert pattern.fullmatch(text), text
     assert fmt.split(text, inside) != (None, text)
     assert not pattern.fullmatch(thought + "x")
+
+
+@pytest.mark.parametrize("name", ["kimi", "glm45", "minimax", "mistral", "gpt-oss"])
+def test_constraint_lark_compiles_for_each_family(name):
+    """The grammar for answers that are not regular (llguidance), thinking inside or not."""
+    answer = nested_lark(make_spec(json_schema={"type": "object"}).grammar)
+    fmt = REASONING_FORMATS[name]
+    for inside in (False, True):
+        for variant in (fmt, fmt.for_calls()):
+            make_spec(lark=variant.constraint_lark(answer, inside))
 
 
 def test_budget_fields_use_each_familys_markers():
