@@ -74,9 +74,11 @@ class ConstraintOptions:
 @dataclass(frozen=True)
 class SpeculativeOptions:
     """Speculative decoding (scheduler/speculative.py): `ngram` drafts from the request's own
-    prompt and output (prompt lookup), verified with the next token in one forward pass."""
+    prompt and output (prompt lookup), `draft` from a draft model (engine/draft_model.py);
+    drafts are verified with the next token in one forward pass."""
 
-    speculative_algorithm: str = "none"  # none | ngram
+    speculative_algorithm: str = "none"  # none | ngram | draft (a draft model)
+    speculative_draft_model_path: str | None = None  # draft: a GGUF file or HF folder, the target's tokenizer
     speculative_num_draft_tokens: int = 4  # drafted tokens a step, at most
     speculative_ngram_min_match_window_size: int = 2  # shortest suffix that may match
     speculative_ngram_max_match_window_size: int = 8  # longest suffix tried first
@@ -91,6 +93,10 @@ class SpeculativeOptions:
                 f"speculative_algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; "
                 f"got {self.speculative_algorithm!r}"
             )
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
+            raise InvalidRequestError(
+                "speculative_algorithm draft goes with speculative_draft_model_path (and only it)"
+            )
         low = self.speculative_ngram_min_match_window_size
         if not 1 <= low <= self.speculative_ngram_max_match_window_size:
             raise InvalidRequestError("speculative ngram match windows: need 1 <= min <= max")
@@ -98,7 +104,7 @@ class SpeculativeOptions:
             raise InvalidRequestError("speculative_num_draft_tokens must be in [1, 64]")
 
 
-SPECULATIVE_ALGORITHMS = ("none", "ngram")
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)

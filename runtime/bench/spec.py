@@ -1,4 +1,4 @@
-"""Speculative decoding: --speculative-algorithm ngram against none on the same requests.
+"""Speculative decoding: --speculative-algorithm ngram (or draft) against none, same requests.
 
 Workloads (the chat template of the model, greedy): extraction (a short document per prompt
 and a JSON object of spans of it, under a JSON schema), chat (plain questions, no
@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="requests running at once")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--algorithm", default="ngram", choices=["ngram", "draft"])
+    parser.add_argument("--draft-model", default=None, help="--algorithm draft: its path")
     parser.add_argument("--output-json", default=None)
 
 
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     off = Engine(**options, max_running_requests=args.batch)
     on = Engine(
         loaded=off.core.loaded, **options, max_running_requests=args.batch,
-        speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens,
+        speculative_algorithm=args.algorithm, speculative_num_draft_tokens=args.draft_tokens,
+        speculative_draft_model_path=args.draft_model,
     )  # fmt: skip
     base = {"temperature": 0, "max_new_tokens": args.output_len}
     off.generate(input_ids=[[5, 6, 7]], sampling_params=base)  # warm-up

@@ -22,6 +22,7 @@ from spruce.runtime.config import EngineConfig
 from spruce.runtime.core.request import Req
 from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.engine import tp_worker
+from spruce.runtime.engine.draft_model import DraftModelDrafter
 from spruce.runtime.engine.pooling import pool, pooled_rows, resolve_pooling
 from spruce.runtime.engine.threads import ThreadGovernor
 from spruce.runtime.engine.verify import sample_rows
@@ -138,7 +139,9 @@ class EngineCore:
         release = lambda req: self.sampler.release(req.rid)  # noqa: E731  (per-request generators)
         speculator = None
         if config.speculative.speculative_algorithm != "none":
-            speculator = Speculator(config.speculative, self.context_len, device)
+            speculator = Speculator(
+                config.speculative, self.context_len, device, self._draft_model(device)
+            )
         self.scheduler = Scheduler(
             config.scheduler, self.cache_manager, stops, config.constraint, release, speculator
         )
@@ -156,6 +159,21 @@ class EngineCore:
             pool.capacity,
             pool.capacity * pool.shape.bytes_per_slot / 1e9,
         )
+
+    def _draft_model(self, device: str) -> DraftModelDrafter | None:
+        """The draft model's drafter (--speculative-algorithm draft), its pool as large as
+        the target's in slots."""
+        path = self.config.speculative.speculative_draft_model_path
+        if path is None:
+            return None
+        m = self.config.model
+        loaded = load_model(path, self.config.resolved_dtype, device, m.quantization)
+        options = {
+            "num_slots": self.runner.pool.capacity + 1, "max_requests": self.runner.req_to_token.table.shape[0],
+            "max_context_len": self.context_len, "device": device, "kv_dtype": self._kv_dtype(device),
+            "attention_backend": resolve_backend(m.attention_backend, device),
+        }  # fmt: skip
+        return DraftModelDrafter(loaded, self.loaded, options)
 
     def _kv_dtype(self, device: str) -> torch.dtype:
         """auto: the model's dtype, except float16 for a float32 model on the CPU (as
@@ -365,6 +383,9 @@ class EngineCore:
         """Debug check (tests call it after failures): used KV slots == slots referenced by
         the prefix cache + those owned by running requests; rows held by running ones only."""
         self.scheduler.check_integrity()
+        drafter = self.scheduler.speculator and self.scheduler.speculator.drafter
+        if isinstance(drafter, DraftModelDrafter):
+            drafter.allocator.check_integrity(held=drafter.held_slots)
 
     def flush_cache(self) -> None:
         if self.scheduler.running or self.scheduler.waiting:

@@ -147,6 +147,8 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         self.running.remove(req)
         self.cache.release(req)
+        if self.speculator is not None:
+            self.speculator.forget(req)
         req.computed_len = 0
         self.prefill.waiting.insert(0, req)
         self.stats.retractions += 1
@@ -377,6 +379,8 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         self.cache.release(req)
+        if self.speculator is not None:
+            self.speculator.forget(req)
         self.stats.requests_finished += 1
         if self.on_release is not None:
             self.on_release(req)

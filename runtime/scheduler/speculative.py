@@ -10,9 +10,10 @@ many forward passes it takes.
 Drafter: prompt lookup (`NgramDrafter`): the longest suffix of the request's tokens
 (between the min and max window) that occurred before in its prompt or output proposes the
 tokens that followed its latest earlier occurrence. No extra model, no extra memory; it
-pays where outputs copy their prompt (extraction, code edits, quotes). A drafter has one
-call, `propose(req, k) -> token ids`, so other drafters (a draft model, EAGLE-style heads)
-fit the same place.
+pays where outputs copy their prompt (extraction, code edits, quotes). A drafter has two
+calls, `propose_many(reqs, lengths) -> token ids per request` (one call a step, so a
+drafter with a model batches its passes) and `forget(req)`; a draft model
+(engine/draft_model.py) is one, EAGLE-style heads or MTP would be others.
 
 Knowing when not to: each extra row costs a share of a step (`row_cost`: large on a CPU,
 where the integer GEMV is bound by its arithmetic, small on a GPU). Each request keeps an
@@ -86,6 +87,12 @@ class NgramDrafter:
     def __init__(self, min_window: int, max_window: int) -> None:
         self.min_window, self.max_window = min_window, max_window
 
+    def propose_many(self, reqs: list[Req], lengths: list[int]) -> list[list[int]]:
+        return [self.propose(req, n) if n > 0 else [] for req, n in zip(reqs, lengths)]
+
+    def forget(self, req: Req) -> None:
+        """Nothing to free: the drafts come from the request's own tokens."""
+
     def propose(self, req: Req, k: int) -> list[int]:
         tokens = array("i", req.prompt_ids)
         tokens.extend(req.output_ids)
@@ -120,15 +127,19 @@ ROW_COST_GPU = 0.05
 
 
 class Speculator:
-    """Decides each step which decoding requests draft and what: `drafts(decoding, step)`."""
+    """Decides each step which decoding requests draft, how much, and gets the drafts."""
 
-    def __init__(self, options: SpeculativeOptions, context_len: int, device: str) -> None:
+    def __init__(
+        self, options: SpeculativeOptions, context_len: int, device: str, drafter=None
+    ) -> None:
+        """`drafter`: one with `propose_many(reqs, lengths)` and `forget(req)` (default:
+        prompt lookup)."""
         self.options = options
         self.context_len = context_len
         self.row_cost = options.speculative_row_cost
         if self.row_cost is None:
             self.row_cost = ROW_COST_GPU if device != "cpu" else ROW_COST_CPU
-        self.drafter = NgramDrafter(
+        self.drafter = drafter or NgramDrafter(
             options.speculative_ngram_min_match_window_size,
             options.speculative_ngram_max_match_window_size,
         )
@@ -141,9 +152,11 @@ class Speculator:
         self.step += 1
         if len(decoding) > self.options.speculative_max_batch_size:
             return {}
+        lengths = [self._length(req, len(decoding)) for req in decoding]
         out = {}
-        for req in decoding:
-            draft = self._draft(req, len(decoding))
+        for req, draft in zip(decoding, self.drafter.propose_many(decoding, lengths)):
+            if draft and req.cursor is not None:
+                draft = cut_for_grammar(req, draft)
             if draft:
                 out[id(req)] = draft
         return out
@@ -154,29 +167,30 @@ class Speculator:
         if req.spec is not None:
             req.spec.record(drafted, accepted)
 
-    def _draft(self, req: Req, batch: int) -> list[int]:
+    def forget(self, req: Req) -> None:
+        """The request left the running set: the drafter's state of it goes."""
+        self.drafter.forget(req)
+
+    def _length(self, req: Req, batch: int) -> int:
+        """How many tokens the request drafts this step (0: none)."""
         if not req.sampling.speculative or req.pooling is not None:
-            return []
+            return 0
         if req.spec is None:
             req.spec = SpecState()
         if self.step < req.spec.paused_until:
-            return []
+            return 0
         most = best_length(
             req.spec.rate, self.row_cost, batch, self.options.speculative_num_draft_tokens
         )
         if most == 0:  # drafting does not pay at this acceptance: try again later
             req.spec.pause(self.step)
-            return []
+            return 0
         # room: the sampled token plus the drafts must fit max_new_tokens and the context
         room = min(
             req.sampling.max_new_tokens - len(req.output_ids) - 1,
             self.context_len - req.total_len - 1,
-            most,
         )
-        if room <= 0:
-            return []
-        draft = self.drafter.propose(req, room)
-        return cut_for_grammar(req, draft) if req.cursor is not None else draft
+        return max(min(most, room), 0)
 
 
 def cut_for_grammar(req: Req, draft: list[int]) -> list[int]:

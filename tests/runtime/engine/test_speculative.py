@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import write_tiny_model
 from test_engine import make_engine, prompts
 
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import SamplingParams
 from spruce.runtime.core.validation import ValidRequest
+from spruce.runtime.errors import SpruceError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 ALWAYS = {"speculative_row_cost": 0.0}  # rows are free: every request drafts what it can
@@ -167,3 +169,49 @@ def test_an_abort_while_drafting_frees_its_slots(spec):
     core.check_integrity()
     spec.flush_cache()
     assert spec.stats()["kv_slots_free"] == spec.stats()["kv_slots_total"]
+
+
+# -- a draft model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_tiny_dir(tmp_path_factory):
+    """Another random tiny model with the same tokenizer (a draft that is often wrong)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-draft"), "llama", seed=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_a_draft_model_keeps_outputs_identical(tiny_llama_dir, other_tiny_dir, plain, draft):
+    path = tiny_llama_dir if draft == "same" else other_tiny_dir
+    spec = make_engine(
+        tiny_llama_dir, kv_memory_gb=0.05, speculative_algorithm="draft",
+        speculative_draft_model_path=str(path), **ALWAYS,
+    )  # fmt: skip
+    ps = prompts(6, seed=9)
+    cases = [GREEDY, {**GREEDY, "temperature": 0.9, "seed": 3}, {**GREEDY, "stop": ["a"]}]
+    for params in cases:
+        a, b = run_both(plain, spec, params, ps)
+        assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], params
+    stats = spec.stats()
+    drafted, accepted = stats["spec_draft_tokens_total"], stats["spec_accepted_tokens_total"]
+    if draft == "same":  # the target itself: every greedy draft is accepted
+        greedy = spec.generate(input_ids=ps, sampling_params=GREEDY)
+        metas = [y["meta_info"] for y in greedy]
+        assert all(m["spec_accepted_tokens"] == m["spec_draft_tokens"] > 0 for m in metas)
+    else:
+        assert 0 <= accepted < drafted
+    drafter = spec.core.scheduler.speculator.drafter
+    assert drafter.held_slots == 0 and not drafter.state  # every request's draft state went
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_path):
+    other = write_tiny_model(tmp_path / "other-vocab", "llama")
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = (next(t for t, i in vocab.items() if i == n) for n in (300, 301))
+    vocab[a], vocab[b] = 301, 300  # two tokens numbered the other way round
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(SpruceError, match="another tokenizer"):
+        make_engine(
+            tiny_llama_dir, speculative_algorithm="draft", speculative_draft_model_path=str(other)
+        )
