@@ -140,8 +140,9 @@ class EngineCore:
         speculator = None
         if config.speculative.speculative_algorithm != "none":
             speculator = Speculator(
-                config.speculative, self.context_len, device, self._draft_model(device)
-            )
+                config.speculative, self.context_len, device, self._draft_model(device),
+                self.tokenizer,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             config.scheduler, self.cache_manager, stops, config.constraint, release, speculator
         )

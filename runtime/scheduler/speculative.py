@@ -23,7 +23,9 @@ none when no length pays (the request pauses, then tries again). No request draf
 with more than `speculative_max_batch_size` decoding requests. Drafts are also cut where
 they cannot be verified within the step's bounds (`cut_for_grammar`: the first token the
 grammar refuses, or whose next mask is not made yet) and where the request must stop anyway
-(max_new_tokens, the context).
+(max_new_tokens, the context). Where the drafter has nothing for a constrained request,
+the text its grammar forces is the draft (jump-forward's text, when jump-forward is off or
+the text is below its minimum length).
 """
 
 from __future__ import annotations
@@ -130,11 +132,13 @@ class Speculator:
     """Decides each step which decoding requests draft, how much, and gets the drafts."""
 
     def __init__(
-        self, options: SpeculativeOptions, context_len: int, device: str, drafter=None
-    ) -> None:
+        self, options: SpeculativeOptions, context_len: int, device: str, drafter=None,
+        tokenizer=None,
+    ) -> None:  # fmt: skip
         """`drafter`: one with `propose_many(reqs, lengths)` and `forget(req)` (default:
-        prompt lookup)."""
+        prompt lookup); `tokenizer`: for drafts of the text a grammar forces."""
         self.options = options
+        self.tokenizer = tokenizer
         self.context_len = context_len
         self.row_cost = options.speculative_row_cost
         if self.row_cost is None:
@@ -153,10 +157,11 @@ class Speculator:
         if len(decoding) > self.options.speculative_max_batch_size:
             return {}
         lengths = [self._length(req, len(decoding)) for req in decoding]
+        proposed = self.drafter.propose_many(decoding, lengths)
         out = {}
-        for req, draft in zip(decoding, self.drafter.propose_many(decoding, lengths)):
-            if draft and req.cursor is not None:
-                draft = cut_for_grammar(req, draft)
+        for req, n, draft in zip(decoding, lengths, proposed):
+            if req.cursor is not None and n:
+                draft = cut_for_grammar(req, draft or self._forced(req, n))
             if draft:
                 out[id(req)] = draft
         return out
@@ -166,6 +171,14 @@ class Speculator:
         self.accepted += accepted
         if req.spec is not None:
             req.spec.record(drafted, accepted)
+
+    def _forced(self, req: Req, n: int) -> list[int]:
+        """The text the grammar forces from here (jump-forward's, when it is off or the
+        text is shorter than its minimum), tokenized, as a draft."""
+        if self.tokenizer is None:
+            return []
+        text = req.cursor.jump_forward_text()
+        return self.tokenizer.encode(text, add_special_tokens=False)[:n] if text else []
 
     def forget(self, req: Req) -> None:
         """The request left the running set: the drafter's state of it goes."""

@@ -121,6 +121,8 @@ def test_constrained_outputs_are_identical_and_valid(tiny_llama_dir, plain, spec
     for y in b:
         if y["meta_info"]["finish_reason"]["type"] == "stop":
             assert set(json.loads(y["text"])) == {"a", "b"}
+    if not jump:  # the grammar's forced text (the keys) is drafted and accepted
+        assert sum(y["meta_info"].get("spec_accepted_tokens", 0) for y in b) > 0
 
 
 def test_warm_cache_and_request_opt_out(plain, spec):
@@ -215,3 +217,17 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_pat
         make_engine(
             tiny_llama_dir, speculative_algorithm="draft", speculative_draft_model_path=str(other)
         )
+
+
+def test_the_grammars_forced_text_is_drafted(tiny_llama_dir):
+    """Jump-forward off: the text the regex forces is drafted (no repeats to look up)."""
+    options = {"kv_memory_gb": 0.05, "grammar_backend": "spruce", "disable_jump_forward": True}
+    plain = make_engine(tiny_llama_dir, **options)
+    spec = make_engine(tiny_llama_dir, **options, speculative_algorithm="ngram", **ALWAYS)
+    params = {"temperature": 0, "max_new_tokens": 60,
+              "regex": r"Answer: the quick brown fox jumps over the lazy dog\. [0-9]{2}"}  # fmt: skip
+    ps = prompts(3, seed=11)
+    a, b = run_both(plain, spec, params, ps)
+    assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+    assert all(y["text"].startswith("Answer: the quick brown fox") for y in b)
+    assert sum(y["meta_info"].get("spec_accepted_tokens", 0) for y in b) > 10
