@@ -213,7 +213,7 @@ class ServerOptions:
     chat_template: str | None = (
         None  # a Jinja file (or a tokenizer_config.json) replacing the model's chat template
     )
-    reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1 | glm45 | minimax | kimi | mistral | gpt-oss (or a plugin's name)
+    reasoning_parser: str = "auto"  # chat: reasoning_content apart from content: auto (from the chat template) | none | qwen3 | deepseek-r1 | glm45 | minimax | kimi | kimi_k2 | mistral | gpt-oss (or a plugin's name)
     reasoning_parser_plugin: str | None = None  # module:Class of a ReasoningFormat subclass
     reasoning_budget: int = -1  # chat: default thinking budget, tokens (-1: none, 0: off)
     reasoning_budget_message: str | None = None  # written before the end marker at the budget

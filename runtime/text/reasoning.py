@@ -1,7 +1,7 @@
 """Reasoning output: the block a reasoning model writes before its answer (`<think>...
-</think>` for Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2; `[THINK]...[/THINK]` for Magistral;
-`◁think▷...◁/think▷` for Kimi; gpt-oss's harmony analysis channel), split from it (whole or
-while streaming), the constraint (a regex, or a Lark grammar for constraints that are not
+</think>` for Qwen3, DeepSeek-R1, GLM-4.5, MiniMax-M2, Kimi-K2; `[THINK]...[/THINK]` for
+Magistral; `◁think▷...◁/think▷` for Kimi-VL; gpt-oss's harmony analysis channel), split from
+it (whole or while streaming), the constraint (a regex, or a Lark grammar for constraints that are not
 regular) that lets such a model think freely before a constrained answer, and the thinking
 budget's markers (`budget_fields`: the runtime closes the block itself once it is spent).
 
@@ -41,6 +41,9 @@ class ReasoningFormat:
     starts_open: bool = False
     markers: tuple[str, ...] = ()
     special_tokens: bool = False
+    # markers that end the block without its closing tag and start the answer (Kimi-K2 may
+    # go from thinking straight to its tool-call section)
+    implicit_ends: tuple[str, ...] = ()
 
     def starts_inside(self, prompt: str) -> bool:
         """Whether output after `prompt` begins inside the reasoning block."""
@@ -116,15 +119,16 @@ class ReasoningFormat:
             return "", ""  # maybe the opening tag again (some models repeat it): wait
         elif body.lstrip().startswith(self.open_tag):
             body = body.lstrip()[len(self.open_tag) :]
-        end = body.find(self.close_tag)
-        if end < 0:
+        ends = (self.close_tag, *self.implicit_ends)
+        found = [(body.find(m), m) for m in ends if m in body]
+        if not found:
             reasoning = body.lstrip()
             if not final:
-                reasoning = reasoning[
-                    : len(reasoning) - stop_prefix_len(reasoning, (self.close_tag,))
-                ]
+                reasoning = reasoning[: len(reasoning) - stop_prefix_len(reasoning, ends)]
             return reasoning.rstrip(), ""
-        return body[:end].strip(), body[end + len(self.close_tag) :].lstrip()
+        end, marker = min(found)
+        answer = end + len(marker) if marker == self.close_tag else end  # an implicit end stays
+        return body[:end].strip(), body[answer:].lstrip()
 
 
 class ReasoningStream:
@@ -225,6 +229,8 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
         ReasoningFormat("glm45", markers=(*_THINK, "[gMASK]")),
         ReasoningFormat("minimax", starts_open=True, markers=(*_THINK, "]~b]")),
         ReasoningFormat("kimi", "◁think▷", "◁/think▷", markers=("◁think▷", "◁/think▷")),
+        ReasoningFormat("kimi_k2", markers=(*_THINK, "<|im_middle|>"), special_tokens=True,
+                        implicit_ends=("<|tool_calls_section_begin|>",)),
         ReasoningFormat("mistral", "[THINK]", "[/THINK]", markers=("[THINK]", "[/THINK]"),
                         special_tokens=True),
         HarmonyFormat("gpt-oss", harmony.ANALYSIS, harmony.END, special_tokens=True,

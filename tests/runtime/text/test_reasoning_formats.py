@@ -35,6 +35,9 @@ GOLDEN = [
     ("glm45", "Paris.", False, None, "Paris."),  # thinking off: no block
     ("minimax", "The user asks for 2+2.\n</think>\n\n4", False, "The user asks for 2+2.", "4"),
     ("minimax", "<think>\nStill 2 < 3</think>Yes.", False, "Still 2 < 3", "Yes."),
+    ("kimi_k2", "<think>Look it up.</think>Sure.", False, "Look it up.", "Sure."),
+    ("kimi_k2", "Need the tool.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0", True,
+     "Need the tool.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"),
     ("mistral", "[THINK]Convert miles: 26.2 * 1.609.[/THINK]42.2 km", False,
      "Convert miles: 26.2 * 1.609.", "42.2 km"),
     ("gpt-oss", f"{ANALYSIS}User wants the capital of France.<|end|>{FINAL}Paris.", False,
@@ -129,7 +132,7 @@ def test_constraint_regex_lets_each_family_think_then_answer(name):
     assert not pattern.fullmatch(thought + "x")
 
 
-@pytest.mark.parametrize("name", ["kimi", "glm45", "minimax", "mistral", "gpt-oss"])
+@pytest.mark.parametrize("name", ["kimi", "kimi_k2", "glm45", "minimax", "mistral", "gpt-oss"])
 def test_constraint_lark_compiles_for_each_family(name):
     """The grammar for answers that are not regular (llguidance), thinking inside or not."""
     answer = nested_lark(make_spec(json_schema={"type": "object"}).grammar)
@@ -167,6 +170,7 @@ TEMPLATES = {
     "{{- '\\n<think></think>' if enable_thinking is defined and not enable_thinking }}",
     "minimax": "]~!b[]~b]system\n{{ m.content }}[e~[\n]~b]ai\n<think>\n{{ r }}\n</think>",
     "kimi": "<|im_assistant|>assistant<|im_middle|>◁think▷{{ r }}◁/think▷",
+    "kimi_k2": "<|im_assistant|>assistant<|im_middle|><think>{{ r }}</think>",
     "mistral": "[SYSTEM_PROMPT]Think in [THINK]...[/THINK] first.[/SYSTEM_PROMPT]",
     "gpt-oss": "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking"
     " + '<|end|>' }}{{- '<|start|>assistant' }}",
