@@ -6,6 +6,7 @@ logprobs, a warm prefix cache and retraction; the KV accounting stays exact."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 from support import write_tiny_model
@@ -231,3 +232,31 @@ def test_the_grammars_forced_text_is_drafted(tiny_llama_dir):
     assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
     assert all(y["text"].startswith("Answer: the quick brown fox") for y in b)
     assert sum(y["meta_info"].get("spec_accepted_tokens", 0) for y in b) > 10
+
+
+def test_sampled_outputs_keep_the_target_distribution(tiny_llama_dir, plain):
+    """Unseeded sampling (the shared generator, so spec and plain draw differently): the
+    joint distribution of the first three tokens, top_k=2 so it has at most 8 outcomes, is
+    the same with drafts as without (a chi-square test of homogeneity; the engines' seeds
+    are fixed, so the test is deterministic)."""
+    spec = make_engine(tiny_llama_dir, kv_memory_gb=0.05, speculative_algorithm="ngram",
+                       speculative_max_batch_size=256, speculative_ngram_min_match_window_size=1,
+                       **ALWAYS)  # fmt: skip
+    start = repeating_prompts(1, seed=12)[0]  # then the model's own greedy loop: drafts hit
+    prompt = start + plain.generate(input_ids=start, sampling_params=GREEDY)["output_ids"]
+    params = {"temperature": 1.0, "top_k": 2, "max_new_tokens": 5, "ignore_eos": True}
+    before = spec.stats()["spec_accepted_tokens_total"]
+    counts = []
+    for engine in (plain, spec):
+        outs = [o for _ in range(2) for o in engine.generate(input_ids=[prompt] * 200, sampling_params=params)]  # fmt: skip
+        counts.append(Counter(tuple(o["output_ids"][:3]) for o in outs))
+    assert spec.stats()["spec_accepted_tokens_total"] > before + 50  # drafts were verified
+    cells = sorted(set(counts[0]) | set(counts[1]))
+    assert len(cells) >= 4
+    chi2 = 0.0
+    for cell in cells:
+        a, b = counts[0][cell], counts[1][cell]
+        expected = (a + b) / 2
+        chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    # the 0.999 quantile of chi-square with (cells - 1) <= 7 degrees of freedom is <= 24.3
+    assert chi2 < 24.3, (chi2, counts)
