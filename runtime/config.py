@@ -78,7 +78,9 @@ class SpeculativeOptions:
     drafts are verified with the next token in one forward pass."""
 
     speculative_algorithm: str = "none"  # none | ngram | draft (a draft model)
-    speculative_draft_model_path: str | None = None  # draft: a GGUF file or HF folder, the target's tokenizer
+    speculative_draft_model_path: str | None = (
+        None  # draft: a GGUF file or HF folder, the target's tokenizer
+    )
     speculative_num_draft_tokens: int = 4  # drafted tokens a step, at most
     speculative_ngram_min_match_window_size: int = 2  # shortest suffix that may match
     speculative_ngram_max_match_window_size: int = 8  # longest suffix tried first
