@@ -334,9 +334,10 @@ class Scheduler:
     def _close_thinking(self, req: Req) -> FinishReason | None:
         """Writes the reasoning block's end marker when the request's thinking budget is
         spent (thinking.py); its ids go through the grammar cursor as sampled ones do."""
-        room = req.sampling.max_new_tokens - len(req.output_ids)
-        ids = req.thinking.forced(req.output_ids)[: max(room, 0)]
-        if not ids or (req.cursor is not None and not req.cursor.accepts(0, ids)):
+        room = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
+        spellings = [ids[:room] for ids in req.thinking.forced(req.output_ids)]
+        ids = next((ids for ids in spellings if ids and _allows(req, ids)), None)
+        if ids is None:
             return None  # nothing due, or not yet (a character left open): after the next token
         for token in ids:
             if req.cursor is not None:
@@ -384,3 +385,7 @@ class Scheduler:
         self.stats.requests_finished += 1
         if self.on_release is not None:
             self.on_release(req)
+
+
+def _allows(req: Req, ids: list[int]) -> bool:
+    return req.cursor is None or req.cursor.accepts(0, ids)

@@ -13,6 +13,7 @@ in one extend pass next step, as jump-forward's are.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ class ThinkingBudget:
     open_text: str | None
     close_text: str
     close_ids: tuple[int, ...]
+    plain_ids: tuple[int, ...]  # the marker without special tokens (a grammar's spelling)
     start: int | None
     tokenizer: Any
     done: bool = False
@@ -41,13 +43,17 @@ class ThinkingBudget:
         close = sampling.thinking_close
         ids = tuple(tokenizer.encode(close, add_special_tokens=False))
         opens = sampling.thinking_open
-        return cls(sampling.thinking_budget, opens, close, ids, None if opens else 0, tokenizer)
+        start = None if opens else 0
+        plain = plain_ids(tokenizer, close)
+        return cls(sampling.thinking_budget, opens, close, ids, plain, start, tokenizer)
 
-    def forced(self, output_ids: list[int]) -> list[int]:
-        """Called after each token appended to the output: the ids to write now (the rest
-        of the end marker) when the budget is spent, else []. The caller sets `done` once
-        it wrote them (it may wait a token: a grammar refuses the marker in the middle of
-        a character the last token left open)."""
+    def forced(self, output_ids: list[int]) -> list[list[int]]:
+        """Called after each token appended to the output: when the budget is spent, the
+        ids to write now (the rest of the end marker), in its canonical spelling and, when
+        that holds special tokens, in ordinary tokens (grammars do not allow special tokens
+        as text); else []. The caller writes the first its grammar accepts and sets `done`
+        (it may wait a token: a grammar refuses the marker in the middle of a character the
+        last token left open)."""
         if self.done:
             return []
         n, seen = len(output_ids), min(self.seen, len(output_ids))
@@ -61,7 +67,8 @@ class ThinkingBudget:
             return []
         if n - self.start < self.budget:
             return []
-        return list(self.close_ids[_partial_marker(output_ids, self.close_ids) :])
+        spellings = dict.fromkeys((self.close_ids, self.plain_ids))
+        return [list(ids[_partial_marker(output_ids, ids) :]) for ids in spellings]
 
     def _marker_end(self, marker: str, ids: list[int], seen: int, first: int) -> int | None:
         """The index after the token that completes the first `marker` written in ids[seen:]
@@ -71,6 +78,25 @@ class ThinkingBudget:
         if marker not in decode(len(ids)):
             return None
         return next(end for end in range(seen + 1, len(ids) + 1) if marker in decode(end))
+
+
+def plain_ids(tokenizer, text: str) -> tuple[int, ...]:
+    """`text` in ordinary tokens: each special token's text in it is split after its first
+    character (so no special token matches it), the pieces encoded apart."""
+    specials = [t for t in _special_texts(tokenizer) if t in text]
+    if not specials:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+    out: list[int] = []
+    for piece in pieces:
+        for part in (piece[:1], piece[1:]) if piece in specials else (piece,):
+            out += tokenizer.encode(part, add_special_tokens=False) if part else []
+    return tuple(out)
+
+
+def _special_texts(tokenizer) -> list[str]:
+    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.special_token_ids]
+    return sorted((t for t in texts if len(t) > 1), key=len, reverse=True)
 
 
 def _partial_marker(ids: list[int], marker: tuple[int, ...]) -> int:

@@ -13,6 +13,7 @@ from test_engine import make_engine
 
 from spruce.constrained.schema.json_schema import schema_to_regex
 from spruce.runtime import InvalidRequestError
+from spruce.runtime.scheduler.thinking import plain_ids
 from spruce.runtime.text.reasoning import REASONING_FORMATS
 
 SCHEMA = {
@@ -87,3 +88,37 @@ def test_bad_budgets_are_refused_naming_the_field(engine, params):
     with pytest.raises(InvalidRequestError) as e:
         engine.generate(input_ids=[5, 9], sampling_params={"max_new_tokens": 4, **params})
     assert e.value.field == next(iter(params))
+
+
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+HARMONY_CLOSE = "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+@pytest.fixture(scope="module")
+def special_marker_engine(tmp_path_factory):
+    """A tiny model whose tokenizer has gpt-oss's markers as special tokens."""
+    from support import write_tiny_model
+    from tokenizers import Tokenizer
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("harmony-tiny"), "llama", vocab_size=391)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(HARMONY)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return make_engine(folder, kv_memory_gb=0.05, grammar_backend="spruce")
+
+
+def test_a_special_token_marker_under_a_grammar_is_written_in_ordinary_tokens(
+    special_marker_engine,
+):
+    engine = special_marker_engine
+    regex = r"[a-z ]{0,80}" + re.escape(HARMONY_CLOSE) + r"[0-9]{1,3}"
+    params = {"temperature": 0, "max_new_tokens": 60, "regex": regex, "thinking_budget": 6,
+              "thinking_close": HARMONY_CLOSE, "skip_special_tokens": False}  # fmt: skip
+    out = engine.generate(input_ids=[5, 9, 11], sampling_params=params)
+    assert re.fullmatch(regex, out["text"]), out["text"]
+    plain = list(plain_ids(engine.tokenizer, HARMONY_CLOSE))
+    assert out["output_ids"][6 : 6 + len(plain)] == plain  # the grammar refuses special tokens
+    # free text: the canonical special tokens
+    free = engine.generate(input_ids=[5, 9, 11], sampling_params={**params, "regex": None})
+    marker = engine.tokenizer.encode(HARMONY_CLOSE, add_special_tokens=False)
+    assert free["output_ids"][6 : 6 + len(marker)] == marker
