@@ -266,6 +266,11 @@ def _tool_outputs(name: str) -> dict[str, str]:
         between = "\n" if name == "deepseek_v3" else ""  # V3's template: a newline between calls
         return {f"Sure. {begin}{one}{between}{two}{end} ok": "accepted", "No call.": "accepted",
                 begin + call("count", '{"n": "2"}') + end: "refused"}  # fmt: skip
+    if name == "gpt-oss":  # a commentary message to a function, which ends the turn
+        head = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}"
+        call = head.format
+        return {"Sure. " + call("get_weather", '{"city": "Oslo"}'): "accepted", "No call.": "accepted",
+                call("count", '{"n": "2"}'): "refused"}  # fmt: skip
     assert name == "pythonic"
     return {'[get_weather(city="Oslo"), count(n=2)]': "accepted", "[count(n=2.5)]": "refused",
             "No call.": "accepted", "[count(m=1)]": "refused"}  # fmt: skip
