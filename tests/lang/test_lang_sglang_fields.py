@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import spruce.lang as sgl
+from spruce.runtime.text.tokenizer import Tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -47,3 +48,24 @@ def test_gen_logit_bias(endpoint):
     state = biased.run(backend=endpoint)
     assert state.get_meta_info("x")["completion_tokens"] == 3
     assert state["x"] != free.run(backend=endpoint)["x"][: len(state["x"])]
+
+
+@sgl.function
+def budgeted(s, budget):
+    s += PROMPT
+    s += sgl.gen("x", max_tokens=24, temperature=0, ignore_eos=True, thinking_budget=budget,
+                 thinking_close=" DONE.", return_logprob=True)  # fmt: skip
+
+
+def test_gen_thinking_budget(endpoint, tiny_llama_dir):
+    """The runtime writes the end marker after exactly `budget` sampled tokens of the block
+    (the output starts inside it), then the answer goes on."""
+    tokenizer = Tokenizer.from_folder(str(tiny_llama_dir))
+    state = budgeted.run(budget=5, backend=endpoint)
+    meta = state.get_meta_info("x")
+    sampled = [e[1] for e in meta["output_token_logprobs"]]  # the marker's ids have none
+    marker = tokenizer.encode(" DONE.", add_special_tokens=False)
+    thought, answer = state["x"].split(" DONE.", 1)
+    assert tokenizer.decode(sampled[:5]) == thought
+    assert meta["completion_tokens"] == len(sampled) + len(marker) == 24
+    assert answer
