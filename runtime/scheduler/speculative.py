@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from spruce.runtime.config import SpeculativeOptions
 from spruce.runtime.core.request import Req
 
-PAUSE_STEPS = 16  # steps a request waits once drafting stopped paying, before it tries again
+PAUSE_STEPS = 16  # steps a request waits once drafting stopped paying, before it tries again;
+MAX_PAUSE_STEPS = 512  # doubled after each pause that follows another, up to this
 DECAY = 0.8  # weight of the past in the acceptance estimate
-PRIOR = (4.0, 5.0)  # (accepted, tried) a fresh estimate starts from: 0.8, worth a try
+PRIOR = (3.5, 5.0)  # (accepted, tried) a fresh estimate starts from: 0.7, worth one try on a CPU
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class SpecState:
     hits: float = PRIOR[0]
     tries: float = PRIOR[1]
     paused_until: int = 0  # the speculator's step count it may draft again at
+    pause_steps: int = PAUSE_STEPS  # the next pause's length
 
     @property
     def rate(self) -> float:
@@ -62,9 +64,14 @@ class SpecState:
         self.accepted += accepted
         self.hits = DECAY * self.hits + accepted
         self.tries = DECAY * self.tries + accepted + (accepted < drafted)
+        if accepted:
+            self.pause_steps = PAUSE_STEPS  # it pays at times: short pauses again
 
     def pause(self, step: int) -> None:
-        self.paused_until = step + PAUSE_STEPS
+        """Drafting stopped paying: wait, then start from the prior again; pauses that
+        follow one another without an accepted token double (text that never repeats)."""
+        self.paused_until = step + self.pause_steps
+        self.pause_steps = min(2 * self.pause_steps, MAX_PAUSE_STEPS)
         self.hits, self.tries = PRIOR
 
 

@@ -48,6 +48,12 @@ def test_acceptance_estimate_decays_and_pause_resets_it():
     assert state.rate < 0.1 and state.drafted == 40 and state.accepted == 0
     state.pause(step=3)
     assert state.paused_until > 3 and state.rate == PRIOR[0] / PRIOR[1]
+    first = state.paused_until - 3
+    state.pause(step=100)
+    assert state.paused_until - 100 == 2 * first  # no token accepted between: a longer wait
+    state.record(2, 1)
+    state.pause(step=200)
+    assert state.paused_until - 200 == first
     for _ in range(10):
         state.record(4, 4)
     assert state.rate > 0.95
