@@ -83,7 +83,7 @@ class ThinkingBudget:
 def plain_ids(tokenizer, text: str) -> tuple[int, ...]:
     """`text` in ordinary tokens: each special token's text in it is split after its first
     character (so no special token matches it), the pieces encoded apart."""
-    specials = [t for t in _special_texts(tokenizer) if t in text]
+    specials = sorted((t for t in tokenizer.special_tokens if t in text), key=len, reverse=True)
     if not specials:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
     pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
@@ -92,11 +92,6 @@ def plain_ids(tokenizer, text: str) -> tuple[int, ...]:
         for part in (piece[:1], piece[1:]) if piece in specials else (piece,):
             out += tokenizer.encode(part, add_special_tokens=False) if part else []
     return tuple(out)
-
-
-def _special_texts(tokenizer) -> list[str]:
-    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.special_token_ids]
-    return sorted((t for t in texts if len(t) > 1), key=len, reverse=True)
 
 
 def _partial_marker(ids: list[int], marker: tuple[int, ...]) -> int:

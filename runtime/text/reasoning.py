@@ -18,13 +18,16 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.text import harmony
 from spruce.runtime.text.stop import stop_prefix_len
 
+EMPTY: Mapping[str, int] = MappingProxyType({})
 THINK_SEPARATOR = r"[ \t\r\n]{0,4}"  # between `</think>` and a constrained answer
 
 
@@ -88,19 +91,32 @@ class ReasoningFormat:
             return f"(?:{escape_literal(self.open_tag)})?{block}(?:{answer_regex})"
         return f"(?:{escape_literal(self.open_tag)}{block})?(?:{answer_regex})"
 
-    def constraint_lark(self, answer: str, inside: bool) -> str:
+    def constraint_lark(
+        self, answer: str, inside: bool, specials: Mapping[str, int] = EMPTY
+    ) -> str:
         """A Lark grammar (llguidance's dialect) for reasoning text then the constrained
         answer, for constraints that are not regular: the reasoning is one lazy lexeme that
         ends at the first closing tag, then up to 4 whitespace characters, then `answer`, a
         Lark expression (`backends.llguidance_text.nested_lark`: `%json {...}` or `%lark {...}`). The
-        block is optional when the output does not start inside it."""
+        block is optional when the output does not start inside it. `specials`: the
+        tokenizer's special tokens' texts; a tag that is one is matched as that token (the
+        reasoning then ends at the token, which no text lexeme can take in)."""
         block = "think SEPARATOR?"
         start = f"OPEN? {block} answer" if inside or self.starts_open else f"(OPEN {block})? answer"
+        opens, closes = (lark_literal(tag, specials) for tag in (self.open_tag, self.close_tag))
+        if opens == json.dumps(self.open_tag) and closes == json.dumps(self.close_tag):
+            return (
+                f"start: {start}\n"
+                f"OPEN: {opens}\n"
+                "SEPARATOR: /[ \\t\\r\\n]{1,4}/\n"
+                f"think[lazy]: /(?s:.*){lark_regex_literal(self.close_tag)}/\n"
+                f"answer: {answer}\n"
+            )
         return (
-            f"start: {start}\n"
-            f"OPEN: {json.dumps(self.open_tag)}\n"
+            f"start: {start.replace('OPEN', 'open')}\n"
+            f"open: {opens}\n"
             "SEPARATOR: /[ \\t\\r\\n]{1,4}/\n"
-            f"think[lazy]: /(?s:.*){lark_regex_literal(self.close_tag)}/\n"
+            f"think: /(?s:.*)/ {closes}\n"
             f"answer: {answer}\n"
         )
 
@@ -191,7 +207,13 @@ class HarmonyFormat(ReasoningFormat):
             return block + answer
         return f"(?:{escape_literal(harmony.ANALYSIS)}{block})?{answer}"
 
-    def constraint_lark(self, answer: str, inside: bool) -> str:
+    def constraint_lark(
+        self, answer: str, inside: bool, specials: Mapping[str, int] = EMPTY
+    ) -> str:
+        """An analysis message, then the answer's message; with harmony's markers among
+        the tokenizer's special tokens they are matched as those tokens."""
+        if harmony.END in specials:
+            return self._special_lark(answer, inside, specials)
         head = " HEAD" if self.answer_header else ""
         start = f"think NEXT{head} answer" if inside else f"(OPEN think NEXT)?{head} answer"
         lines = [
@@ -203,6 +225,20 @@ class HarmonyFormat(ReasoningFormat):
         ]
         if self.answer_header:
             lines.insert(3, f"HEAD: {json.dumps(self.answer_header)}")
+        return "\n".join(lines) + "\n"
+
+    def _special_lark(self, answer: str, inside: bool, specials: Mapping[str, int]) -> str:
+        head = " head" if self.answer_header else ""
+        start = f"think next{head} answer" if inside else f"(open think next)?{head} answer"
+        lines = [
+            f"start: {start}",
+            f"open: {lark_literal(harmony.ANALYSIS, specials)}",
+            f"next: {lark_literal(harmony.START + 'assistant', specials)}",
+            f"think: /(?s:.*)/ {lark_literal(harmony.END, specials)}",
+            f"answer: {answer}",
+        ]
+        if self.answer_header:
+            lines.insert(3, f"head: {lark_literal(self.answer_header, specials)}")
         return "\n".join(lines) + "\n"
 
     def _visible(self, text: str, inside: bool, final: bool) -> tuple[str | None, str]:
@@ -317,6 +353,17 @@ def text_without_regex(word: str) -> str:
     loop = f"(?:{partial}{c})*"
     tail = f"(?:{c}{loop}{partial})?"
     return f"(?:{other(first)}|{c}{loop}(?:{fails}))*{tail}"
+
+
+def lark_literal(text: str, specials: Mapping[str, int] = EMPTY) -> str:
+    """`text` as a Lark expression: quoted, each special token's text in it (`specials`:
+    text -> id) written as a reference to that token by id (llguidance matches a special
+    token only so)."""
+    found = sorted((t for t in specials if t in text), key=len, reverse=True)
+    if not found:
+        return json.dumps(text)
+    pieces = re.split("(" + "|".join(map(re.escape, found)) + ")", text)
+    return " ".join(f"<[{specials[p]}]>" if p in found else json.dumps(p) for p in pieces if p)
 
 
 def lark_regex_literal(text: str) -> str:

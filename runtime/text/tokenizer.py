@@ -66,9 +66,9 @@ class Tokenizer:
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.chat_template = chat_template
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_token_ids = frozenset(
-            i for i, t in backend.get_added_tokens_decoder().items() if t.special
-        )
+        specials = [t for t in backend.get_added_tokens_decoder().items() if t[1].special]
+        self.special_token_ids = frozenset(i for i, _ in specials)
+        self.special_tokens = {t.content: i for i, t in specials}  # text -> id
         self._byte_level = _is_byte_level(backend)
 
     # -- construction ---------------------------------------------------------------

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -205,6 +206,7 @@ class ChatPrompt:
     ids: list[int]
     reasoning: ReasoningFormat | None
     thinking: bool
+    specials: Mapping[str, int] = field(default_factory=dict)  # special tokens: text -> id
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning_content, the answer) of a finished output."""
@@ -229,7 +231,9 @@ class ChatPrompt:
         if spec.regex and spec.backend != "llguidance":
             regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
             return sampling.replace(**{**cleared, "regex": regex}), spec
-        lark = self.reasoning.constraint_lark(nested_lark(spec.grammar), self.thinking)
+        lark = self.reasoning.constraint_lark(
+            nested_lark(spec.grammar), self.thinking, self.specials
+        )
         return sampling.replace(**{**cleared, "lark": lark}), spec
 
 
@@ -248,7 +252,8 @@ def chat_prompt(req: ChatRequest, tools: ToolPlan, server: ServerState) -> ChatP
     if reasoning is not None and tools.constrained and tools.custom is None:
         reasoning = reasoning.for_calls()  # the constrained answer is calls (harmony: no final)
     thinking = reasoning is not None and reasoning.starts_inside(text)
-    return ChatPrompt(text, server.model.tokenizer.encode(text), reasoning, thinking)
+    tokenizer = server.model.tokenizer
+    return ChatPrompt(text, tokenizer.encode(text), reasoning, thinking, tokenizer.special_tokens)
 
 
 def render(req: ChatRequest, tools: ToolPlan, server: ServerState) -> str:

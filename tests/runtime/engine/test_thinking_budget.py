@@ -122,3 +122,23 @@ def test_a_special_token_marker_under_a_grammar_is_written_in_ordinary_tokens(
     free = engine.generate(input_ids=[5, 9, 11], sampling_params={**params, "regex": None})
     marker = engine.tokenizer.encode(HARMONY_CLOSE, add_special_tokens=False)
     assert free["output_ids"][6 : 6 + len(marker)] == marker
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_harmony_markers_as_special_tokens_under_llguidance(special_marker_engine, seed):
+    """gpt-oss's markers are special tokens: the Lark grammar after its analysis channel
+    names them as tokens (a quoted string would never match them), the budget closes the
+    analysis with the special tokens themselves, and the final answer validates."""
+    engine = special_marker_engine
+    fmt = REASONING_FORMATS["gpt-oss"]
+    specials = engine.tokenizer.special_tokens
+    lark = fmt.constraint_lark("%json " + json.dumps(SCHEMA), False, specials)
+    params = {"temperature": 1.0, "seed": seed, "max_new_tokens": 80, "lark": lark,
+              "grammar_backend": "llguidance", "skip_special_tokens": False,
+              **fmt.budget_fields(6, False, None)}  # fmt: skip
+    out = engine.generate(input_ids=[5, 9, 11], sampling_params=params)
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+    channel = engine.tokenizer.encode("<|channel|>", add_special_tokens=False)
+    assert len(channel) == 1 and channel[0] in out["output_ids"]  # the special token itself
+    answer = fmt.split(out["text"], inside=False)[1]  # after an analysis, if it wrote one
+    jsonschema.validate(json.loads(answer), SCHEMA)

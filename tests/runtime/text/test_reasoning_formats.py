@@ -17,6 +17,7 @@ from spruce.runtime.text import reasoning
 from spruce.runtime.text.reasoning import (
     REASONING_FORMATS,
     detect_reasoning,
+    lark_literal,
     reasoning_format,
     register_plugin,
     thinking_off,
@@ -137,9 +138,21 @@ def test_constraint_lark_compiles_for_each_family(name):
     """The grammar for answers that are not regular (llguidance), thinking inside or not."""
     answer = nested_lark(make_spec(json_schema={"type": "object"}).grammar)
     fmt = REASONING_FORMATS[name]
+    names = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "[THINK]", "[/THINK]", "<think>",
+             "</think>")  # fmt: skip
+    specials = {text: 500 + i for i, text in enumerate(names)}
     for inside in (False, True):
         for variant in (fmt, fmt.for_calls()):
             make_spec(lark=variant.constraint_lark(answer, inside))
+            with_tokens = variant.constraint_lark(answer, inside, specials)  # markers as tokens
+            make_spec(lark=with_tokens)
+            assert ('"<' not in with_tokens) and ('"[' not in with_tokens), with_tokens
+
+
+def test_lark_literal_names_special_tokens():
+    specials = {"<|start|>": 7, "<|end|>": 9}
+    assert lark_literal("<|end|><|start|>assistant", specials) == '<[9]> <[7]> "assistant"'
+    assert lark_literal("plain", specials) == '"plain"'
 
 
 def test_budget_fields_use_each_familys_markers():
