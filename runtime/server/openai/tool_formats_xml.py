@@ -241,7 +241,49 @@ def _declared_any(function: dict[str, Any]) -> bool:
     return "properties" in (function.get("parameters") or {})
 
 
-class Qwen3CoderFormat(XmlFormat):
+class FunctionBlocks(XmlFormat):
+    """Blocks of function elements, each of parameter elements (Qwen3-Coder, MiniMax-M2):
+    `call_open NAME name_end` then `param_open KEY key_end VALUE value_close`..., up to
+    `call_close` (`forgive_unclosed`: a missing `call_close` before the block's close tag
+    is forgiven)."""
+
+    call_open = name_end = call_close = param_open = key_end = ""
+    forgive_unclosed = False
+
+    def read_calls(self, cursor: Cursor) -> tuple[list[RawCall], bool | None]:
+        calls: list[RawCall] = []
+        while True:
+            cursor.space()
+            if cursor.take(self.close_tag):
+                return calls, True
+            if not cursor.take(self.call_open):
+                return calls, _undecided(cursor, self.close_tag, self.call_open)
+            name = cursor.upto(self.name_end)
+            if name is None or not _plain_name(name):
+                unfinished = name is None and "\n" not in cursor.text[cursor.i :]
+                return calls, None if unfinished else False
+            call = RawCall(name.strip())
+            calls.append(call)
+            done = self._parameters(cursor, call)
+            if done is not True:
+                return calls, done
+
+    def _parameters(self, cursor: Cursor, call: RawCall) -> bool | None:
+        while True:
+            cursor.space()
+            if cursor.take(self.call_close) or (
+                self.forgive_unclosed and cursor.at(self.close_tag)
+            ):
+                call.complete = True
+                return True
+            if not cursor.take(self.param_open):
+                return _undecided(cursor, self.call_close, self.param_open, self.close_tag)
+            key = cursor.upto(self.key_end)
+            if key is None or not self.read_value(cursor, call, key.strip()):
+                return None
+
+
+class Qwen3CoderFormat(FunctionBlocks):
     """`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
     </function>\\n</tool_call>`; a block may hold several functions, and a missing
     `</function>` before `</tool_call>` is forgiven."""
@@ -250,7 +292,9 @@ class Qwen3CoderFormat(XmlFormat):
     markers = ("<tool_call>", "<function=")
     open_tag, close_tag = "<tool_call>", "</tool_call>"
     value_close, argument_end, call_end = "</parameter>", "\n</parameter>\n", "</function>\n"
-    trim_newline = True
+    call_open, name_end, call_close = "<function=", ">", "</function>"
+    param_open, key_end = "<parameter=", ">"
+    trim_newline = forgive_unclosed = True
     instructions = (
         "For each call, write:\n<tool_call>\n<function=example_function_name>\n"
         "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
@@ -261,39 +305,6 @@ class Qwen3CoderFormat(XmlFormat):
 
     def argument_begin(self, key: str) -> str:
         return f"<parameter={key}>\n"
-
-    def read_calls(self, cursor: Cursor) -> tuple[list[RawCall], bool | None]:
-        calls: list[RawCall] = []
-        while True:
-            cursor.space()
-            if cursor.take(self.close_tag):
-                return calls, True
-            if not cursor.take("<function="):
-                return calls, _undecided(cursor, self.close_tag, "<function=")
-            name = cursor.upto(">")
-            if name is None or not _plain_name(name):
-                return calls, None if name is None and "\n" not in cursor.text[
-                    cursor.i :
-                ] else False
-            call = RawCall(name.strip())
-            calls.append(call)
-            done = self._arguments(cursor, call)
-            if done is not True:
-                return calls, done
-
-    def _arguments(self, cursor: Cursor, call: RawCall) -> bool | None:
-        while True:
-            cursor.space()
-            if cursor.take("</function>") or cursor.at(self.close_tag):
-                call.complete = True
-                return True
-            if not cursor.take("<parameter="):
-                return _undecided(cursor, "</function>", "<parameter=", self.close_tag)
-            key = cursor.upto(">")
-            if key is None:
-                return None
-            if not self.read_value(cursor, call, key.strip()):
-                return None
 
 
 class Glm45Format(XmlFormat):
@@ -343,7 +354,7 @@ class Glm45Format(XmlFormat):
                 return [call], None
 
 
-class MiniMaxM2Format(XmlFormat):
+class MiniMaxM2Format(FunctionBlocks):
     """`<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>\\n...
     </invoke>\\n</minimax:tool_call>`; a block holds one or more invokes."""
 
@@ -351,6 +362,8 @@ class MiniMaxM2Format(XmlFormat):
     markers = ("<minimax:tool_call>",)
     open_tag, close_tag = "<minimax:tool_call>", "</minimax:tool_call>"
     value_close, argument_end, call_end = "</parameter>", "</parameter>\n", "</invoke>\n"
+    call_open, name_end, call_close = '<invoke name="', '">', "</invoke>"
+    param_open, key_end = '<parameter name="', '">'
     instructions = (
         'For each call, write:\n<minimax:tool_call>\n<invoke name="function_name">\n'
         '<parameter name="argument_name">value</parameter>\n</invoke>\n</minimax:tool_call>'
@@ -361,32 +374,6 @@ class MiniMaxM2Format(XmlFormat):
 
     def argument_begin(self, key: str) -> str:
         return f'<parameter name="{key}">'
-
-    def read_calls(self, cursor: Cursor) -> tuple[list[RawCall], bool | None]:
-        calls: list[RawCall] = []
-        while True:
-            cursor.space()
-            if cursor.take(self.close_tag):
-                return calls, True
-            if not cursor.take('<invoke name="'):
-                return calls, _undecided(cursor, self.close_tag, '<invoke name="')
-            name = cursor.upto('">')
-            if name is None or not _plain_name(name):
-                return calls, None if name is None and "\n" not in cursor.text[
-                    cursor.i :
-                ] else False
-            call = RawCall(name.strip())
-            calls.append(call)
-            while True:
-                cursor.space()
-                if cursor.take("</invoke>"):
-                    call.complete = True
-                    break
-                if not cursor.take('<parameter name="'):
-                    return calls, _undecided(cursor, "</invoke>", '<parameter name="')
-                key = cursor.upto('">')
-                if key is None or not self.read_value(cursor, call, key.strip()):
-                    return calls, None
 
 
 def _undecided(cursor: Cursor, *words: str) -> bool | None:
