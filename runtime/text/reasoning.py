@@ -211,34 +211,28 @@ class HarmonyFormat(ReasoningFormat):
         self, answer: str, inside: bool, specials: Mapping[str, int] = EMPTY
     ) -> str:
         """An analysis message, then the answer's message; with harmony's markers among
-        the tokenizer's special tokens they are matched as those tokens."""
-        if harmony.END in specials:
-            return self._special_lark(answer, inside, specials)
-        head = " HEAD" if self.answer_header else ""
-        start = f"think NEXT{head} answer" if inside else f"(OPEN think NEXT)?{head} answer"
+        the tokenizer's special tokens they are matched as those tokens (rules, and the
+        analysis text ends at the `<|end|>` token), else as text (terminals, and the text is
+        one lazy lexeme up to `<|end|>`)."""
+        special = harmony.END in specials
+        name = str.lower if special else str.upper
+        think = f"think[lazy]: /(?s:.*){lark_regex_literal(harmony.END)}/"
+        if special:
+            think = f"think: /(?s:.*)/ {lark_literal(harmony.END, specials)}"
+        opens, after, head = name("open"), name("next"), name("head")
+        heads = f" {head}" if self.answer_header else ""
+        start = (
+            f"think {after}{heads} answer" if inside else f"({opens} think {after})?{heads} answer"
+        )
         lines = [
             f"start: {start}",
-            f"OPEN: {json.dumps(harmony.ANALYSIS)}",
-            f"NEXT: {json.dumps(harmony.START + 'assistant')}",
-            f"think[lazy]: /(?s:.*){lark_regex_literal(harmony.END)}/",
+            f"{opens}: {lark_literal(harmony.ANALYSIS, specials)}",
+            f"{after}: {lark_literal(harmony.START + 'assistant', specials)}",
+            think,
             f"answer: {answer}",
         ]
         if self.answer_header:
-            lines.insert(3, f"HEAD: {json.dumps(self.answer_header)}")
-        return "\n".join(lines) + "\n"
-
-    def _special_lark(self, answer: str, inside: bool, specials: Mapping[str, int]) -> str:
-        head = " head" if self.answer_header else ""
-        start = f"think next{head} answer" if inside else f"(open think next)?{head} answer"
-        lines = [
-            f"start: {start}",
-            f"open: {lark_literal(harmony.ANALYSIS, specials)}",
-            f"next: {lark_literal(harmony.START + 'assistant', specials)}",
-            f"think: /(?s:.*)/ {lark_literal(harmony.END, specials)}",
-            f"answer: {answer}",
-        ]
-        if self.answer_header:
-            lines.insert(3, f"head: {lark_literal(self.answer_header, specials)}")
+            lines.insert(3, f"{head}: {lark_literal(self.answer_header, specials)}")
         return "\n".join(lines) + "\n"
 
     def _visible(self, text: str, inside: bool, final: bool) -> tuple[str | None, str]:
