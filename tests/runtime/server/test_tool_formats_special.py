@@ -11,6 +11,7 @@ import random
 import re
 
 import pytest
+from test_tool_formats_xml import chunks, named, streamed
 
 from spruce.constrained.convert import Conversion
 from spruce.constrained.spec import make_spec
@@ -85,32 +86,6 @@ def plan(fmt: str, choice: str = "auto") -> ToolPlan:
         model="m", messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice
     )
     return ToolPlan.of(req, TOOL_CALL_FORMATS[fmt])
-
-
-def named(calls: list[dict]) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
-
-
-def streamed(tool_plan: ToolPlan, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """(content, calls as (name, arguments text)); a call's first delta carries its name."""
-    stream = tool_plan.stream()
-    out = [stream.feed(p) for p in pieces] + [stream.finish()]
-    joined: dict[int, list[str]] = {}
-    for delta in (d for _, deltas in out for d in deltas):
-        if delta["index"] not in joined:
-            assert delta["function"]["name"] and delta["id"].startswith("call_")
-            joined[delta["index"]] = [delta["function"]["name"], ""]
-        joined[delta["index"]][1] += delta["function"]["arguments"]
-    return "".join(c for c, _ in out), [tuple(joined[i]) for i in sorted(joined)]
-
-
-def chunks(text: str, seed: int) -> list[str]:
-    rng, out, i = random.Random(seed), [], 0
-    while i < len(text):
-        n = rng.randint(1, 12)
-        out.append(text[i : i + n])
-        i += n
-    return out
 
 
 @pytest.mark.parametrize("fmt, text, content, expected", GOLDEN)
