@@ -355,8 +355,8 @@ class EngineCore:
     def _forward_items(self, scheduled: Scheduled) -> list[ForwardItem]:
         """The request's part of the forward pass: one item, or with drafts one item per
         token (its last, then each draft) at consecutive positions of its row, so a step of
-        decodes and drafts stays a decode step (each row attends as a decode token does,
-        with the same numbers: verify.py compares against plain decoding's logits)."""
+        decodes and drafts stays a decode step: each row is computed as plain decoding
+        computes that token, so verify.py samples from the same logits."""
         req, n, draft = scheduled.req, scheduled.num_tokens, scheduled.draft
         start = req.computed_len
         if draft:
