@@ -23,7 +23,11 @@ from spruce.runtime.server.http.common import (
     stream_response,
     validation_message,
 )  # fmt: skip
-from spruce.runtime.server.openai.responses_stream import ResponsesView
+from spruce.runtime.server.openai.responses_stream import (
+    ENCRYPTED_REASONING,
+    ResponsesView,
+    reasoning_of,
+)
 from spruce.runtime.server.openai.routes import chat_results, submit_chat
 from spruce.runtime.server.openai.schemas import ChatRequest, StrictModel, parse
 
@@ -90,6 +94,7 @@ class ResponsesRequest(StrictModel):
     stream: bool = False
     user: str | None = None
     truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None  # checked by `check_include`
     # Spruce's, as on the chat route: template variables (e.g. {"enable_thinking": true})
     # and the request's deadline
     chat_template_kwargs: dict[str, Any] | None = None
@@ -126,8 +131,9 @@ class FunctionCallOutputItem(StrictModel):
 
 
 class ReasoningItem(StrictModel):
-    """An earlier answer's reasoning, sent back: its text becomes the next assistant
-    message's reasoning_content (templates may show it)."""
+    """An earlier answer's reasoning, sent back: its text (or the text its
+    `encrypted_content` carries, from this server) becomes the next assistant message's
+    reasoning_content (templates may show it)."""
 
     type: Literal["reasoning"]
     summary: list[dict[str, Any]] = Field(default_factory=list)
@@ -189,6 +195,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         item = input_item(value, i)
         if isinstance(item, ReasoningItem):
             reasoning = text_of(item.content or item.summary, f"input.{i}.summary")
+            reasoning = reasoning or reasoning_of(item.encrypted_content)
             continue
         if isinstance(item, FunctionCallOutputItem):
             output = text_of(item.output, f"input.{i}.output")
@@ -246,8 +253,26 @@ def chat_format(text: TextConfig | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
+# OpenAI's `include` values: ones whose items this server never writes (built-in tools,
+# images) change nothing; logprobs are not offered here.
+INCLUDES = {
+    ENCRYPTED_REASONING, "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+}  # fmt: skip
+
+
+def check_include(req: ResponsesRequest) -> None:
+    for i, value in enumerate(req.include or []):
+        if value not in INCLUDES:
+            known = ", ".join(sorted(INCLUDES))
+            raise ApiError(400, f"include: {value!r} is not supported here; supported: {known}",
+                           param=f"include.{i}")  # fmt: skip
+
+
 def chat_request(req: ResponsesRequest) -> ChatRequest:
     """The ChatRequest this request asks for (checked there, as any chat request)."""
+    check_include(req)
     if req.previous_response_id is not None:
         message = ("previous_response_id is not supported: this server stores no responses "
                    "(send the conversation in input)")  # fmt: skip

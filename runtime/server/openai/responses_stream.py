@@ -6,6 +6,8 @@ official event sequence, each event with its `sequence_number` and `event:` line
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +36,28 @@ def summary_text(text: str) -> dict[str, Any]:
     return {"type": "summary_text", "text": text}
 
 
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+ENCRYPTED_PREFIX = "spruce:"  # this server keeps nothing: the "encrypted" content is the text
+
+
+def encrypted(text: str) -> str:
+    """A reasoning item's `encrypted_content` as this stateless server writes it: the
+    reasoning itself (base64), so a client that sends the item back (a stateless multi-turn
+    client such as Codex) hands the model its earlier thinking."""
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def reasoning_of(content: str | None) -> str | None:
+    """The text of an `encrypted_content` this server wrote; None for any other (another
+    server's is opaque here)."""
+    if not content or not content.startswith(ENCRYPTED_PREFIX):
+        return None
+    try:
+        return base64.b64decode(content[len(ENCRYPTED_PREFIX) :], validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
 class Item:
     """One output item while it is written: its kind ("reasoning", "message" or
     "function_call"), place, id and text so far (the arguments of a call)."""
@@ -44,10 +68,13 @@ class Item:
         self.name, self.call_id = name, call_id
         self.text = ""
 
-    def body(self, status: str) -> dict[str, Any]:
+    def body(self, status: str, include: list[str] | None = None) -> dict[str, Any]:
         head = {"id": self.id, "type": self.kind, "status": status}
         if self.kind == "reasoning":
-            return {**head, "summary": [summary_text(self.text)] if self.text else []}
+            out = {**head, "summary": [summary_text(self.text)] if self.text else []}
+            if ENCRYPTED_REASONING in (include or ()):
+                out["encrypted_content"] = encrypted(self.text)
+            return out
         if self.kind == "message":
             return {**head, "role": "assistant", "content": [output_text(self.text)]}
         return {**head, "call_id": self.call_id, "name": self.name, "arguments": self.text}
@@ -142,8 +169,11 @@ class ResponsesView:
             fn = call["function"]
             items.append(_filled(Item("function_call", 0, fn["name"], call["id"]), fn["arguments"]))
         last = len(items) - 1
-        output = [item.body("incomplete" if i == last and status != "completed" else "completed")
-                  for i, item in enumerate(items)]  # fmt: skip
+        output = [
+            item.body("incomplete" if i == last and status != "completed" else "completed",
+                      self.req.include)
+            for i, item in enumerate(items)
+        ]  # fmt: skip
         return self.body(status, output, **ending)
 
     def event(self, kind: str, **fields) -> bytes:
@@ -289,6 +319,6 @@ class ItemStream:
                    event("response.content_part.done", **where, content_index=0, part=output_text(item.text))]  # fmt: skip
         else:
             out = [event("response.function_call_arguments.done", **where, arguments=item.text)]
-        self.done.append(item.body(status))
+        self.done.append(item.body(status, self.view.req.include))
         out.append(event("response.output_item.done", output_index=item.index, item=self.done[-1]))
         return out

@@ -190,6 +190,33 @@ def test_the_thinking_block_is_a_reasoning_item(client):
     assert events[2].type == "response.output_item.added" and events[2].item.type == "reasoning"
 
 
+def test_encrypted_reasoning_carries_the_thinking_into_the_next_turn(client):
+    """include: ["reasoning.encrypted_content"] (Codex CLI sends it; this server is
+    stateless): the item carries its reasoning, and sent back it becomes the assistant
+    turn's reasoning_content again."""
+    from spruce.runtime.server.openai.responses import ResponsesRequest, chat_messages
+
+    thinking = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    include = ["reasoning.encrypted_content"]
+    r = create(client, max_output_tokens=12, include=include, **thinking)
+    item = r.output[0]
+    assert item.type == "reasoning" and item.encrypted_content
+    streamed = list(create(client, max_output_tokens=12, include=include, stream=True, **thinking))
+    assert streamed[-1].response.output[0].encrypted_content == item.encrypted_content
+    plain = create(client, max_output_tokens=12, **thinking).output[0]
+    assert plain.encrypted_content is None  # only when asked
+    sent_back = {"type": "reasoning", "id": item.id, "summary": [],
+                 "encrypted_content": item.encrypted_content}  # fmt: skip
+    answer = {"type": "message", "role": "assistant", "content": "ok"}
+    req = ResponsesRequest.model_validate({"model": "m", "input": [sent_back, answer]})
+    assert chat_messages(req)[0]["reasoning_content"] == item.summary[0].text
+    opaque = {**sent_back, "encrypted_content": "gAAAA-from-another-server"}
+    req = ResponsesRequest.model_validate({"model": "m", "input": [opaque, answer]})
+    assert "reasoning_content" not in chat_messages(req)[0]
+    e = bad_request(client, include=["message.output_text.logprobs"])
+    assert e.body["param"] == "include.0" and "not supported" in e.message
+
+
 def test_an_answer_past_its_deadline_failed(client):
     """Aborted at timeout_s (Spruce's) long before 900 tokens: failed, saying why, with
     what was written so far."""
