@@ -162,7 +162,7 @@ class DecodePlan:
         gate_up, act = torch.empty(rows, 2 * self.inter), torch.empty(rows, self.inter)
         p_res, p_h, p_out, p_qkv, p_attn = (t.data_ptr() for t in (residual, h, out, qkv, attn))
         p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
-        attention = self._attention_call(ctx, backend, rows, p_qkv, p_attn)
+        attention = self._attention_call(ctx, backend, qkv, p_attn)
         positions = ctx.positions.to(torch.int64).contiguous()
         rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, self._linear(rows)
         isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())  # follows cpu_library.use_isa
@@ -193,10 +193,12 @@ class DecodePlan:
         gemm = self.lib.spruce_quant_gemm
         return lambda *args: gemm(*args[:-1])
 
-    def _attention_call(self, ctx, backend, rows: int, p_qkv: int, p_attn: int):
+    def _attention_call(self, ctx, backend, qkv: torch.Tensor, p_attn: int):
         """attention(layer): stores the layer's new K/V and attends (the native backend's
-        C decode kernel, called as CpuDecodeAttention calls it)."""
-        c, lib = self.config, self.lib
+        C decode kernel, called as CpuDecodeAttention calls it). Where rows share a request
+        (speculative drafts), a row reads the K/V of the rows before it, which the kernel's
+        own store (each row on its thread) would race with: the pool is written first."""
+        c, lib, rows = self.config, self.lib, qkv.shape[0]
         group = ctx.backend_state.decode
         table = backend.req_to_token.table
         table_rows = group.table_rows.to(torch.int64).contiguous()
@@ -204,8 +206,12 @@ class DecodePlan:
         slots = ctx.out_slots.to(torch.int64).contiguous()
         pool = backend.pool
         fn = getattr(lib, KERNELS[pool.k[0].dtype])
-        p_k, p_v = p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size)
-        width = self.qkv_width
+        p_qkv, width = qkv.data_ptr(), self.qkv_width
+        new = (p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size), width, slots.data_ptr())
+        if ctx.shared_rows:
+            k, v = qkv[:, c.q_size :].split(c.kv_size, dim=1)[:2]
+            k, v = (t.view(rows, c.num_kv_heads, c.head_dim) for t in (k, v))
+            new = (None, None, 0, None)
         fixed = (
             table.data_ptr(),
             table.stride(0),
@@ -213,12 +219,13 @@ class DecodePlan:
             seq_lens.data_ptr(),
             p_attn,
         )
-        p_slots = slots.data_ptr()
 
         # the default argument holds the tensors behind the pointers for as long as the closure
         def attention(layer: int, _tensors=(table_rows, seq_lens, slots)) -> None:
+            if ctx.shared_rows:
+                pool.write(layer, slots, k, v)
             failed = fn(
-                p_qkv, width, p_k, p_v, width, p_slots, pool.k[layer].data_ptr(), pool.v[layer].data_ptr(),
+                p_qkv, width, *new, pool.k[layer].data_ptr(), pool.v[layer].data_ptr(),
                 *scale_pointers(pool.scales(layer)),
                 *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
             )  # fmt: skip

@@ -260,3 +260,18 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_llama_dir, plain):
         chi2 += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
     # the 0.999 quantile of chi-square with (cells - 1) <= 7 degrees of freedom is <= 24.3
     assert chi2 < 24.3, (chi2, counts)
+
+
+def test_two_threads_keep_outputs_identical(tiny_llama_dir, plain):
+    """Drafts are decode rows of one request, spread over threads by the attention kernel:
+    each row must see the K/V the rows before it stored (a float16 cache, the C decode path)."""
+    options = {"kv_memory_gb": 0.05, "num_threads": 2, "kv_cache_dtype": "float16"}
+    two = make_engine(tiny_llama_dir, **options)
+    spec = make_engine(tiny_llama_dir, **options, speculative_algorithm="ngram",
+                       speculative_num_draft_tokens=6, **ALWAYS)  # fmt: skip
+    ps = repeating_prompts(8, seed=13)
+    params = {**GREEDY, "max_new_tokens": 64}
+    for _ in range(3):
+        a, b = run_both(two, spec, params, ps)
+        assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+    assert spec.stats()["spec_accepted_tokens_total"] > 100
