@@ -275,3 +275,26 @@ def test_two_threads_keep_outputs_identical(tiny_llama_dir, plain):
         a, b = run_both(two, spec, params, ps)
         assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
     assert spec.stats()["spec_accepted_tokens_total"] > 100
+
+
+@pytest.mark.slow
+def test_bundled_model_outputs_are_identical_on_its_decode_plan():
+    """The quantized model's C decode path with drafts (rows sharing a request, K/V written
+    before the kernel attends), two threads: greedy outputs equal plain decoding's."""
+    from support import bundled_gguf_path
+
+    from spruce.runtime import Engine
+
+    if bundled_gguf_path() is None:
+        pytest.skip("the bundled model is not installed")
+    plain = Engine(num_threads=2, kv_memory_gb=0.2)
+    spec = Engine(loaded=plain.core.loaded, num_threads=2, kv_memory_gb=0.2,
+                  speculative_algorithm="ngram", **ALWAYS)  # fmt: skip
+    text = "Invoice INV-4821 went to Harriet Kowalski of Larkspur for 3,412.50 EUR."
+    ask = f"{text}\nRepeat the invoice line exactly, twice."
+    prompt = plain.apply_chat_template([{"role": "user", "content": ask}])
+    params = {"temperature": 0, "max_new_tokens": 64}
+    ids = plain.tokenizer.encode(prompt, add_special_tokens=False)
+    a, b = run_both(plain, spec, params, [ids, ids[:-1]])
+    assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+    assert sum(y["meta_info"].get("spec_accepted_tokens", 0) for y in b) > 10
