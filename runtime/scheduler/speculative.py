@@ -1,7 +1,7 @@
 """Speculative decoding: drafts for decoding requests, and when not to draft.
 
 A decoding request computes its last token plus up to k drafted tokens in one forward pass
-(the extend path); the engine then samples each position in turn with the request's own
+(as decode rows of its own row); the engine then samples each position in turn with the request's own
 state advanced over the drafts before it, and keeps drafts while the sampled token equals
 the draft (engine/verify.py). That is sequential sampling, so greedy output is identical
 token for token and sampled output keeps its distribution; the drafter only decides how
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from spruce.runtime.config import SpeculativeOptions
 from spruce.runtime.core.request import Req
 
-PAUSE_STEPS = 16  # steps a request waits once drafting stopped paying, before it tries again;
+PAUSE_STEPS = 16  # steps a request waits once drafting stopped paying, before it tries again
 MAX_PAUSE_STEPS = 512  # doubled after each pause that follows another, up to this
 DECAY = 0.8  # weight of the past in the acceptance estimate
 PRIOR = (3.5, 5.0)  # (accepted, tried) a fresh estimate starts from: 0.7, worth one try on a CPU
@@ -199,12 +199,11 @@ class Speculator:
             req.spec = SpecState()
         if self.step < req.spec.paused_until:
             return 0
-        most = best_length(
-            req.spec.rate, self.row_cost, batch, self.options.speculative_num_draft_tokens
-        )
-        if most == 0:  # drafting does not pay at this acceptance: try again later
-            req.spec.pause(self.step)
+        most = self.options.speculative_num_draft_tokens
+        if best_length(req.spec.rate, self.row_cost, 1, most) == 0:
+            req.spec.pause(self.step)  # its drafts do not pay even alone: try again later
             return 0
+        most = best_length(req.spec.rate, self.row_cost, batch, most)  # 0: not in this batch
         # room: the sampled token plus the drafts must fit max_new_tokens and the context
         room = min(
             req.sampling.max_new_tokens - len(req.output_ids) - 1,

@@ -57,3 +57,16 @@ def test_acceptance_estimate_decays_and_pause_resets_it():
     for _ in range(10):
         state.record(4, 4)
     assert state.rate > 0.95
+
+
+def test_a_large_batch_skips_drafts_without_pausing_the_request():
+    from spruce.runtime.config import SpeculativeOptions
+    from spruce.runtime.scheduler.speculative import Speculator
+
+    speculator = Speculator(SpeculativeOptions(speculative_algorithm="ngram"), 4096, "cpu")
+    r = req([7, 8, 9, 7, 8, 9, 7, 8])
+    r.spec = SpecState(hits=9.5, tries=10.0)  # drafts that pay alone
+    assert speculator._length(r, batch=16) == 0 and r.spec.paused_until == 0
+    assert speculator._length(r, batch=1) > 0
+    r.spec = SpecState(hits=1.0, tries=10.0)  # drafts that never pay
+    assert speculator._length(r, batch=1) == 0 and r.spec.paused_until > speculator.step
