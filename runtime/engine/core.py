@@ -370,10 +370,6 @@ class EngineCore:
         hidden = pooled_rows(req, start, n)
         return [ForwardItem(req.row, start, new_ids, scheduled.slots, all_logits, hidden)]
 
-    def _speculator_total(self, name: str) -> int:
-        speculator = self.scheduler.speculator
-        return 0 if speculator is None else getattr(speculator, name)
-
     # -- observability ------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -384,9 +380,6 @@ class EngineCore:
         """Debug check (tests call it after failures): used KV slots == slots referenced by
         the prefix cache + those owned by running requests; rows held by running ones only."""
         self.scheduler.check_integrity()
-        drafter = self.scheduler.speculator and self.scheduler.speculator.drafter
-        if isinstance(drafter, DraftModelDrafter):
-            drafter.allocator.check_integrity(held=drafter.held_slots)
 
     def flush_cache(self) -> None:
         if self.scheduler.running or self.scheduler.waiting:
@@ -399,7 +392,7 @@ class EngineCore:
     def stats(self) -> dict:
         size = self.cache_manager.prefix_cache.size_info()
         pool = self.runner.pool
-        s = self.scheduler.stats
+        s, spec = self.scheduler.stats, self.scheduler.speculator
         return {
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),
@@ -418,8 +411,8 @@ class EngineCore:
             "steps_total": s.steps,
             "failed_steps_total": s.failed_steps,  # forward passes rolled back
             "request_faults_total": s.request_faults,  # requests aborted for a failure of their own
-            "spec_draft_tokens_total": self._speculator_total("drafted"),
-            "spec_accepted_tokens_total": self._speculator_total("accepted"),
+            "spec_draft_tokens_total": spec.drafted if spec else 0,  # speculative decoding
+            "spec_accepted_tokens_total": spec.accepted if spec else 0,
             "grammar_cache_bytes": self.compiler.cached_bytes,  # counted: NFA, DFA rows, masks
             "time": time.time(),
         }

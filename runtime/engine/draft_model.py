@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spruce.radix.radix_cache import common_prefix_len
 from spruce.runtime.core.request import Req
 from spruce.runtime.errors import SpruceError
 from spruce.runtime.executor.kv_pool import OutOfSlotsError
@@ -77,6 +78,10 @@ class DraftModelDrafter:
     def held_slots(self) -> int:
         return sum(len(s.ids) for s in self.state.values())
 
+    def check_integrity(self) -> None:
+        """Debug check: the draft pool's used slots are exactly those the rows hold."""
+        self.allocator.check_integrity(held=self.held_slots)
+
     # -- steps -------------------------------------------------------------------------------
 
     def _catch_up_room(self, req: Req, n: int) -> bool:
@@ -89,7 +94,9 @@ class DraftModelDrafter:
             except OutOfSlotsError:
                 return False
         tokens = req.all_ids()
-        keep = min(_common_prefix(state.ids, tokens), len(tokens) - 1)  # the last token's logits
+        keep = min(
+            common_prefix_len(state.ids, tokens, 0), len(tokens) - 1
+        )  # the last token's logits
         self.allocator.free(self.table.read(state.row, len(state.ids), keep))
         del state.ids[keep:]
         if self.allocator.num_free < len(tokens) - keep + n:
@@ -124,14 +131,3 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
             f"the draft model {draft.name!r} has another tokenizer than the target {target.name!r}: "
             "speculative decoding needs a draft model with the target's vocabulary"
         )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
-    return lo

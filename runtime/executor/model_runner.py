@@ -136,7 +136,7 @@ class ModelRunner:
             extend_lens=extend.to(self.device),
             prefix_lens_cpu=prefix.tolist(),
             extend_lens_cpu=extend.tolist(),
-            shared_rows=len(set(rows.tolist())) < len(items),
+            shared_rows=len({it.row for it in items}) < len(items),
         )
         return ctx, input_ids.to(self.device)
 

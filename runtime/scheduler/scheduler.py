@@ -307,6 +307,8 @@ class Scheduler:
             "a queued request holds a row"
         )
         self.cache.check_integrity(self.running)
+        if self.speculator is not None:
+            self.speculator.drafter.check_integrity()
 
     def _append(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         if req.first_token_at is None:

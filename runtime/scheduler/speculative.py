@@ -12,7 +12,7 @@ Drafter: prompt lookup (`NgramDrafter`): the longest suffix of the request's tok
 tokens that followed its latest earlier occurrence. No extra model, no extra memory; it
 pays where outputs copy their prompt (extraction, code edits, quotes). A drafter has two
 calls, `propose_many(reqs, lengths) -> token ids per request` (one call a step, so a
-drafter with a model batches its passes) and `forget(req)`; a draft model
+drafter with a model batches its passes) and `forget(req)`, and a debug `check_integrity()`; a draft model
 (engine/draft_model.py) is one, EAGLE-style heads or MTP would be others.
 
 Knowing when not to: each extra row costs a share of a step (`row_cost`: large on a CPU,
@@ -102,6 +102,9 @@ class NgramDrafter:
     def forget(self, req: Req) -> None:
         """Nothing to free: the drafts come from the request's own tokens."""
 
+    def check_integrity(self) -> None:
+        """Nothing held."""
+
     def propose(self, req: Req, k: int) -> list[int]:
         tokens = array("i", req.prompt_ids)
         tokens.extend(req.output_ids)
@@ -142,8 +145,8 @@ class Speculator:
         self, options: SpeculativeOptions, context_len: int, device: str, drafter=None,
         tokenizer=None,
     ) -> None:  # fmt: skip
-        """`drafter`: one with `propose_many(reqs, lengths)` and `forget(req)` (default:
-        prompt lookup); `tokenizer`: for drafts of the text a grammar forces."""
+        """`drafter`: one with `propose_many(reqs, lengths)`, `forget(req)` and
+        `check_integrity()` (default: prompt lookup); `tokenizer`: for drafts of the text a grammar forces."""
         self.options = options
         self.tokenizer = tokenizer
         self.context_len = context_len
