@@ -13,11 +13,11 @@ in one extend pass next step, as jump-forward's are.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from spruce.runtime.core.sampling_params import SamplingParams
+from spruce.runtime.text.tokenizer import split_specials
 
 
 @dataclass(slots=True)
@@ -83,12 +83,9 @@ class ThinkingBudget:
 def plain_ids(tokenizer, text: str) -> tuple[int, ...]:
     """`text` in ordinary tokens: each special token's text in it is split after its first
     character (so no special token matches it), the pieces encoded apart."""
-    specials = sorted((t for t in tokenizer.special_tokens if t in text), key=len, reverse=True)
-    if not specials:
-        return tuple(tokenizer.encode(text, add_special_tokens=False))
-    pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+    specials = tokenizer.special_tokens
     out: list[int] = []
-    for piece in pieces:
+    for piece in split_specials(text, specials):
         for part in (piece[:1], piece[1:]) if piece in specials else (piece,):
             out += tokenizer.encode(part, add_special_tokens=False) if part else []
     return tuple(out)

@@ -26,6 +26,7 @@ from typing import Any
 from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.text import harmony
 from spruce.runtime.text.stop import stop_prefix_len
+from spruce.runtime.text.tokenizer import split_specials
 
 EMPTY: Mapping[str, int] = MappingProxyType({})
 THINK_SEPARATOR = r"[ \t\r\n]{0,4}"  # between `</think>` and a constrained answer
@@ -353,11 +354,8 @@ def lark_literal(text: str, specials: Mapping[str, int] = EMPTY) -> str:
     """`text` as a Lark expression: quoted, each special token's text in it (`specials`:
     text -> id) written as a reference to that token by id (llguidance matches a special
     token only so)."""
-    found = sorted((t for t in specials if t in text), key=len, reverse=True)
-    if not found:
-        return json.dumps(text)
-    pieces = re.split("(" + "|".join(map(re.escape, found)) + ")", text)
-    return " ".join(f"<[{specials[p]}]>" if p in found else json.dumps(p) for p in pieces if p)
+    pieces = split_specials(text, specials) or [text]
+    return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in pieces)
 
 
 def lark_regex_literal(text: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
@@ -41,6 +42,15 @@ def _byte_level_alphabet() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
+
+def split_specials(text: str, specials: Iterable[str]) -> list[str]:
+    """`text` cut into pieces that are each a special token's text (one of `specials`) or
+    text between them (no empty pieces); the longest special wins where several match."""
+    found = sorted((t for t in specials if t in text), key=len, reverse=True)
+    if not found:
+        return [text] if text else []
+    return [p for p in re.split("(" + "|".join(map(re.escape, found)) + ")", text) if p]
 
 
 class Tokenizer:
