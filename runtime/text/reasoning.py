@@ -105,19 +105,16 @@ class ReasoningFormat:
         block = "think SEPARATOR?"
         start = f"OPEN? {block} answer" if inside or self.starts_open else f"(OPEN {block})? answer"
         opens, closes = (lark_literal(tag, specials) for tag in (self.open_tag, self.close_tag))
-        if opens == json.dumps(self.open_tag) and closes == json.dumps(self.close_tag):
-            return (
-                f"start: {start}\n"
-                f"OPEN: {opens}\n"
-                "SEPARATOR: /[ \\t\\r\\n]{1,4}/\n"
-                f"think[lazy]: /(?s:.*){lark_regex_literal(self.close_tag)}/\n"
-                f"answer: {answer}\n"
-            )
+        tokens = opens != json.dumps(self.open_tag) or closes != json.dumps(self.close_tag)
+        opening = "open" if tokens else "OPEN"  # a token reference makes it a rule
+        think = f"think[lazy]: /(?s:.*){lark_regex_literal(self.close_tag)}/"
+        if tokens:
+            think = f"think: /(?s:.*)/ {closes}"
         return (
-            f"start: {start.replace('OPEN', 'open')}\n"
-            f"open: {opens}\n"
+            f"start: {start.replace('OPEN', opening)}\n"
+            f"{opening}: {opens}\n"
             "SEPARATOR: /[ \\t\\r\\n]{1,4}/\n"
-            f"think: /(?s:.*)/ {closes}\n"
+            f"{think}\n"
             f"answer: {answer}\n"
         )
 
