@@ -272,11 +272,29 @@ def test_run_batch_progress_bar_and_defaults(backend, capsys):
 # -- streaming ---------------------------------------------------------------------------------
 
 
+class GatedBackend(FakeBackend):
+    """Streams a request's first token, then holds the rest until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def generate_stream(self, msg):
+        for i, chunk in enumerate(super().generate_stream(msg)):
+            if i == 1:
+                assert self.release.wait(60)
+            yield chunk
+
+
 def test_streaming_gives_the_same_text_as_not_streaming(backend):
     expected = qa.run(question="Stream?", backend=backend)
-    state = qa.run(question="Stream?", backend=backend, stream=True)
-    chunks = list(state.text_iter())
-    assert len(chunks) > 1 and "".join(chunks) == state.text() == expected.text()
+    gated = GatedBackend()
+    state = qa.run(question="Stream?", backend=gated, stream=True)
+    chunks = state.text_iter()
+    first = next(chunks)  # arrives while the backend holds the rest of the answer
+    assert expected.text().startswith(first) and first != expected.text()
+    gated.release.set()
+    assert first + "".join(chunks) == state.text() == expected.text()
     assert (
         "".join(qa.run(question="Stream?", backend=backend, stream=True).text_iter("answer"))
         == expected["answer"]
