@@ -1,16 +1,21 @@
 """llama.cpp's own benchmarks on the same GGUF file, for same-run ratios: `llama-bench`
 (tg128 batch-1 decode at each thread count asked for, pp512 prefill) and
-`llama-batched-bench` (sequences of 128 prompt + 128 generated tokens). `extra` holds
-arguments for both tools, e.g. `-nr 1` (no weight repacking: llama.cpp's AMX repack crashes
-in some VMs)."""
+`llama-batched-bench` (sequences of 128 prompt + 128 generated tokens), and `llama-server`
+for request-level comparisons (speculative decoding). `extra` holds arguments for the tools,
+e.g. `-nr 1` (no weight repacking: llama.cpp's AMX repack crashes in some VMs)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
+import time
+import urllib.request
+
+from spruce.runtime.executor.distributed import free_port
 
 PARALLEL = (16, 64)  # sequences of 128 prompt + 128 generated tokens
 
@@ -76,3 +81,52 @@ def table_rows(threads: int) -> list[tuple[str, str]]:
             for n in PARALLEL
         ),
     ]
+
+
+@contextlib.contextmanager
+def llama_server(bin_dir: str | None, model: str, threads: int, args: list[str], extra: str = ""):
+    """A llama-server on a free local port for one sequence at a time, stopped on exit;
+    yields its base URL. `args` and `extra` are added to its command line."""
+    exe = shutil.which("llama-server", path=bin_dir if bin_dir else os.environ.get("PATH"))
+    if exe is None:
+        raise FileNotFoundError("llama-server not found (see --llama-cpp-bin)")
+    port = free_port()
+    command = [exe, "-m", model, "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
+               "-np", "1", "-c", "8192", *args, *shlex.split(extra)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"llama-server was not ready within {timeout:.0f} s")
+
+
+def server_complete(url: str, body: dict) -> dict:
+    """POST /completion (llama.cpp's native route: token-id prompts, json_schema)."""
+    request = urllib.request.Request(
+        url + "/completion", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        return json.load(answer)

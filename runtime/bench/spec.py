@@ -8,16 +8,23 @@ the weights and run in the same process, in the order off, on, on, off per row, 
 up first; the outputs must be identical token for token (the benchmark fails otherwise).
 Reported: output tokens per second off and on, their ratio, and the share of drafted tokens
 accepted.
+
+With `--llama-cpp-bin` (a GGUF model) the batch-1 rows run on llama.cpp's llama-server too,
+the same GGUF, prompts (as token ids), schema and thread count: `--spec-type ngram-simple`
+(prompt lookup: a suffix of `--llama-cpp-ngram` tokens, the same number of drafts) against
+none, in the same order (its decode phase as the server times it: see compare_llama_cpp).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
 
 from spruce.runtime.bench import write_json
+from spruce.runtime.bench.llama_cpp import llama_server, server_complete
 
 USES_ENGINE = True
 
@@ -59,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--algorithm", default="ngram", choices=["ngram", "draft"])
     parser.add_argument("--draft-model", default=None, help="--algorithm draft: its path")
+    parser.add_argument("--llama-cpp-bin", default=None,
+        help="folder of llama-server: also run the batch-1 rows on llama.cpp (GGUF models)")  # fmt: skip
+    parser.add_argument("--llama-cpp-ngram", type=int, default=3,
+        help="llama.cpp's lookup length (--spec-ngram-simple-size-n)")  # fmt: skip
+    parser.add_argument("--llama-cpp-args", default="",
+        help="more arguments for llama-server, e.g. '-nr' (no AMX repack)")  # fmt: skip
     parser.add_argument("--output-json", default=None)
 
 
@@ -103,25 +116,33 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     )  # fmt: skip
     base = {"temperature": 0, "max_new_tokens": args.output_len}
     off.generate(input_ids=[[5, 6, 7]], sampling_params=base)  # warm-up
-    rows = []
-    print(
-        f"{'workload':<11} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'accepted':>9}"
-    )
-    for kind in args.workloads.split(","):
-        for batch, count in ((1, args.batch1_prompts), (args.batch, args.num_prompts)):
-            work = workload(kind, count, seed=len(rows))
-            prompts = [chat_ids(off, text) for text, _ in work]
-            params = [{**base, **extra} for _, extra in work]
-            row = compare(off, on, prompts, params, batch)
-            row.update(workload=kind, batch=batch)
-            rows.append(row)
-            print(f"{kind:<11} {batch:>5} {row['off_tok_s']:>10.1f} {row['on_tok_s']:>9.1f} "
-                  f"{row['ratio']:>5.2f}x {row['acceptance']:>8.0%}")  # fmt: skip
+    with llama_cpp_servers(args, off) as servers:
+        rows = compare_rows(args, off, on, base, servers)
     write_json(
         args.output_json,
         {"config": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows},
     )
     return 0
+
+
+def compare_rows(args, off, on, base: dict, servers) -> list[dict]:
+    rows = []
+    print(f"{'engine':<10} {'workload':<11} {'batch':>5} {'off tok/s':>10} {'on tok/s':>9} "
+          f"{'ratio':>6} {'accepted':>9}")  # fmt: skip
+    for kind in args.workloads.split(","):
+        for batch, count in ((1, args.batch1_prompts), (args.batch, args.num_prompts)):
+            work = workload(kind, count, seed=len(rows))
+            prompts = [chat_ids(off, text) for text, _ in work]
+            params = [{**base, **extra} for _, extra in work]
+            found = [("spruce", compare(off, on, prompts, params, batch))]
+            if servers is not None and batch == 1:
+                found.append(("llama.cpp", compare_llama_cpp(servers, prompts, params)))
+            for name, row in found:
+                row.update(engine=name, workload=kind, batch=batch)
+                rows.append(row)
+                print(f"{name:<10} {kind:<11} {batch:>5} {row['off_tok_s']:>10.1f} "
+                      f"{row['on_tok_s']:>9.1f} {row['ratio']:>5.2f}x {row['acceptance']:>8.0%}")  # fmt: skip
+    return rows
 
 
 def chat_ids(engine, text: str) -> list[int]:
@@ -162,3 +183,64 @@ def timed(engine, prompts, params, batch: int) -> tuple[float, list[dict]]:
     else:
         out = engine.generate(input_ids=prompts, sampling_params=params)
     return time.perf_counter() - start, out
+
+
+# -- llama.cpp on the same GGUF (llama-server, its prompt lookup) ----------------------------
+
+
+@contextlib.contextmanager
+def llama_cpp_servers(args: argparse.Namespace, engine):
+    """(off URL, on URL): two llama-servers on the engine's GGUF, without and with
+    ngram-simple drafts; None without --llama-cpp-bin."""
+    path = engine.core.loaded.path
+    if args.llama_cpp_bin is None or not str(path).endswith(".gguf"):
+        if args.llama_cpp_bin is not None:
+            print("llama.cpp comparison skipped: the model is not a GGUF file")
+        yield None
+        return
+    threads, k = engine.config.num_threads, str(args.draft_tokens)
+    ngram = ["--spec-type", "ngram-simple", "--spec-draft-n-max", k,
+             "--spec-ngram-simple-size-n", str(args.llama_cpp_ngram), "--spec-ngram-simple-size-m", k]  # fmt: skip
+    extra = args.llama_cpp_args
+    with (
+        llama_server(args.llama_cpp_bin, path, threads, [], extra) as off,
+        llama_server(args.llama_cpp_bin, path, threads, ngram, extra) as on,
+    ):
+        yield off, on
+
+
+def compare_llama_cpp(servers, prompts: list[list[int]], params: list[dict]) -> dict:
+    """`compare` on llama.cpp's two servers (one request at a time, off, on, on, off): tokens
+    per second of the decode phase as the server times it (its prompt's time left out, which
+    favours the ratio: nothing dilutes it); acceptance from the server's draft counts. Its
+    outputs with and without drafts are compared, not required to agree (`identical`)."""
+    bodies = [completion_body(p, s) for p, s in zip(prompts, params)]
+    for url in servers:
+        server_complete(url, bodies[0])  # warm-up (the schema's grammar, the caches)
+    seconds, tokens, outputs = [0.0, 0.0], [0, 0], [[], []]
+    drafted = accepted = 0
+    for side in (0, 1, 1, 0):
+        outputs[side] = []
+        for body in bodies:
+            timings = (answer := server_complete(servers[side], body))["timings"]
+            seconds[side] += timings["predicted_ms"] / 1000
+            tokens[side] += timings["predicted_n"]
+            drafted += timings.get("draft_n", 0)
+            accepted += timings.get("draft_n_accepted", 0)
+            outputs[side].append(answer["content"])
+    identical = sum(a == b for a, b in zip(*outputs))
+    return {
+        "tokens": tokens[1] // 2, "off_tok_s": tokens[0] / seconds[0], "on_tok_s": tokens[1] / seconds[1],
+        "ratio": (tokens[1] / seconds[1]) / (tokens[0] / seconds[0]),
+        "acceptance": accepted / drafted if drafted else 0.0, "identical": f"{identical}/{len(bodies)}",
+    }  # fmt: skip
+
+
+def completion_body(prompt: list[int], params: dict) -> dict:
+    """llama-server's /completion body for a Spruce request: greedy, the same length cap
+    and schema, no prompt cache (only the decode phase is timed)."""
+    body = {"prompt": prompt, "n_predict": params["max_new_tokens"], "temperature": 0,
+            "top_k": 1, "cache_prompt": False}  # fmt: skip
+    if "json_schema" in params:
+        body["json_schema"] = json.loads(params["json_schema"])
+    return body

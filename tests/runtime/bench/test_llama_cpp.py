@@ -1,14 +1,19 @@
-"""The llama.cpp side of `spruce bench offline --compare llama.cpp`, against stand-in tools
-that print what llama-bench / llama-batched-bench print: each thread count's tg128 row is
-read, pp512 at the largest, and --llama-cpp-args reach both tools."""
+"""The llama.cpp side of `spruce bench offline --compare llama.cpp` and `spruce bench spec`,
+against stand-in tools that print what llama-bench / llama-batched-bench print (each thread
+count's tg128 row is read, pp512 at the largest, and --llama-cpp-args reach both tools) and
+a stand-in llama-server that answers /completion with its timings."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import socket
 import stat
 import sys
+from types import SimpleNamespace
 
 from spruce.runtime.bench.llama_cpp import llama_cpp_tools, run_llama_cpp, table_rows
+from spruce.runtime.bench.spec import compare_llama_cpp, llama_cpp_servers
 
 BENCH = [
     {"n_prompt": 512, "n_gen": 0, "n_threads": 1, "avg_ts": 100.0},
@@ -46,3 +51,73 @@ def test_thread_rows_and_extra_arguments(tmp_path):
     assert (tmp_path / "llama-batched-bench.args").read_text().endswith("-nr 1")
     assert {key for key, _ in table_rows(2)} <= set(out)
     assert llama_cpp_tools(str(tmp_path / "none")) is None
+
+
+# -- llama-server (bench spec's llama.cpp rows) -------------------------------------------------
+
+SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+spec = "--spec-type" in args
+open(LOG + ("-on" if spec else "-off"), "w").write(" ".join(args))
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.answer({"status": "ok"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with open(LOG + "-bodies", "a") as f:
+            f.write(json.dumps(body) + "\\n")
+        timings = {"predicted_n": 10, "predicted_ms": 50.0 if spec else 100.0}
+        if spec:
+            timings.update(draft_n=8, draft_n_accepted=6)
+        self.answer({"content": "same" if body["prompt"][0] == 1 else ("on" if spec else "off"),
+                     "timings": timings})
+
+HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_spec_rows_on_two_llama_servers(tmp_path):
+    log = tmp_path / "server"
+    path = tmp_path / "llama-server"
+    path.write_text(f"#!{sys.executable}\nLOG = {str(log)!r}\n{SERVER}")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+    engine = SimpleNamespace(  # what llama_cpp_servers reads of an engine
+        core=SimpleNamespace(loaded=SimpleNamespace(path="m.gguf")),
+        config=SimpleNamespace(num_threads=2),
+    )
+    args = argparse.Namespace(
+        llama_cpp_bin=str(tmp_path), llama_cpp_args="-nr", draft_tokens=4, llama_cpp_ngram=3
+    )
+    schema = json.dumps({"type": "object"})
+    params = [{"max_new_tokens": 10, "json_schema": schema}, {"max_new_tokens": 10}]
+    with llama_cpp_servers(args, engine) as servers:
+        row = compare_llama_cpp(servers, [[1, 2], [3, 4]], params)
+    assert row["ratio"] == 2.0 and row["acceptance"] == 0.75 and row["identical"] == "1/2"
+    assert row["off_tok_s"] == 100.0 and row["on_tok_s"] == 200.0
+    on = (tmp_path / "server-on").read_text().split()
+    off = (tmp_path / "server-off").read_text().split()
+    assert on[on.index("--spec-type") + 1] == "ngram-simple" and off[-1] == on[-1] == "-nr"
+    assert on[on.index("--spec-ngram-simple-size-n") + 1] == "3"
+    assert on[on.index("--spec-draft-n-max") + 1] == "4" and on[on.index("-t") + 1] == "2"
+    bodies = [json.loads(line) for line in (tmp_path / "server-bodies").read_text().splitlines()]
+    assert bodies[0]["json_schema"] == {"type": "object"} and bodies[0]["prompt"] == [1, 2]
+    assert all(b["temperature"] == 0 and b["n_predict"] == 10 for b in bodies)
+    assert "json_schema" not in bodies[-1]
+    with socket.socket() as s:  # both servers are gone: their ports are free again
+        for url in servers:
+            assert s.connect_ex(("127.0.0.1", int(url.rsplit(":", 1)[1]))) != 0
