@@ -190,11 +190,15 @@ TARGET_AVX2 static inline void block_scales(int64_t type, const uint8_t *block, 
 SIMD_ROW(row_avx2, TARGET_AVX2, dot16_avx2)
 SIMD_ROW(row_vnni, TARGET_VNNI, dot16_vnni)
 
-/* Batch 1: four weight rows (at `stride` bytes) against the one activation row. The
- * activation block is loaded once for the four, and the four accumulators are independent
- * chains (one row at a time waited on each block's multiply-add: about 1.3x slower). The
- * arithmetic per row is SIMD_ROW's, in the same order, so the results are identical (the
- * compiler contracts SIMD_ROW's Q4 term to the multiply-add written out here; a test checks).
+/* Four weight rows (at `stride` bytes) against ROWS activation rows: a tile of 4 x ROWS
+ * outputs, with the activation blocks loaded once for the four weight rows and each weight
+ * block widened once for the ROWS activation rows; the 4 x ROWS accumulators are independent
+ * chains (one weight row at a time waited on each block's multiply-add: about 1.3x slower at
+ * batch 1, and more per extra activation row). ROWS is a constant, at most TILE_ROWS of the
+ * variant (the accumulators, activations and scales stay in registers: 16 ymm on AVX2, 32
+ * with AVX-512VL). The arithmetic per (weight row, activation row) is SIMD_ROW's, in the
+ * same order, so the results are identical whatever the tile (the compiler contracts
+ * SIMD_ROW's Q4 term to the multiply-add written out here; a test checks).
  * Four rows read at once are four interleaved streams, which the hardware prefetcher did
  * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each block
  * step prefetches its share (4 blocks, two lines cover them) of the rows 8 ahead. */
@@ -206,8 +210,8 @@ TARGET_VNNI static inline __m256i dot16x_vnni(__m256i lo, __m256i hi, __m256i x_
     return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), lo, x_lo), hi, x_hi);
 }
 
-/* Q4_1, four rows: the rows' block headers (d, m) as floats in one conversion, lanes 2r = d
- * and 2r + 1 = m of row r. With the products d dx and m dx sx in vectors this saved ~12% of
+/* Q4_1: the four rows' block headers (d, m) as floats in one conversion, lanes 2r = d and
+ * 2r + 1 = m of row r. With the products d dx and m dx sx in vectors this saved ~12% of
  * the batch-1 Q4_1 matmuls (for Q4_0 and Q8_0, one fp16 per block, it lost). */
 TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t stride) {
     uint32_t h[4];
@@ -215,74 +219,111 @@ TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t str
     return _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
 }
 
-#define SIMD_ROWS4(NAME, TARGET, DOTX)                                                               \
+/* The activation rows' block b: 32 int16 values in two vectors each. */
+#define LOAD_X(ROWS)                                                                                 \
+    __m256i x_lo[MAX_ROWS], x_hi[MAX_ROWS];                                                           \
+    for (int m = 0; m < ROWS; m++) {                                                                  \
+        const int16_t *x = a->qx + m * a->k + b * QK;                                                 \
+        x_lo[m] = _mm256_loadu_si256((const __m256i *)x);                                             \
+        x_hi[m] = _mm256_loadu_si256((const __m256i *)(x + 16));                                      \
+    }                                                                                                 \
+    const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                                 \
+    _mm_prefetch(ahead, _MM_HINT_T0);                                                                 \
+    _mm_prefetch(ahead + 63, _MM_HINT_T0);
+
+#define SIMD_TILE(NAME, TARGET, DOTX)                                                                \
     TARGET static inline __attribute__((always_inline)) void NAME##_body(                            \
-        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride) { \
+        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride, \
+        const int ROWS) {                                                                             \
         int64_t nb = a->k / QK, bytes = block_bytes(type);                                            \
-        __m256 acc[4];                                                                                \
-        float extra[4] = {0};                                                                         \
-        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();                                     \
+        __m256 acc[4][MAX_ROWS];                                                                      \
+        float extra[4][MAX_ROWS];                                                                     \
+        for (int r = 0; r < 4; r++)                                                                   \
+            for (int m = 0; m < ROWS; m++) acc[r][m] = _mm256_setzero_ps(), extra[r][m] = 0.0f;       \
         for (int64_t b = 0; b < nb; b++) {                                                            \
-            const int16_t *x = a->qx + b * QK;                                                        \
-            __m256i x_lo = _mm256_loadu_si256((const __m256i *)x);                                    \
-            __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x + 16));                             \
-            float d = a->dx[b], s = a->sx[b];                                                         \
-            const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                         \
-            _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
-            _mm_prefetch(ahead + 63, _MM_HINT_T0);                                                    \
+            LOAD_X(ROWS)                                                                              \
             for (int r = 0; r < 4; r++) {                                                             \
                 const uint8_t *block = w + r * stride + b * bytes;                                    \
                 float dw, second;                                                                     \
                 block_scales(type, block, &dw, &second);                                              \
                 __m256i w_lo, w_hi;                                                                   \
                 load_weight16(type, block, &w_lo, &w_hi);                                             \
-                __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo, x_hi));                        \
-                acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * d), acc[r]);                        \
-                if (type != TYPE_Q8_0) extra[r] += second * d * s;                                    \
+                for (int m = 0; m < ROWS; m++) {                                                      \
+                    float d = a->dx[m * nb + b];                                                      \
+                    __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
+                    acc[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * d), acc[r][m]);              \
+                    if (type != TYPE_Q8_0) extra[r][m] += second * d * a->sx[m * nb + b];             \
+                }                                                                                     \
             }                                                                                         \
         }                                                                                             \
-        for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]) + extra[r];                                \
+        for (int r = 0; r < 4; r++)                                                                   \
+            for (int m = 0; m < ROWS; m++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]) + extra[r][m];    \
     }                                                                                                 \
     TARGET static inline __attribute__((always_inline)) void NAME##_q4_1(                            \
-        const uint8_t *w, const activations *a, float *out, const int64_t stride) {                   \
+        const uint8_t *w, const activations *a, float *out, const int64_t stride, const int ROWS) {   \
         int64_t nb = a->k / QK, bytes = sizeof(block_q4_1);                                           \
-        __m256 acc[4], extra = _mm256_setzero_ps();                                                   \
-        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();                                     \
+        __m256 acc[4][MAX_ROWS], extra[MAX_ROWS];                                                     \
+        for (int m = 0; m < ROWS; m++) {                                                              \
+            extra[m] = _mm256_setzero_ps();                                                           \
+            for (int r = 0; r < 4; r++) acc[r][m] = _mm256_setzero_ps();                              \
+        }                                                                                             \
         for (int64_t b = 0; b < nb; b++) {                                                            \
-            const int16_t *x = a->qx + b * QK;                                                        \
-            __m256i x_lo = _mm256_loadu_si256((const __m256i *)x);                                    \
-            __m256i x_hi = _mm256_loadu_si256((const __m256i *)(x + 16));                             \
+            LOAD_X(ROWS)                                                                              \
             const uint8_t *block = w + b * bytes;                                                     \
-            const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                         \
-            _mm_prefetch(ahead, _MM_HINT_T0);                                                         \
-            _mm_prefetch(ahead + 63, _MM_HINT_T0);                                                    \
-            __m256 ds = _mm256_mul_ps(block_scales4(block, stride), _mm256_set1_ps(a->dx[b]));        \
-            extra = _mm256_fmadd_ps(ds, _mm256_set1_ps(a->sx[b]), extra); /* lanes 2r + 1 */         \
+            __m256 dm = block_scales4(block, stride), ds[MAX_ROWS];                                   \
+            for (int m = 0; m < ROWS; m++) {                                                          \
+                ds[m] = _mm256_mul_ps(dm, _mm256_set1_ps(a->dx[m * nb + b]));                         \
+                extra[m] = _mm256_fmadd_ps(ds[m], _mm256_set1_ps(a->sx[m * nb + b]), extra[m]);       \
+            }                                                                                         \
             for (int r = 0; r < 4; r++) {                                                             \
                 __m256i w_lo, w_hi;                                                                   \
                 load_weight16(TYPE_Q4_1, block + r * stride, &w_lo, &w_hi);                           \
-                __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo, x_hi));                        \
-                __m256 scale = _mm256_permutevar8x32_ps(ds, _mm256_set1_epi32(2 * r));                \
-                acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);                                         \
+                for (int m = 0; m < ROWS; m++) {                                                      \
+                    __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
+                    __m256 scale = _mm256_permutevar8x32_ps(ds[m], _mm256_set1_epi32(2 * r));         \
+                    acc[r][m] = _mm256_fmadd_ps(dot, scale, acc[r][m]);                               \
+                }                                                                                     \
             }                                                                                         \
         }                                                                                             \
-        float extras[8];                                                                              \
-        _mm256_storeu_ps(extras, extra);                                                              \
-        for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]) + extras[2 * r + 1];                      \
+        for (int m = 0; m < ROWS; m++) {                                                              \
+            float extras[8];                                                                          \
+            _mm256_storeu_ps(extras, extra[m]);                                                       \
+            for (int r = 0; r < 4; r++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]) + extras[2 * r + 1]; \
+        }                                                                                             \
     }                                                                                                 \
-    TARGET static void NAME(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride) { \
+    TARGET static inline __attribute__((always_inline)) void NAME##_rows(                            \
+        int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride, const int ROWS) { \
         switch (type) {                                                                               \
-        case TYPE_Q8_0: NAME##_body(TYPE_Q8_0, w, a, out, stride); return;                           \
-        case TYPE_Q4_0: NAME##_body(TYPE_Q4_0, w, a, out, stride); return;                           \
-        default: NAME##_q4_1(w, a, out, stride); return;                                             \
+        case TYPE_Q8_0: NAME##_body(TYPE_Q8_0, w, a, out, stride, ROWS); return;                     \
+        case TYPE_Q4_0: NAME##_body(TYPE_Q4_0, w, a, out, stride, ROWS); return;                     \
+        default: NAME##_q4_1(w, a, out, stride, ROWS); return;                                       \
         }                                                                                             \
     }
 
-SIMD_ROWS4(rows4_avx2, TARGET_AVX2, dot16x_avx2)
-SIMD_ROWS4(rows4_vnni, TARGET_VNNI, dot16x_vnni)
+/* out[r * MAX_ROWS + m]: weight row r (of 4) against activation row m (< a->rows <= MAX_ROWS),
+ * in tiles of at most TILE_ROWS activation rows (the accumulators in registers). */
+#define TILE_FN(NAME, TARGET, TILE_ROWS)                                                             \
+    TARGET static void NAME(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride) { \
+        for (int64_t first = 0; first < a->rows; first += TILE_ROWS) {                                \
+            int64_t nb = a->k / QK, count = a->rows - first < TILE_ROWS ? a->rows - first : TILE_ROWS; \
+            activations part = {a->qx + first * a->k, a->dx + first * nb, a->sx + first * nb, a->k, count}; \
+            float *o = out + first;                                                                   \
+            switch (count) {                                                                          \
+            case 1: NAME##_tile_rows(type, w, &part, o, stride, 1); break;                            \
+            case 2: NAME##_tile_rows(type, w, &part, o, stride, 2); break;                            \
+            case 3: NAME##_tile_rows(type, w, &part, o, stride, TILE_ROWS > 2 ? 3 : 1); break;        \
+            default: NAME##_tile_rows(type, w, &part, o, stride, TILE_ROWS > 2 ? 4 : 1); break;       \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+SIMD_TILE(tile4_avx2_tile, TARGET_AVX2, dot16x_avx2)
+SIMD_TILE(tile4_vnni_tile, TARGET_VNNI, dot16x_vnni)
+TILE_FN(tile4_avx2, TARGET_AVX2, 2)
+TILE_FN(tile4_vnni, TARGET_VNNI, 4)
 #endif
 
-typedef void (*rows4_fn)(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride);
+typedef void (*tile4_fn)(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride);
 
 /* y[m, i] = sum_j W[i, j] x[m, j] (+ bias[i]) for every activation row m < rows; W is n
  * rows of k / 32 blocks of `type` (k / 256 for the K formats); the activations are already quantized
@@ -296,12 +337,11 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     int64_t nb = k / QK, bytes = row_bytes(type, k);
     int k_type = is_k_type(type);
     row_fn row = k_type ? kquant_row_scalar : row_scalar;
-    rows4_fn rows4 = NULL; /* batch 1, four weight rows at a time */
+    tile4_fn tile4 = NULL; /* four weight rows at a time (the 32-value formats) */
 #if defined(__x86_64__)
-    if (isa == ISA_AVX2) row = k_type ? kquant_row_avx2 : row_avx2, rows4 = k_type ? NULL : rows4_avx2;
-    if (isa == ISA_AVX512VNNI) row = k_type ? kquant_row_vnni : row_vnni, rows4 = k_type ? NULL : rows4_vnni;
+    if (isa == ISA_AVX2) row = k_type ? kquant_row_avx2 : row_avx2, tile4 = k_type ? NULL : tile4_avx2;
+    if (isa == ISA_AVX512VNNI) row = k_type ? kquant_row_vnni : row_vnni, tile4 = k_type ? NULL : tile4_vnni;
 #endif
-    if (rows != 1) rows4 = NULL;
 #pragma omp parallel for schedule(static)
     for (int64_t tile = 0; tile < n; tile += TILE) {
         int64_t end = tile + TILE < n ? tile + TILE : n;
@@ -309,10 +349,12 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
             int64_t count = rows - first < MAX_ROWS ? rows - first : MAX_ROWS;
             activations a = {qx + first * k, dx + first * nb, sx + first * nb, k, count};
             int64_t i = tile;
-            for (; rows4 != NULL && i + 4 <= end; i += 4) {
-                float out[4];
-                rows4(type, w + i * bytes, &a, out, bytes);
-                for (int64_t r = 0; r < 4; r++) y[i + r] = out[r] + (bias != NULL ? bias[i + r] : 0.0f);
+            for (; tile4 != NULL && i + 4 <= end; i += 4) {
+                float out[4 * MAX_ROWS];
+                tile4(type, w + i * bytes, &a, out, bytes);
+                for (int64_t r = 0; r < 4; r++)
+                    for (int64_t m = 0; m < count; m++)
+                        y[(first + m) * y_stride + i + r] = out[r * MAX_ROWS + m] + (bias != NULL ? bias[i + r] : 0.0f);
             }
             for (; i < end; i++) {
                 float out[MAX_ROWS];
