@@ -6,6 +6,7 @@ constraint) and code (a snippet to repeat with one change). Each at batch 1 (one
 at a time) and batch N (--batch, that many running at once). Both engines share one copy of
 the weights and run in the same process, in the order off, on, on, off per row, each warmed
 up first; the outputs must be identical token for token (the benchmark fails otherwise).
+The engine's --speculative-* flags (the row cost, the n-gram windows) reach the drafting one.
 Reported: output tokens per second off and on, their ratio, and the share of drafted tokens
 accepted.
 
@@ -108,12 +109,13 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     from spruce.runtime.engine.offline import Engine
 
     options = {k: v for k, v in engine_options.items() if not k.startswith("speculative_")}
-    off = Engine(**options, max_running_requests=args.batch)
-    on = Engine(
-        loaded=off.core.loaded, **options, max_running_requests=args.batch,
+    speculative = {k: v for k, v in engine_options.items() if k.startswith("speculative_")}
+    speculative.update(
         speculative_algorithm=args.algorithm, speculative_num_draft_tokens=args.draft_tokens,
         speculative_draft_model_path=args.draft_model,
     )  # fmt: skip
+    off = Engine(**options, max_running_requests=args.batch)
+    on = Engine(loaded=off.core.loaded, **options, **speculative, max_running_requests=args.batch)
     base = {"temperature": 0, "max_new_tokens": args.output_len}
     off.generate(input_ids=[[5, 6, 7]], sampling_params=base)  # warm-up
     with llama_cpp_servers(args, off) as servers:

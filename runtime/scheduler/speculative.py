@@ -131,10 +131,12 @@ def _latest_earlier(data: bytes, pattern: bytes, before: int) -> int | None:
     return None
 
 
-# One more row's cost as a share of a one-row decode step. CPU (2-core AMD EPYC VM, the
-# bundled SmolLM2 Q4_1, batch 1): 1 row 6.5 ms, 2 rows 10.9, 3 12.9, 5 22.2 (best of 30):
-# about 0.6. A GPU's decode step is bound by reading the weights: extra rows are nearly free.
-ROW_COST_CPU = 0.6
+# One more row's cost as a share of a one-row decode step. CPU (2-core AMD EPYC VM, AVX-512,
+# the bundled SmolLM2 Q4_1, 2 threads, whole engine steps, medians of 10 interleaved runs):
+# 1 row 8.95 ms, 2 rows 11.2, 3 12.9, 5 18.8: 0.22-0.27 (the integer GEMV takes four weight
+# rows against up to four activation rows at a time; one activation row at a time, it was
+# 0.45-0.55). A GPU's decode step is bound by reading the weights: extra rows nearly free.
+ROW_COST_CPU = 0.3
 ROW_COST_GPU = 0.05
 
 
