@@ -63,9 +63,10 @@ def test_a_large_batch_skips_drafts_without_pausing_the_request():
     from spruce.runtime.config import SpeculativeOptions
     from spruce.runtime.scheduler.speculative import Speculator
 
-    speculator = Speculator(SpeculativeOptions(speculative_algorithm="ngram"), 4096, "cpu")
+    options = SpeculativeOptions(speculative_algorithm="ngram", speculative_row_cost=0.3)
+    speculator = Speculator(options, 4096, "cpu")
     r = req([7, 8, 9, 7, 8, 9, 7, 8])
-    r.spec = SpecState(hits=9.5, tries=10.0)  # drafts that pay alone
+    r.spec = SpecState(hits=8.0, tries=10.0)  # drafts that pay alone, not next to 15 others
     assert speculator._length(r, batch=16) == 0 and r.spec.paused_until == 0
     assert speculator._length(r, batch=1) > 0
     r.spec = SpecState(hits=1.0, tries=10.0)  # drafts that never pay
