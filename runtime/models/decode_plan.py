@@ -110,6 +110,16 @@ class DecodePlan:
         self.inter = model.layers[0].mlp.down_proj.in_features
         self.modules = [m for layer in model.layers for m in layer.modules()]
         self.layers = []
+        self.types = {
+            cpu_quant_ops.QUANT_TYPES[m.qtype].ggml_id
+            for layer in model.layers
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        }
         # what the pointers point into, and where the model holds them (checked each step)
         self.holders = list(_tensors(model))
         self.tensors = [d.get(name) for d, name in self.holders]
@@ -187,11 +197,17 @@ class DecodePlan:
 
     def _linear(self, rows: int):
         """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.linear
-        uses for `rows` (the integer one, or the GEMM, which takes no isa)."""
-        if rows <= cpu_quant_ops.INTEGER_MAX_ROWS:
-            return self.lib.spruce_quant_linear
-        gemm = self.lib.spruce_quant_gemm
-        return lambda *args: gemm(*args[:-1])
+        uses for `rows` (the integer one, or the GEMM, which takes no isa), per weight type."""
+        integer, gemm = self.lib.spruce_quant_linear, self.lib.spruce_quant_gemm
+        limits = {
+            kind.ggml_id: cpu_quant_ops.integer_max_rows(name)
+            for name, kind in cpu_quant_ops.QUANT_TYPES.items()
+        }
+        if rows <= min(limits[t] for t in self.types):
+            return integer
+        if rows > max(limits[t] for t in self.types):
+            return lambda *args: gemm(*args[:-1])
+        return lambda *args: integer(*args) if rows <= limits[args[0]] else gemm(*args[:-1])
 
     def _attention_call(self, ctx, backend, qkv: torch.Tensor, p_attn: int):
         """attention(layer): stores the layer's new K/V and attends (the native backend's

@@ -3,8 +3,8 @@ cpu_kquant_ops.c and cpu_quant_gemm.c).
 
 Weights stay in llama.cpp's block formats (`QUANT_TYPES`: blocks of 32 values, or
 super-blocks of 256 for the K formats), as uint8 tensors of shape [n, k / block_size *
-block_bytes]. Up to `INTEGER_MAX_ROWS` activation rows (decode, small
-batches) are quantized to 16-bit blocks and meet the weights in integer dot products; more
+block_bytes]. Up to `integer_max_rows` activation rows (decode, small
+batches: 8 to 24, by instruction set and format) are quantized to 16-bit blocks and meet the weights in integer dot products; more
 rows (prefill, large batches) go through a float32 GEMM that dequantizes the weights as it
 packs them (`gemm_linear`), which is faster there.
 
@@ -41,13 +41,15 @@ QUANT_TYPES = {
     "q6_k": QuantType("q6_k", 14, 210, 256),
 }
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
-# Above this many rows the GEMM (gemm_linear) wins: measured on an AVX2 core, SmolLM2-135M
-# shapes (the 30 layers' four and the output head), per model pass, integer / GEMM time:
-# Q4_1 0.96 at 8 rows, 1.29 at 12, 1.40 at 16; Q8_0 0.77 at 8, 1.18 at 12, 1.06 at 16;
-# Q4_K and Q6_K (768-wide shapes) already 1.14 and 1.04 at 8 rows. On two threads the
-# crossing comes a little later (Q4_1 layers: 0.74 at 8 rows, 1.09 at 10; Q8_0 about even
-# from 10 to 16), so Q8_0 loses a little from 9 to about 15 rows, the K formats gain most.
-INTEGER_MAX_ROWS = 8
+# Up to this many activation rows the integer kernel beats the GEMM (gemm_linear), per
+# instruction set. Measured on a 2-core AMD EPYC VM (Zen 4), 2 threads, the bundled model's
+# shapes (the 30 layers' four Q4_1 linears and the Q8_0 output head), per pass, integer /
+# GEMM time: VNNI 0.63 at 8 rows, 0.77 at 16, 0.75-0.86 at 20-24, 0.94 at 32; AVX2 (both
+# kernels capped at AVX2) 0.73 at 8, 0.99 at 12, 1.00 at 16, 1.14 at 20. The K formats have
+# no tiled integer path (one weight row at a time): the GEMM already wins at 8 rows there
+# (Q4_K 1.14, Q6_K 1.04 on an AVX2 core).
+INTEGER_MAX_ROWS = {"scalar": 8, "avx2": 12, "avx512vnni": 24}
+K_INTEGER_MAX_ROWS = 8
 
 _cpu_best: int | None = None  # this CPU's best, uncapped (asked once)
 
@@ -110,9 +112,16 @@ def linear(
     isa: str | None = None,
 ) -> torch.Tensor:
     """x [rows, k] float32 @ W.T (+ bias), W given as `blocks` of `qtype`, [n, row_bytes]."""
-    if x.shape[0] > INTEGER_MAX_ROWS:
+    if x.shape[0] > integer_max_rows(qtype, isa):
         return gemm_linear(x, qtype, blocks, bias)
     return integer_linear(x, qtype, blocks, bias, isa)
+
+
+def integer_max_rows(qtype: str, isa: str | None = None) -> int:
+    """Up to how many activation rows `linear` takes the integer kernel for `qtype`."""
+    if QUANT_TYPES[qtype].block_size != BLOCK:
+        return K_INTEGER_MAX_ROWS
+    return INTEGER_MAX_ROWS[isa or best_isa()]
 
 
 def integer_linear(

@@ -4,6 +4,8 @@ bias; it stands aside for hooked modules and extend batches."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def decode(loaded, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype) 
 
 
 # more requests than the integer kernel takes: the plan's linear layers are the GEMM's
-MANY = cpu_quant_ops.INTEGER_MAX_ROWS + 2
+MANY = max(cpu_quant_ops.INTEGER_MAX_ROWS.values()) + 2
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])  # Qwen2: q/k/v bias
@@ -85,3 +87,26 @@ def test_plan_follows_replaced_weights(tiny_llama_dir):
         assert torch.equal(planned, decode(loaded, prompts, 3, torch.float32))
     finally:
         hook.remove()
+
+
+def test_each_weight_type_takes_its_own_kernel_for_the_rows():
+    """A model whose layers mix formats (Q4_K_M files: Q4_K and Q6_K next to 32-value
+    blocks) takes the integer kernel or the GEMM per layer, by that format's limit."""
+    calls = []
+    plan = decode_plan.DecodePlan.__new__(decode_plan.DecodePlan)
+    plan.lib = SimpleNamespace(
+        spruce_quant_linear=lambda *args: calls.append(("integer", args)) or 0,
+        spruce_quant_gemm=lambda *args: calls.append(("gemm", args)) or 0,
+    )
+    q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
+    plan.types = {q4_1, q4_k}
+    rows = cpu_quant_ops.K_INTEGER_MAX_ROWS + 1
+    linear = plan._linear(rows)
+    for kind in (q4_1, q4_k):
+        linear(kind, 0, 64, 32, 0, rows, None, 0, 1)
+    q4_1_kernel = "integer" if rows <= cpu_quant_ops.integer_max_rows("q4_1") else "gemm"
+    assert [name for name, _ in calls] == [q4_1_kernel, "gemm"]
+    assert len(calls[1][1]) == 8  # the GEMM takes no isa
+    calls.clear()
+    plan._linear(1)(q4_k, 0, 64, 32, 0, 1, None, 0, 1)
+    assert [name for name, _ in calls] == ["integer"]
