@@ -2,7 +2,8 @@
 (tg128 batch-1 decode at each thread count asked for, pp512 prefill) and
 `llama-batched-bench` (sequences of 128 prompt + 128 generated tokens), and `llama-server`
 for request-level comparisons (speculative decoding). `extra` holds arguments for the tools,
-e.g. `-nr 1` (no weight repacking: llama.cpp's AMX repack crashes in some VMs)."""
+e.g. `-nr` (no weight repacking: llama.cpp's AMX repack crashes in some VMs), which each
+tool gets in its own spelling (`tool_args`); a tool that fails shows its error output."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def run_llama_cpp(
     end to end (generated tokens over the whole run)."""
     most = max(threads)
     counts = ",".join(map(str, sorted(set(threads))))
-    bench = subprocess.run(
-        [tools[0], "-m", model, "-t", counts, "-p", "512", "-n", "128", "-o", "json", *shlex.split(extra)],
-        check=True, capture_output=True, text=True,
+    bench = _run(
+        [tools[0], "-m", model, "-t", counts, "-p", "512", "-n", "128", "-o", "json",
+         *tool_args(extra, bench=True)],
     )  # fmt: skip
     out = {}
     for row in json.loads(bench.stdout):
@@ -49,16 +50,43 @@ def run_llama_cpp(
     return out | llama_batched(tools[1], model, most, PARALLEL, extra)
 
 
+NO_REPACK = ("-nr", "--no-repack")
+
+
+def tool_args(extra: str, bench: bool = False) -> list[str]:
+    """`extra` split for one tool, a no-repack request (`-nr`, `--no-repack`, `-nr 1` or
+    `--repack 0`) spelled as the tool takes it: llama-bench `--repack 0`, the others `-nr`."""
+    words, out, i = shlex.split(extra), [], 0
+    while i < len(words):
+        word, following = words[i], words[i + 1] if i + 1 < len(words) else None
+        off = word in NO_REPACK or (word == "--repack" and following == "0")
+        if off:
+            i += 2 if following in ("0", "1") else 1
+            out += ["--repack", "0"] if bench else ["-nr"]
+        else:
+            out.append(word)
+            i += 1
+    return out
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    """The tool's run; its error output in the exception when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{os.path.basename(command[0])} failed ({done.returncode}): {tail}")
+    return done
+
+
 def llama_batched(
     tool: str, model: str, threads: int, counts: tuple[int, ...], extra: str = ""
 ) -> dict[str, float]:
     """llama-batched-bench, `counts` sequences of 128 prompt + 128 generated tokens:
     tokens/s of the decode phase and end to end (generated tokens over the whole run)."""
-    batched = subprocess.run(
+    batched = _run(
         [tool, "-m", model, "-t", str(threads), "-c", str(256 * max(counts)), "-b", "2048", "-ub", "512",
          "-npp", "128", "-ntg", "128", "-npl", ",".join(map(str, counts)), "--output-format", "jsonl",
-         *shlex.split(extra)],
-        check=True, capture_output=True, text=True,
+         *tool_args(extra)],
     )  # fmt: skip
     out = {}
     for line in batched.stdout.splitlines():
@@ -92,7 +120,7 @@ def llama_server(bin_dir: str | None, model: str, threads: int, args: list[str],
         raise FileNotFoundError("llama-server not found (see --llama-cpp-bin)")
     port = free_port()
     command = [exe, "-m", model, "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
-               "-np", "1", "-c", "8192", *args, *shlex.split(extra)]  # fmt: skip
+               "-np", "1", "-c", "8192", *args, *tool_args(extra)]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

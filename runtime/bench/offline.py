@@ -7,7 +7,7 @@ prompt (means of 5 runs). `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
 `--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128 at 1 and N threads, pp512) and
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
-GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr 1`), runs the same
+GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
 use; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp-bin", default=None,
         help="folder of llama-bench / llama-batched-bench (default: PATH)")  # fmt: skip
     parser.add_argument("--llama-cpp-args", default="",
-        help="more arguments for llama.cpp's tools, e.g. '-nr 1' (no AMX repack)")  # fmt: skip
+        help="more arguments for llama.cpp's tools, e.g. '-nr' (no AMX repack)")  # fmt: skip
     parser.add_argument(
         "--hf-batch-size", type=int, default=None, help="default: all prompts in one batch"
     )

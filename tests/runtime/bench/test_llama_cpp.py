@@ -12,7 +12,14 @@ import stat
 import sys
 from types import SimpleNamespace
 
-from spruce.runtime.bench.llama_cpp import llama_cpp_tools, run_llama_cpp, table_rows
+import pytest
+
+from spruce.runtime.bench.llama_cpp import (
+    llama_cpp_tools,
+    run_llama_cpp,
+    table_rows,
+    tool_args,
+)
 from spruce.runtime.bench.spec import compare_llama_cpp, llama_cpp_servers
 
 BENCH = [
@@ -47,10 +54,25 @@ def test_thread_rows_and_extra_arguments(tmp_path):
     assert out["pp512"] == 190.0 and out["decode_64"] == 300.0
     assert out["end_to_end_16"] == 16 * 128 / 20.0
     bench_args = (tmp_path / "llama-bench.args").read_text().split()
-    assert bench_args[bench_args.index("-t") + 1] == "1,2" and bench_args[-2:] == ["-nr", "1"]
-    assert (tmp_path / "llama-batched-bench.args").read_text().endswith("-nr 1")
+    assert bench_args[bench_args.index("-t") + 1] == "1,2"
+    assert bench_args[-2:] == ["--repack", "0"]  # llama-bench's spelling of no repacking
+    batched_args = (tmp_path / "llama-batched-bench.args").read_text().split()
+    assert batched_args[-1] == "-nr" and "--repack" not in batched_args
     assert {key for key, _ in table_rows(2)} <= set(out)
     assert llama_cpp_tools(str(tmp_path / "none")) is None
+
+
+def test_each_tool_gets_no_repack_in_its_own_spelling_and_failures_show_their_error(tmp_path):
+    for extra in ("-nr", "-nr 1", "--no-repack", "--repack 0"):
+        assert tool_args(extra + " -fa on", bench=True) == ["--repack", "0", "-fa", "on"]
+        assert tool_args(extra + " -fa on") == ["-nr", "-fa", "on"]
+    assert tool_args("--repack 1") == ["--repack", "1"]
+    path = tmp_path / "llama-bench"
+    path.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('error: invalid argument: -nr')\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    tool(tmp_path, "llama-batched-bench", "")
+    with pytest.raises(RuntimeError, match="llama-bench failed .*invalid argument: -nr"):
+        run_llama_cpp(llama_cpp_tools(str(tmp_path)), "m.gguf", [2])
 
 
 # -- llama-server (bench spec's llama.cpp rows) -------------------------------------------------
