@@ -23,6 +23,7 @@ from spruce.constrained.backends.llguidance_text import (
     lark_grammar,
     limits,
     readable_error,
+    special_literals_as_tokens,
     unenforced_of,
 )
 from spruce.constrained.backends.structural_tag import structural_tag_to_lark
@@ -75,10 +76,15 @@ def compile_grammar(
     spec: ConstraintSpec, vocab: TokenVocabulary, max_bytes: int, shared: SharedBudget | None = None
 ) -> LLGuidanceGrammar:
     """A structural tag is converted again here, where the vocabulary is known: a trigger
-    that is one of its special tokens matches that token (the front door checked the tag)."""
+    that is one of its special tokens matches that token (the front door checked the tag).
+    A Lark grammar's quoted special-token texts become references to those tokens."""
     if spec.kind == "structural_tag":
         lark = structural_tag_to_lark(spec.value, special_tokens(vocab))
         spec = replace(spec, grammar=lark_grammar(lark, "structural_tag"))
+    elif spec.kind == "lark":
+        lark = special_literals_as_tokens(spec.value, special_tokens(vocab))
+        if lark != spec.value:
+            spec = replace(spec, grammar=lark_grammar(lark))
     return LLGuidanceGrammar(spec, vocab, max_bytes, shared)
 
 
@@ -176,12 +182,11 @@ class LLGuidanceCursor(CursorBase):
 
     def accept_token(self, token_id: int) -> bool:
         """EOS (where the grammar can end) finishes the cursor without reaching the matcher:
-        llguidance's rollback over an EOS taken in a stopped state undoes a token too many."""
+        llguidance's rollback over an EOS taken in a stopped state undoes a token too many.
+        An EOS token the grammar itself names (`<|im_end|>` in a Lark rule) is the grammar's."""
         if self._finished or not 0 <= token_id < self.grammar.vocab.vocab_size:
             return False
-        if token_id in self.grammar.vocab.eos_token_ids:
-            if not self._matcher.is_accepting():
-                return False
+        if token_id in self.grammar.vocab.eos_token_ids and self._matcher.is_accepting():
             self._finished = True
         elif not self._allows(token_id) or not self._matcher.consume_token(token_id):
             return False

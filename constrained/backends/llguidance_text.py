@@ -56,6 +56,69 @@ def lark_grammar(text: str, what: str = "lark") -> str:
     return grammar
 
 
+def special_literals_as_tokens(lark: str, specials: dict[str, int]) -> str:
+    """`lark` with each quoted literal whose text is a special token's (`"<|im_end|>"`)
+    written as a reference to that token (`<[2]>`): llguidance's mask offers the token there,
+    and only the reference makes its matcher take it. Comments, regexes, case-insensitive
+    literals and `%json {...}`-style blocks are left as they are."""
+    out, i, n = [], 0, len(lark)
+    while i < n:
+        end = _skipped_span(lark, i)
+        if end > i:
+            out.append(lark[i:end])
+            i = end
+        elif lark[i] == '"':
+            end = _string_end(lark, i)
+            text = _literal_text(lark[i:end])
+            flagged = end < n and lark[end] == "i"
+            out.append(f"<[{specials[text]}]>" if text in specials and not flagged else lark[i:end])
+            i = end
+        else:
+            out.append(lark[i])
+            i += 1
+    return "".join(out)
+
+
+def _skipped_span(lark: str, i: int) -> int:
+    """Where a comment, a regex or a `%name {...}` block starting at i ends (i: none)."""
+    if lark.startswith("//", i):
+        end = lark.find("\n", i)
+        return len(lark) if end < 0 else end
+    if lark[i] == "/":
+        return _string_end(lark, i)
+    match = re.compile(r"%\w+\s*\{").match(lark, i)
+    return _block_end(lark, match.end() - 1) if match else i
+
+
+def _string_end(lark: str, i: int) -> int:
+    """The index after the literal or regex opened at i (its quote, escapes skipped)."""
+    quote, j = lark[i], i + 1
+    while j < len(lark) and lark[j] != quote:
+        j += 2 if lark[j] == "\\" else 1
+    return min(j + 1, len(lark))
+
+
+def _block_end(lark: str, i: int) -> int:
+    """The index after the `{...}` opened at i (braces inside JSON strings skipped)."""
+    depth, j = 0, i
+    while j < len(lark):
+        if lark[j] == '"':
+            j = _string_end(lark, j)
+            continue
+        depth += {"{": 1, "}": -1}.get(lark[j], 0)
+        j += 1
+        if depth == 0:
+            return j
+    return j
+
+
+def _literal_text(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
+
+
 def ebnf_grammar(text: str) -> str:
     """GBNF (llama.cpp's dialect, which XGrammar's EBNF and SGLang's `ebnf` share), root
     rule `root`, through llguidance's converter to Lark. A known difference from llama.cpp:

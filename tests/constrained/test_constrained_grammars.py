@@ -391,6 +391,44 @@ def test_a_special_token_in_a_grammar_is_that_token_not_its_text(compiler, tiny_
     assert special not in allowed_ids(free.cursor(), free.vocab)  # never as text
 
 
+def test_a_quoted_special_token_text_is_that_token(compiler, tiny_tokenizer):
+    """`"<|im_start|>"` quoted, as users write it: llguidance's mask offers the token there,
+    and the cursor takes it (the literal becomes a token reference); an EOS token the
+    grammar names ends the grammar as that token."""
+    special = tiny_tokenizer.backend.token_to_id("<|im_start|>")
+    grammar = compiler.compile(make_spec(lark='start: "x" "<|im_start|>" "y"'))
+    cursor = grammar.cursor()
+    assert cursor.accept_token(_ids(tiny_tokenizer, "x")[0])
+    assert allowed_ids(cursor, grammar.vocab) == [special]
+    assert accepts(grammar, [*_ids(tiny_tokenizer, "x"), special, *_ids(tiny_tokenizer, "y")])
+    (eos,) = grammar.vocab.eos_token_ids
+    eos_text = tiny_tokenizer.decode([eos], skip_special_tokens=False)
+    ending = compiler.compile(make_spec(lark=f'start: "x" "{eos_text}"'))
+    cursor = ending.cursor()
+    assert cursor.accept_token(_ids(tiny_tokenizer, "x")[0]) and not cursor.can_end()
+    assert allowed_ids(cursor, ending.vocab) == [eos]
+    assert cursor.accept_token(eos) and cursor.can_end() and cursor.is_terminated()
+
+
+def test_only_whole_quoted_literals_become_token_references():
+    from spruce.constrained.backends.llguidance_text import special_literals_as_tokens
+
+    specials = {"<|im_end|>": 2, "<|im_start|>": 1}
+    lark = "\n".join([
+        'start: "a" "<|im_end|>" x y z w v',
+        'x: "<|im_start|>"i | "<|im_end|> " | "\\"<|im_end|>"',  # flagged, longer, escaped
+        'y: /"<|im_end|>"/  // "<|im_end|>" in a comment',
+        'z: %json {"const": "<|im_end|>", "x": "}"}',
+        'w: "\\u003c|im_start|>"',  # the same text, escaped
+        'v: "<|im_end|>" "b"',
+    ])  # fmt: skip
+    out = special_literals_as_tokens(lark, specials).splitlines()
+    assert out[0] == 'start: "a" <[2]> x y z w v'
+    assert out[1:4] == lark.splitlines()[1:4]
+    assert out[4:] == ["w: <[1]>", 'v: <[2]> "b"']
+    assert special_literals_as_tokens("start: /[<|]/", specials) == "start: /[<|]/"
+
+
 # -- syntax errors ----------------------------------------------------------------------------
 
 
