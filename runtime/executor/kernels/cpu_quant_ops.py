@@ -3,10 +3,10 @@ cpu_kquant_ops.c and cpu_quant_gemm.c).
 
 Weights stay in llama.cpp's block formats (`QUANT_TYPES`: blocks of 32 values, or
 super-blocks of 256 for the K formats), as uint8 tensors of shape [n, k / block_size *
-block_bytes]. Up to `integer_max_rows` activation rows (decode, small
-batches: 8 to 24, by instruction set and format) are quantized to 16-bit blocks and meet the weights in integer dot products; more
-rows (prefill, large batches) go through a float32 GEMM that dequantizes the weights as it
-packs them (`gemm_linear`), which is faster there.
+block_bytes]. Up to `integer_max_rows` activation rows (decode, small batches: 8 to 24, by
+instruction set and format) are quantized to 16-bit blocks and meet the weights in integer
+dot products; more rows (prefill, large batches) go through a float32 GEMM that dequantizes
+the weights as it packs them (`gemm_linear`), which is faster there.
 
 The instruction set (`ISAS`) is chosen at run time: the best this CPU runs, capped by the
 float kernels' variant (SPRUCE_CPU_ISA at start, `cpu_library.use_isa` later: portable caps

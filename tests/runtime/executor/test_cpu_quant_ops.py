@@ -211,7 +211,9 @@ def test_many_rows_path_equals_dequantized_matmul(cpu_isa, qtype):
     rng = np.random.default_rng(2)
     k = ops.QUANT_TYPES[qtype].block_size * 4
     blocks = random_blocks(qtype, 40, k, rng)
-    x = torch.from_numpy(rng.standard_normal((ops.integer_max_rows(qtype) + 5, k)).astype(np.float32))
+    x = torch.from_numpy(
+        rng.standard_normal((ops.integer_max_rows(qtype) + 5, k)).astype(np.float32)
+    )
     expected = x @ ops.dequantize(qtype, blocks, k).T
     atol = 1e-5 * expected.abs().max()  # summation orders differ
     assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=atol)
