@@ -56,6 +56,9 @@ def lark_grammar(text: str, what: str = "lark") -> str:
     return grammar
 
 
+_BLOCK_START = re.compile(r"%\w+\s*\{")  # a directive's block: %json {...}, %llguidance {...}
+
+
 def special_literals_as_tokens(lark: str, specials: dict[str, int]) -> str:
     """`lark` with each quoted literal whose text is a special token's (`"<|im_end|>"`)
     written as a reference to that token (`<[2]>`): llguidance's mask offers the token there,
@@ -86,7 +89,7 @@ def _skipped_span(lark: str, i: int) -> int:
         return len(lark) if end < 0 else end
     if lark[i] == "/":
         return _string_end(lark, i)
-    match = re.compile(r"%\w+\s*\{").match(lark, i)
+    match = _BLOCK_START.match(lark, i)
     return _block_end(lark, match.end() - 1) if match else i
 
 

@@ -110,16 +110,7 @@ class DecodePlan:
         self.inter = model.layers[0].mlp.down_proj.in_features
         self.modules = [m for layer in model.layers for m in layer.modules()]
         self.layers = []
-        self.types = {
-            cpu_quant_ops.QUANT_TYPES[m.qtype].ggml_id
-            for layer in model.layers
-            for m in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        }
+        self.qtypes: set[str] = set()  # the layers' weight formats
         # what the pointers point into, and where the model holds them (checked each step)
         self.holders = list(_tensors(model))
         self.tensors = [d.get(name) for d, name in self.holders]
@@ -129,6 +120,7 @@ class DecodePlan:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self.qtypes.update(m.qtype for m in linears)
             bias = attn.qkv_proj.bias
             self.layers.append(
                 (
@@ -199,13 +191,13 @@ class DecodePlan:
         """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.linear
         uses for `rows` (the integer one, or the GEMM, which takes no isa), per weight type."""
         integer, gemm = self.lib.spruce_quant_linear, self.lib.spruce_quant_gemm
-        limits = {
-            kind.ggml_id: cpu_quant_ops.integer_max_rows(name)
-            for name, kind in cpu_quant_ops.QUANT_TYPES.items()
+        limits = {  # by ggml type id, the kernels' first argument
+            cpu_quant_ops.QUANT_TYPES[q].ggml_id: cpu_quant_ops.integer_max_rows(q)
+            for q in self.qtypes
         }
-        if rows <= min(limits[t] for t in self.types):
+        if rows <= min(limits.values()):
             return integer
-        if rows > max(limits[t] for t in self.types):
+        if rows > max(limits.values()):
             return lambda *args: gemm(*args[:-1])
         return lambda *args: integer(*args) if rows <= limits[args[0]] else gemm(*args[:-1])
 

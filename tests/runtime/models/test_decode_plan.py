@@ -99,7 +99,7 @@ def test_each_weight_type_takes_its_own_kernel_for_the_rows():
         spruce_quant_gemm=lambda *args: calls.append(("gemm", args)) or 0,
     )
     q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
-    plan.types = {q4_1, q4_k}
+    plan.qtypes = {"q4_1", "q4_k"}
     rows = cpu_quant_ops.K_INTEGER_MAX_ROWS + 1
     linear = plan._linear(rows)
     for kind in (q4_1, q4_k):
