@@ -1,10 +1,16 @@
-"""The thread governor with a stand-in for /proc/loadavg: fewer threads while other work
-wants the cores (after two agreeing readings), all of them again when it leaves."""
+"""The thread governor with a stand-in for the count of other processes' runnable threads:
+fewer threads while other work wants the cores (after two agreeing readings), all of them
+again when it leaves; and the count itself, which leaves this process's own threads out."""
 
 from __future__ import annotations
 
 import spruce.runtime.engine.threads as threads
-from spruce.runtime.engine.threads import ThreadGovernor, runnable_threads
+from spruce.runtime.engine.threads import (
+    ThreadGovernor,
+    others_runnable,
+    own_runnable_threads,
+    runnable_threads,
+)
 
 
 def governor(readings: list[int | None], threads_: int = 2, cores: int = 2):
@@ -20,7 +26,7 @@ def step(g: ThreadGovernor, times: int = 1) -> None:
 
 
 def test_fewer_threads_while_others_run_and_back_when_they_leave():
-    g, calls = governor([1, 2, 2, 2, 1, 1])
+    g, calls = governor([0, 1, 1, 1, 0, 0])
     step(g, 2)  # quiet, then one reading of a busy process: nothing changes yet
     assert calls == [] and g.current == 2
     step(g)  # the second reading agrees: one thread
@@ -30,7 +36,7 @@ def test_fewer_threads_while_others_run_and_back_when_they_leave():
 
 
 def test_enough_free_cores_change_nothing_and_no_reading_changes_nothing():
-    g, calls = governor([3, 3, 3], threads_=2, cores=8)
+    g, calls = governor([2, 2, 2], threads_=2, cores=8)
     step(g, 3)
     assert calls == []
     g, calls = governor([None, None])
@@ -48,3 +54,22 @@ def test_a_check_within_the_period_reads_nothing(monkeypatch):
 def test_the_reading_of_this_machine():
     value = runnable_threads()
     assert value is None or value >= 1  # this test's own thread is running
+
+
+def test_own_threads_are_not_others(monkeypatch):
+    """The machine's runnable count less this process's own (the larger of the counts taken
+    before and after it): the governor once took its own spinning OpenMP threads for others."""
+    own = [1, 2, 0]
+    monkeypatch.setattr(threads, "runnable_threads", lambda: 3)
+    monkeypatch.setattr(threads, "own_runnable_threads", lambda: own.pop(0))
+    assert others_runnable() == 1
+    monkeypatch.setattr(threads, "runnable_threads", lambda: None)
+    assert others_runnable() is None
+
+
+def test_this_process_counts_its_running_caller():
+    own = own_runnable_threads()
+    assert own == 0 or own >= 1  # 0 only without /proc
+    machine = runnable_threads()
+    if machine is not None:
+        assert own >= 1
