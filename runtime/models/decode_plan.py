@@ -188,18 +188,22 @@ class DecodePlan:
         return out, residual
 
     def _linear(self, rows: int):
-        """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.linear
-        uses for `rows` (the integer one, or the GEMM, which takes no isa), per weight type."""
-        integer, gemm = self.lib.spruce_quant_linear, self.lib.spruce_quant_gemm
-        limits = {  # by ggml type id, the kernels' first argument
-            cpu_quant_ops.QUANT_TYPES[q].ggml_id: cpu_quant_ops.integer_max_rows(q)
+        """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.kernel
+        picks for `rows`, per weight type (only the integer GEMV takes the isa)."""
+        lib = self.lib
+        kernels = {
+            "integer": lib.spruce_quant_linear,
+            "igemm": lambda *args: lib.spruce_quant_igemm(*args[:-1]),
+            "gemm": lambda *args: lib.spruce_quant_gemm(*args[:-1]),
+        }
+        by_type = {  # by ggml type id, the kernels' first argument
+            cpu_quant_ops.QUANT_TYPES[q].ggml_id: kernels[cpu_quant_ops.kernel(q, rows)]
             for q in self.qtypes
         }
-        if rows <= min(limits.values()):
-            return integer
-        if rows > max(limits.values()):
-            return lambda *args: gemm(*args[:-1])
-        return lambda *args: integer(*args) if rows <= limits[args[0]] else gemm(*args[:-1])
+        first = next(iter(by_type.values()))
+        if all(chosen is first for chosen in by_type.values()):
+            return first
+        return lambda *args: by_type[args[0]](*args)
 
     def _attention_call(self, ctx, backend, qkv: torch.Tensor, p_attn: int):
         """attention(layer): stores the layer's new K/V and attends (the native backend's

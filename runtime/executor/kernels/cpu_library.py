@@ -43,6 +43,7 @@ PER_ISA_SOURCES = [
 ]
 PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
+ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c"]
 HEADERS = [
     _HERE / "cpu_decode_attention_impl.h",
     _HERE / "cpu_vector.h",
@@ -82,6 +83,7 @@ SIGNATURES = {
     "spruce_quant_linear": [_I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64],
     # type, blocks, n, k, x, rows, bias, y
     "spruce_quant_gemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P],
+    "spruce_quant_igemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P],  # the same
     "spruce_dequantize_rows": [_I64, _P, _I64, _P, _I64, _P],  # type, blocks, k, ids, count, out
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
@@ -107,6 +109,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_float_best_isa": _I64,
     "spruce_quant_linear": ctypes.c_int,
     "spruce_quant_gemm": ctypes.c_int,
+    "spruce_quant_igemm": ctypes.c_int,
 }
 
 _library: ctypes.CDLL | None = None

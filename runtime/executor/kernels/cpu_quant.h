@@ -101,6 +101,11 @@ HIDDEN void kquant_row_vnni(int64_t type, const uint8_t *w, const activations *a
 HIDDEN void kquant_dequantize_row(int64_t type, const uint8_t *w, int64_t k, float *out);
 HIDDEN void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out); /* needs AVX2 */
 
+/* cpu_quant_ops.c's activation quantizer and cpu_features.c's ISA check (exported). */
+void spruce_quantize_rows_q16(const float *x, int64_t rows, int64_t k, int16_t *qx, float *dx, float *sx,
+                              int64_t isa);
+int64_t spruce_quant_best_isa(void);
+
 #if defined(__x86_64__)
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))

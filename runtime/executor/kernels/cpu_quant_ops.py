@@ -1,12 +1,16 @@
 """Linear layers on quantized weights on the CPU (runtime/kernels/cpu_quant_ops.c,
-cpu_kquant_ops.c and cpu_quant_gemm.c).
+cpu_kquant_ops.c, cpu_quant_igemm.c and cpu_quant_gemm.c).
 
 Weights stay in llama.cpp's block formats (`QUANT_TYPES`: blocks of 32 values, or
 super-blocks of 256 for the K formats), as uint8 tensors of shape [n, k / block_size *
-block_bytes]. Up to `integer_max_rows` activation rows (decode, small batches: 8 to 24, by
-instruction set and format) are quantized to 16-bit blocks and meet the weights in integer
-dot products; more rows (prefill, large batches) go through a float32 GEMM that dequantizes
-the weights as it packs them (`gemm_linear`), which is faster there.
+block_bytes]. `kernel` picks one of three for the row count (`linear` calls it):
+  integer  up to `integer_max_rows` activation rows (decode, small batches: 8 to 12, by
+           instruction set and format), quantized to 16-bit blocks, meet each weight row
+           in integer dot products, the weights read from memory once;
+  igemm    more rows of a 32-value format on a CPU with AVX-512 VNNI: the same quantized
+           activations and integer products, 16 rows to a vector (`integer_gemm_linear`);
+  gemm     more rows otherwise: a float32 GEMM that dequantizes the weights as it packs
+           them (`gemm_linear`; its activations stay float).
 
 The instruction set (`ISAS`) is chosen at run time: the best this CPU runs, capped by the
 float kernels' variant (SPRUCE_CPU_ISA at start, `cpu_library.use_isa` later: portable caps
@@ -41,15 +45,17 @@ QUANT_TYPES = {
     "q6_k": QuantType("q6_k", 14, 210, 256),
 }
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
-# Up to this many activation rows the integer kernel beats the GEMM (gemm_linear), per
+# Up to this many activation rows the integer kernel beats the next one (`kernel`), per
 # instruction set. Measured on a 2-core AMD EPYC VM (Zen 4), 2 threads, the bundled model's
-# shapes (the 30 layers' four Q4_1 linears and the Q8_0 output head), per pass, integer /
-# GEMM time: VNNI 0.63 at 8 rows, 0.77 at 16, 0.75-0.86 at 20-24, 0.94 at 32; AVX2 (both
-# kernels capped at AVX2) 0.73 at 8, 0.99 at 12, 1.00 at 16, 1.14 at 20. The K formats have
-# no tiled integer path (one weight row at a time): the GEMM already wins at 8 rows there
-# (Q4_K 1.14, Q6_K 1.04 on an AVX2 core).
-INTEGER_MAX_ROWS = {"scalar": 8, "avx2": 12, "avx512vnni": 24}
+# shapes (the 30 layers' four Q4_1 linears and the Q8_0 output head), per pass: on VNNI,
+# integer / igemm time 1.24-1.34 at 6-8 rows, 1.05 at 10, 0.89-0.92 at 12 (and igemm / GEMM
+# 0.6-0.7 from 12 rows to 64); on AVX2 (both kernels capped at AVX2), integer / GEMM 0.73 at
+# 8, 0.99 at 12, 1.00 at 16, 1.14 at 20. The K formats have no tiled integer path (one
+# weight row at a time): the GEMM already wins at 8 rows there (Q4_K 1.14, Q6_K 1.04 on an
+# AVX2 core).
+INTEGER_MAX_ROWS = {"scalar": 8, "avx2": 12, "avx512vnni": 10}
 K_INTEGER_MAX_ROWS = 8
+IGEMM_ISA = "avx512vnni"  # the integer GEMM's instruction set (vpdpwssd on 512-bit vectors)
 
 _cpu_best: int | None = None  # this CPU's best, uncapped (asked once)
 
@@ -112,9 +118,23 @@ def linear(
     isa: str | None = None,
 ) -> torch.Tensor:
     """x [rows, k] float32 @ W.T (+ bias), W given as `blocks` of `qtype`, [n, row_bytes]."""
-    if x.shape[0] > integer_max_rows(qtype, isa):
-        return gemm_linear(x, qtype, blocks, bias)
-    return integer_linear(x, qtype, blocks, bias, isa)
+    chosen = kernel(qtype, x.shape[0], isa)
+    if chosen == "integer":
+        return integer_linear(x, qtype, blocks, bias, isa)
+    if chosen == "igemm":
+        return integer_gemm_linear(x, qtype, blocks, bias)
+    return gemm_linear(x, qtype, blocks, bias)
+
+
+def kernel(qtype: str, rows: int, isa: str | None = None) -> str:
+    """The kernel `linear` takes for `rows` activation rows of `qtype` on `isa` (by default
+    the best one allowed here): "integer", "igemm" or "gemm" (the module docstring)."""
+    isa = isa or best_isa()
+    if rows <= integer_max_rows(qtype, isa):
+        return "integer"
+    if isa == IGEMM_ISA and QUANT_TYPES[qtype].block_size == BLOCK:
+        return "igemm"
+    return "gemm"
 
 
 def integer_max_rows(qtype: str, isa: str | None = None) -> int:
@@ -137,6 +157,15 @@ def integer_linear(
     return _call_linear(load_library().spruce_quant_linear, x, qtype, blocks, bias, isa_index)
 
 
+def integer_gemm_linear(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear` through the integer GEMM (cpu_quant_igemm.c: the integer kernel's quantized
+    activations and products, 16 activation rows to a vector); needs AVX-512 VNNI and a
+    32-value format."""
+    return _call_linear(load_library().spruce_quant_igemm, x, qtype, blocks, bias)
+
+
 def gemm_linear(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -149,7 +178,7 @@ def _call_linear(
     kernel, x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None, *extra
 ) -> torch.Tensor:
     """y = kernel(type, blocks, n, k, x, rows, bias, y, *extra); a nonzero return means the
-    kernel could not allocate its work buffers."""
+    kernel could not allocate its work buffers (1) or does not run here (2)."""
     x = x.contiguous()
     rows, k = x.shape
     n = blocks.shape[0]
@@ -161,7 +190,12 @@ def _call_linear(
     y = torch.empty(rows, n)
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
     type_id = QUANT_TYPES[qtype].ggml_id
-    if kernel(type_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr(), *extra):
+    failed = kernel(
+        type_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr(), *extra
+    )
+    if failed == 2:
+        raise ValueError(f"the integer GEMM needs AVX-512 VNNI and a 32-value format, not {qtype}")
+    if failed:
         raise MemoryError(
             f"no memory for the work buffers of a {rows} x {k} quantized linear layer"
         )

@@ -207,16 +207,97 @@ def test_dequantize_matches_gguf_dequantizer(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_many_rows_path_equals_dequantized_matmul(cpu_isa, qtype):
+def test_many_rows_path_equals_its_kernels_reference(cpu_isa, qtype):
+    """More rows than the integer GEMV takes: the integer GEMM (quantized activations, so
+    the block reference) where this CPU has it, else the float GEMM (the dequantized
+    matmul, within summation order)."""
     rng = np.random.default_rng(2)
     k = ops.QUANT_TYPES[qtype].block_size * 4
     blocks = random_blocks(qtype, 40, k, rng)
-    x = torch.from_numpy(
-        rng.standard_normal((ops.integer_max_rows(qtype) + 5, k)).astype(np.float32)
-    )
+    rows = ops.integer_max_rows(qtype) + 5
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    y = ops.linear(x, qtype, blocks)
+    if ops.kernel(qtype, rows) == "igemm":
+        expected = torch.from_numpy(reference_linear(x.numpy(), qtype, blocks, k)).float()
+        assert torch.allclose(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+        return
+    assert ops.kernel(qtype, rows) == "gemm"
     expected = x @ ops.dequantize(qtype, blocks, k).T
     atol = 1e-5 * expected.abs().max()  # summation orders differ
-    assert torch.allclose(ops.linear(x, qtype, blocks), expected, rtol=1e-5, atol=atol)
+    assert torch.allclose(y, expected, rtol=1e-5, atol=atol)
+
+
+def test_kernel_by_rows_isa_and_format():
+    assert ops.kernel("q4_1", 1, "avx512vnni") == "integer"
+    assert ops.kernel("q4_1", ops.INTEGER_MAX_ROWS["avx512vnni"] + 1, "avx512vnni") == "igemm"
+    assert ops.kernel("q4_1", ops.INTEGER_MAX_ROWS["avx2"] + 1, "avx2") == "gemm"
+    assert ops.kernel("q4_k", ops.K_INTEGER_MAX_ROWS + 1, "avx512vnni") == "gemm"
+
+
+IGEMM_TYPES = [q for q in QTYPES if q not in K_TYPES]
+# rows: within one group of 16, exactly one, one past, several; n off the tile (8) and the
+# panel (32); k of one block or many
+IGEMM_SHAPES = [
+    (1, 7, 32),
+    (15, 37, 96),
+    (16, 32, 64),
+    (17, 100, 576),
+    (33, 8, 1536),
+    (64, 96, 576),
+    (70, 41, 160),
+]
+needs_vnni = pytest.mark.skipif(
+    ops.IGEMM_ISA not in ops.available_isas(),
+    reason=f"this CPU lacks AVX-512 VNNI (runs {ops.available_isas()})",
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("qtype,rows,n,k", [(q, *s) for q in IGEMM_TYPES for s in IGEMM_SHAPES])
+def test_integer_gemm_matches_block_reference(qtype, rows, n, k, with_bias):
+    """The integer GEMM makes the GEMV's exact integer dot per block; only the order of the
+    float sums of scaled blocks differs, so it agrees with the block reference and with the
+    GEMV within float32 rounding."""
+    rng = np.random.default_rng(rows * 31 + n + k)
+    blocks = random_blocks(qtype, n, k, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if with_bias else None
+    y = ops.integer_gemm_linear(x, qtype, blocks, bias)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    expected = reference_linear(x.numpy(), qtype, blocks, k) + (0 if bias is None else bias.numpy())
+    scale = np.abs(expected).max()
+    assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * scale), np.abs(
+        y - expected
+    ).max()
+    gemv = ops.integer_linear(x, qtype, blocks, bias, isa=ops.IGEMM_ISA)
+    assert torch.allclose(y, gemv, rtol=1e-5, atol=1e-5 * scale)
+
+
+@needs_vnni
+def test_integer_gemm_is_the_same_on_any_thread_count():
+    """Each output is one sum in one order, whichever thread makes it (weight panels split
+    over threads, or panels and row groups when the panels are few)."""
+    rng = np.random.default_rng(7)
+    blocks = random_blocks("q4_1", 70, 256, rng)
+    x = torch.from_numpy(rng.standard_normal((70, 256)).astype(np.float32))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results.append(ops.integer_gemm_linear(x, "q4_1", blocks))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def test_integer_gemm_refuses_what_it_cannot_run():
+    rng = np.random.default_rng(8)
+    blocks = random_blocks("q4_k", 4, 256, rng)
+    x = torch.zeros(20, 256)
+    with pytest.raises(ValueError, match="AVX-512 VNNI and a 32-value format"):
+        ops.integer_gemm_linear(x, "q4_k", blocks)
 
 
 GEMM_SHAPES = [

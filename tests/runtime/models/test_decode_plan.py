@@ -36,7 +36,7 @@ def decode(loaded, prompts: list[list[int]], steps: int, kv_dtype: torch.dtype) 
     return torch.cat(out)
 
 
-# more requests than the integer kernel takes: the plan's linear layers are the GEMM's
+# more requests than the integer GEMV takes: the plan's linear layers are a GEMM's
 MANY = max(cpu_quant_ops.INTEGER_MAX_ROWS.values()) + 2
 
 
@@ -91,22 +91,24 @@ def test_plan_follows_replaced_weights(tiny_llama_dir):
 
 def test_each_weight_type_takes_its_own_kernel_for_the_rows():
     """A model whose layers mix formats (Q4_K_M files: Q4_K and Q6_K next to 32-value
-    blocks) takes the integer kernel or the GEMM per layer, by that format's limit."""
+    blocks) takes the kernel cpu_quant_ops.kernel picks per layer, by that format's limits."""
     calls = []
     plan = decode_plan.DecodePlan.__new__(decode_plan.DecodePlan)
     plan.lib = SimpleNamespace(
         spruce_quant_linear=lambda *args: calls.append(("integer", args)) or 0,
+        spruce_quant_igemm=lambda *args: calls.append(("igemm", args)) or 0,
         spruce_quant_gemm=lambda *args: calls.append(("gemm", args)) or 0,
     )
     q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
     plan.qtypes = {"q4_1", "q4_k"}
-    rows = cpu_quant_ops.K_INTEGER_MAX_ROWS + 1
-    linear = plan._linear(rows)
-    for kind in (q4_1, q4_k):
-        linear(kind, 0, 64, 32, 0, rows, None, 0, 1)
-    q4_1_kernel = "integer" if rows <= cpu_quant_ops.integer_max_rows("q4_1") else "gemm"
-    assert [name for name, _ in calls] == [q4_1_kernel, "gemm"]
-    assert len(calls[1][1]) == 8  # the GEMM takes no isa
+    for rows in (cpu_quant_ops.K_INTEGER_MAX_ROWS + 1, 64):
+        calls.clear()
+        linear = plan._linear(rows)
+        for kind in (q4_1, q4_k):
+            linear(kind, 0, 64, 32, 0, rows, None, 0, 1)
+        expected = [cpu_quant_ops.kernel("q4_1", rows), "gemm"]
+        assert [name for name, _ in calls] == expected
+        assert [len(args) for _, args in calls] == [9 if expected[0] == "integer" else 8, 8]
     calls.clear()
     plan._linear(1)(q4_k, 0, 64, 32, 0, 1, None, 0, 1)
     assert [name for name, _ in calls] == ["integer"]

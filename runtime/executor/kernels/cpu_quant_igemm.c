@@ -1,0 +1,209 @@
+/* Linear layers on quantized weights (Q8_0, Q4_0, Q4_1) for many activation rows on CPUs
+ * with AVX-512 VNNI: y[rows, n] = x[rows, k] @ W^T (+ bias), in integer dot products.
+ *
+ * The activations are quantized as for the integer GEMV (cpu_quant_ops.c: 16-bit blocks of
+ * 32 with a scale dx and a sum sx per block, so the two kernels make the same products),
+ * but here the vector lanes are 16 activation rows, not 16 values of k: one vpdpwssd
+ * multiplies a pair of k values of 16 rows by the same pair of one weight row (broadcast)
+ * and adds both products to each row's sum. A block's integer sums then take their scales
+ * once for 16 rows (a conversion and two multiply-adds per 16 vpdpwssd), where the GEMV's
+ * layout pays that per row and block; that overhead, not the multiplies, made the GEMV lose
+ * to the float GEMM beyond 24 rows.
+ *
+ *   packed x   once per call: groups of 16 rows, per block of k the 16 pairs of 16 rows
+ *              (int16 pairs as int32 lanes), dx and dx sx as 16 floats; rows past the end
+ *              are zero.
+ *   packed W   per task, a panel of PANEL weight rows widened to int16, row by row (the
+ *              microkernel broadcasts a pair of values from it), with each block's scale
+ *              dw and second term (Q4_0: -8 dw, Q4_1: m, Q8_0: none) as floats; rows past
+ *              n are zero.
+ *   microkernel  NW weight rows x 16 activation rows: per block NW int32 sums (16 steps
+ *              of vpdpwssd), then acc += float(sum) dx dw + dx sx second.
+ *   threads    torch's OpenMP threads take panels (x a part of the row groups when the
+ *              panels are few) one at a time, as each is free (as the float GEMM does).
+ *
+ * Sums: |w x| <= 128 * 32767 and 32 of them fit in int32 (one block's sum). */
+#include <stdlib.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "cpu_quant.h"
+
+#define LANES 16 /* activation rows per vector */
+#define NW 8     /* weight rows per microkernel tile */
+#define PANEL 32 /* weight rows per task (a multiple of NW) */
+
+typedef struct {
+    int64_t type, n, k, nb, rows, groups, row_bytes;
+    const uint8_t *w;
+    const float *bias;
+    float *y;
+    const int32_t *xp; /* [groups][nb][16 pairs][LANES] */
+    const float *dxp;  /* [groups][nb][2][LANES]: dx, then dx sx */
+} igemm;
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline size_t max64(size_t a, size_t b) { return a > b ? a : b; }
+
+#if defined(__x86_64__)
+/* Row group `group` of x [rows, k] -> its packed form (qx, dx, sx: the group's rows
+ * through the GEMV's quantizer, in scratch, then regrouped). */
+static void pack_group(const igemm *g, const float *x, int64_t group, int16_t *qx, float *dx, float *sx) {
+    int64_t k = g->k, nb = g->nb, first = group * LANES, count = min64(LANES, g->rows - first);
+    int32_t *xp = (int32_t *)g->xp + group * nb * 16 * LANES;
+    float *dxp = (float *)g->dxp + group * nb * 2 * LANES;
+    spruce_quantize_rows_q16(x + first * k, count, k, qx, dx, sx, ISA_AVX512VNNI);
+    if (count < LANES) {
+        memset(xp, 0, (size_t)(nb * 16 * LANES) * sizeof(int32_t));
+        memset(dxp, 0, (size_t)(nb * 2 * LANES) * sizeof(float));
+    }
+    for (int64_t lane = 0; lane < count; lane++)
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t *to = xp + b * 16 * LANES + lane;
+            const int16_t *q = qx + lane * k + b * QK;
+            for (int j = 0; j < 16; j++) memcpy(to + j * LANES, q + 2 * j, sizeof(int32_t));
+            float d = dx[lane * nb + b];
+            dxp[b * 2 * LANES + lane] = d;
+            dxp[b * 2 * LANES + LANES + lane] = d * sx[lane * nb + b];
+        }
+}
+
+/* Weight rows [j0, j0 + PANEL) (zeros past n) as int16 [PANEL][k], scales [PANEL][nb] each. */
+TARGET_VNNI static void pack_panel(const igemm *g, int64_t j0, int16_t *w16, float *dw, float *second) {
+    int64_t k = g->k, nb = g->nb, bytes = block_bytes(g->type), here = min64(PANEL, g->n - j0);
+    for (int64_t r = 0; r < here; r++) {
+        const uint8_t *row = g->w + (j0 + r) * g->row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = row + b * bytes;
+            int16_t *out = w16 + r * k + b * QK;
+            uint16_t h[2];
+            memcpy(h, block, sizeof h);
+            float d = _cvtsh_ss(h[0]);
+            dw[r * nb + b] = d;
+            if (g->type == TYPE_Q8_0) {
+                second[r * nb + b] = 0.0f;
+                __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
+                _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(q));
+                continue;
+            }
+            second[r * nb + b] = g->type == TYPE_Q4_1 ? _cvtsh_ss(h[1]) : -8.0f * d;
+            const uint8_t *qs = block + (g->type == TYPE_Q4_1 ? 4 : 2);
+            __m256i bytes16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+            _mm256_storeu_si256((__m256i *)out, _mm256_and_si256(bytes16, _mm256_set1_epi16(0x0f)));
+            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_srli_epi16(bytes16, 4));
+        }
+    }
+    if (here < PANEL) {
+        memset(w16 + here * k, 0, (size_t)((PANEL - here) * k) * sizeof(int16_t));
+        memset(dw + here * nb, 0, (size_t)((PANEL - here) * nb) * sizeof(float));
+        memset(second + here * nb, 0, (size_t)((PANEL - here) * nb) * sizeof(float));
+    }
+}
+
+/* out[NW][LANES] = weight rows w16[0..NW) (of the panel) against row group `group`.
+ * (Two row groups per tile, or 4 / 16 weight rows, measured no faster.) */
+TARGET_VNNI static inline __attribute__((always_inline)) void tile(const igemm *g, const int16_t *w16, const float *dw,
+                                                                  const float *second, int64_t group, float *out,
+                                                                  const int with_second) {
+    int64_t k = g->k, nb = g->nb;
+    const int32_t *xp = g->xp + group * nb * 16 * LANES;
+    const float *dxp = g->dxp + group * nb * 2 * LANES;
+    __m512 acc[NW];
+    for (int w = 0; w < NW; w++) acc[w] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xp += 16 * LANES, dxp += 2 * LANES) {
+        __m512i dot[NW];
+        for (int w = 0; w < NW; w++) dot[w] = _mm512_setzero_si512();
+        const int16_t *wb = w16 + b * QK;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) {
+            __m512i xv = _mm512_loadu_si512(xp + j * LANES);
+            for (int w = 0; w < NW; w++) {
+                int32_t pair;
+                memcpy(&pair, wb + w * k + 2 * j, sizeof pair);
+                dot[w] = _mm512_dpwssd_epi32(dot[w], xv, _mm512_set1_epi32(pair));
+            }
+        }
+        __m512 dx = _mm512_loadu_ps(dxp), dxs = _mm512_loadu_ps(dxp + LANES);
+        for (int w = 0; w < NW; w++) {
+            __m512 scale = _mm512_mul_ps(dx, _mm512_set1_ps(dw[w * nb + b]));
+            acc[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[w]), scale, acc[w]);
+            if (with_second) acc[w] = _mm512_fmadd_ps(dxs, _mm512_set1_ps(second[w * nb + b]), acc[w]);
+        }
+    }
+    for (int w = 0; w < NW; w++) _mm512_storeu_ps(out + w * LANES, acc[w]);
+}
+
+/* The panel at weight row j0 against row groups [g0, g1). */
+TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, int64_t g1, const int16_t *w16,
+                                       const float *dw, const float *second) {
+    int64_t nb = g->nb, cols = min64(PANEL, g->n - j0);
+    for (int64_t group = g0; group < g1; group++) {
+        int64_t first = group * LANES, lanes = min64(LANES, g->rows - first);
+        for (int64_t c = 0; c < cols; c += NW) {
+            float out[NW * LANES];
+            const int16_t *w = w16 + c * g->k;
+            if (g->type == TYPE_Q8_0)
+                tile(g, w, dw + c * nb, second + c * nb, group, out, 0);
+            else
+                tile(g, w, dw + c * nb, second + c * nb, group, out, 1);
+            int64_t here = min64(NW, cols - c);
+            for (int64_t lane = 0; lane < lanes; lane++) {
+                float *y = g->y + (first + lane) * g->n + j0 + c;
+                for (int64_t w = 0; w < here; w++)
+                    y[w] = out[w * LANES + lane] + (g->bias != NULL ? g->bias[j0 + c + w] : 0.0f);
+            }
+        }
+    }
+}
+#endif
+
+/* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks. Returns 1
+ * when the scratch memory cannot be had, 2 where this CPU (or build) has no AVX-512 VNNI. */
+int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                       const float *bias, float *y) {
+#if defined(__x86_64__)
+    if (spruce_quant_best_isa() < ISA_AVX512VNNI || is_k_type(type)) return 2;
+    int64_t nb = k / QK, groups = (rows + LANES - 1) / LANES, threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    size_t xp_bytes = (size_t)(groups * nb * 16 * LANES) * sizeof(int32_t);
+    size_t front = xp_bytes + (size_t)(groups * nb * 2 * LANES) * sizeof(float);
+    /* per thread: a packed panel, and a row group's qx, dx, sx on the way to packing */
+    size_t panel_bytes = (size_t)(PANEL * k) * sizeof(int16_t) + (size_t)(2 * PANEL * nb) * sizeof(float);
+    size_t rows_bytes = (size_t)(LANES * k) * sizeof(int16_t) + (size_t)(2 * LANES * nb) * sizeof(float);
+    size_t share = (max64(panel_bytes, rows_bytes) + 63) / 64 * 64;
+    front = (front + 63) / 64 * 64;
+    char *memory = aligned_alloc(64, front + share * (size_t)threads);
+    if (memory == NULL) return 1;
+    igemm g = {type, n, k, nb, rows, groups, row_bytes(type, k), w, bias, y,
+               (const int32_t *)memory, (const float *)(memory + xp_bytes)};
+    int64_t panels = (n + PANEL - 1) / PANEL, parts = 1;
+    while (parts < groups && panels * parts < 4 * threads) parts++;
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = 0;
+#if defined(_OPENMP)
+        t = omp_get_thread_num();
+#endif
+        char *own = memory + front + share * (size_t)t;
+        int16_t *w16 = (int16_t *)own;
+        float *dw = (float *)(w16 + PANEL * k), *second = dw + PANEL * nb;
+        float *dx = (float *)(w16 + LANES * k), *sx = dx + LANES * nb;
+#pragma omp for schedule(static)
+        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, w16, dx, sx);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < panels * parts; task++) {
+            int64_t panel = task / parts, part = task % parts;
+            pack_panel(&g, panel * PANEL, w16, dw, second);
+            multiply_panel(&g, panel * PANEL, groups * part / parts, groups * (part + 1) / parts, w16, dw, second);
+        }
+    }
+    free(memory);
+    return 0;
+#else
+    (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y;
+    return 2;
+#endif
+}
