@@ -11,6 +11,7 @@ BENCHMARKS = {
     "json": "spruce.runtime.bench.json_bench",
     "grammar": "spruce.runtime.bench.grammar_bench",
     "spec": "spruce.runtime.bench.spec",
+    "kernels": "spruce.runtime.bench.kernels",
 }
 
 
