@@ -8,8 +8,8 @@ So between steps (at most every PERIOD_S) the engine reads how many threads of o
 processes are runnable (`/proc/loadavg`'s count for the machine less this process's own
 runnable threads), and while others want the cores it runs with only the threads the free
 cores can take (at least one); it goes back up when they leave. (Counting this process's own
-OpenMP threads, caught spinning, as others made it drop to one thread every other period on a
-quiet machine: batch-1 decode 104-139 tokens/s instead of 150-180.)
+OpenMP threads, caught spinning, as others made it switch between one and two threads every
+other period on a quiet machine: 9 switches in 8 batch-1 generations, none since.)
 
 Measured on a 2-core AMD EPYC VM, bundled model, 2 threads, medians of 2-3 runs in fresh
 processes (2026-12-03; `busy`: one `while True` process beside it):
@@ -20,6 +20,13 @@ processes (2026-12-03; `busy`: one `while True` process beside it):
 | spin 3000, fixed threads | 142 | 145 ms | 317 ms | 38 |
 | spin 3000 + this governor (the default) | 132 | 159 ms | 253 ms | 94 |
 | libgomp's default spin (300,000), fixed | 123 | 152 ms | 443 ms | 35 |
+
+The batch-64 step again once the integer GEMM took its matmuls (cpu_quant_igemm.c; same VM,
+2026-12-03, one run each, alternated): quiet 99-124 ms; busy, with this governor (one
+thread) 172-185 ms, with two fixed threads 226-229 ms, with three fixed threads 195 ms. One
+thread beside a busy process thus costs 1.5-1.8x the quiet step: about what two threads gain
+over one when the cores are free, which no policy that leaves the other process its share
+can beat on two cores.
 """
 
 from __future__ import annotations
