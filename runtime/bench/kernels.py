@@ -41,7 +41,7 @@ def kernel_calls(qtype: str, isa: str) -> dict:
         "integer": lambda x, q, b, bias: ops.integer_linear(x, q, b, bias, isa),
         "gemm": ops.gemm_linear,
     }
-    if isa == ops.IGEMM_ISA and ops.QUANT_TYPES[qtype].block_size == ops.BLOCK:
+    if ops.igemm_runs(qtype, isa):
         calls["igemm"] = ops.integer_gemm_linear
     return calls
 

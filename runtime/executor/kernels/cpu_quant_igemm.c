@@ -44,7 +44,7 @@ typedef struct {
 } igemm;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline size_t max64(size_t a, size_t b) { return a > b ? a : b; }
+static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 #if defined(__x86_64__)
 /* Row group `group` of x [rows, k] -> its packed form (qx, dx, sx: the group's rows
@@ -173,7 +173,7 @@ int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     /* per thread: a packed panel, and a row group's qx, dx, sx on the way to packing */
     size_t panel_bytes = (size_t)(PANEL * k) * sizeof(int16_t) + (size_t)(2 * PANEL * nb) * sizeof(float);
     size_t rows_bytes = (size_t)(LANES * k) * sizeof(int16_t) + (size_t)(2 * LANES * nb) * sizeof(float);
-    size_t share = (max64(panel_bytes, rows_bytes) + 63) / 64 * 64;
+    size_t share = (max_size(panel_bytes, rows_bytes) + 63) / 64 * 64;
     front = (front + 63) / 64 * 64;
     char *memory = aligned_alloc(64, front + share * (size_t)threads);
     if (memory == NULL) return 1;

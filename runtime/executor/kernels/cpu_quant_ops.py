@@ -132,9 +132,12 @@ def kernel(qtype: str, rows: int, isa: str | None = None) -> str:
     isa = isa or best_isa()
     if rows <= integer_max_rows(qtype, isa):
         return "integer"
-    if isa == IGEMM_ISA and QUANT_TYPES[qtype].block_size == BLOCK:
-        return "igemm"
-    return "gemm"
+    return "igemm" if igemm_runs(qtype, isa) else "gemm"
+
+
+def igemm_runs(qtype: str, isa: str | None = None) -> bool:
+    """Whether the integer GEMM runs `qtype` on `isa` (default: the best allowed here)."""
+    return (isa or best_isa()) == IGEMM_ISA and QUANT_TYPES[qtype].block_size == BLOCK
 
 
 def integer_max_rows(qtype: str, isa: str | None = None) -> int:
