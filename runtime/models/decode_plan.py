@@ -13,10 +13,16 @@ backend's C decode attention, to all-decode batches (their linear layers through
 `cpu_quant_ops.linear` picks for the row count), and when no
 module has hooks (the step breakdown of `spruce bench offline` times the modules, so it
 sees the module path). Anything else goes through the modules as before.
+
+The layer loop itself runs in C (cpu_decode_step.c: one ctypes call a step instead of nine
+a layer), except where rows share a request (speculative drafts), whose K/V the pool must
+hold before the kernel attends: there the same calls are made from Python (`run_calls`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import operator
 from typing import NamedTuple
 
 import torch
@@ -101,6 +107,35 @@ def _linear_args(m: nn.Module) -> tuple:
     )
 
 
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+KERNEL_TYPES = 32  # the C side's table of kernels by ggml type id
+KERNEL_CODES = {"integer": 0, "igemm": 1, "gemm": 2}
+CACHE_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+
+
+class StepLayer(ctypes.Structure):
+    """cpu_decode_step.c's step_layer: one layer's weights (QKV, O, gate/up, down) and cache."""
+
+    _fields_ = [
+        ("norm", _P * 2), ("eps", _F32 * 2), ("type", _I64 * 4), ("weight", _P * 4),
+        ("n", _I64 * 4), ("k", _I64 * 4), ("qkv_bias", _P), ("cos", _P), ("sin", _P),
+        ("k_cache", _P), ("v_cache", _P), ("k_scale", _P), ("v_scale", _P), ("window", _I64),
+    ]  # fmt: skip
+
+
+class StepArgs(ctypes.Structure):
+    """cpu_decode_step.c's step_args: the step's buffers, shapes and batch."""
+
+    _fields_ = (
+        [(name, _P) for name in ("residual", "h", "out", "qkv", "attn", "gate_up", "act")]
+        + [(name, _I64) for name in ("rows", "hidden", "q_size", "kv_size", "heads")]
+        + [(name, _I64) for name in ("kv_heads", "head_dim", "inter", "isa")]
+        + [(name, _P) for name in ("positions", "slots", "table_rows", "seq_lens", "table")]
+        + [("table_stride", _I64), ("scale", _F32), ("cache_kind", _I64)]
+        + [("kernel", ctypes.c_int8 * KERNEL_TYPES)]
+    )
+
+
 class DecodePlan:
     def __init__(self, model: nn.Module) -> None:
         c = model.config
@@ -108,12 +143,14 @@ class DecodePlan:
         self.lib = load_library()
         self.qkv_width = c.q_size + 2 * c.kv_size
         self.inter = model.layers[0].mlp.down_proj.in_features
-        self.modules = [m for layer in model.layers for m in layer.modules()]
+        modules = [m for layer in model.layers for m in layer.modules()]
+        # a module keeps its hook dicts for life (register_forward_hook adds to them)
+        self.hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.layers = []
         self.qtypes: set[str] = set()  # the layers' weight formats
         # what the pointers point into, and where the model holds them (checked each step)
-        self.holders = list(_tensors(model))
-        self.tensors = [d.get(name) for d, name in self.holders]
+        self.holder_dicts, self.holder_names = zip(*_tensors(model))
+        self.tensors = list(map(dict.get, self.holder_dicts, self.holder_names))
         self.parameters = [t for t in self.tensors if isinstance(t, nn.Parameter)]
         self.parameter_ptrs = [t.data_ptr() for t in self.parameters]
         for layer in model.layers:
@@ -131,6 +168,14 @@ class DecodePlan:
                     layer.self_attn.layer,
                 )
             )
+        self.step_layers = (StepLayer * len(self.layers))()
+        for entry, (norm_args, linears, bias, (cos, sin), _) in zip(self.step_layers, self.layers):
+            entry.norm[:], entry.eps[:] = norm_args[:2], norm_args[2:]
+            for i, (qtype, blocks, n, k) in enumerate(linears):
+                entry.type[i], entry.weight[i], entry.n[i], entry.k[i] = qtype, blocks, n, k
+            entry.qkv_bias, entry.cos, entry.sin = bias, cos, sin
+        self.cache_of = None  # the pool whose caches step_layers points into
+        self.kernel_codes: dict[tuple, ctypes.Array] = {}  # by (row count, ISA)
 
     def applies(self, backend, ctx, x: torch.Tensor) -> bool:
         from spruce.runtime.executor.attention.native_backend import NativeAttentionBackend
@@ -141,27 +186,98 @@ class DecodePlan:
             return False
         if backend.cpu_kernel is None or not ctx.backend_state.all_decode:
             return False
-        return not (
-            any(m._forward_hooks or m._forward_pre_hooks for m in self.modules) or _global_hooks()
-        )
+        return not (any(self.hook_dicts) or _global_hooks())
 
     def holds_weights_of(self, model: nn.Module) -> bool:
         """Whether the pointers are still the model's: loading weights replaces the tensors,
         and moving the model may swap a parameter's storage in place (`param.data = ...`).
         Checked through the dicts the modules hold them in (attribute access took 7% of a
-        step)."""
-        if not all(d.get(name) is t for (d, name), t in zip(self.holders, self.tensors)):
+        step; so did these checks as generator expressions, with the hooks check: 0.4 ms, 6%
+        of a batch-1 step, now mapped in C)."""
+        held = map(dict.get, self.holder_dicts, self.holder_names)
+        if not all(map(operator.is_, held, self.tensors)):
             return False
-        return all(t.data_ptr() == ptr for t, ptr in zip(self.parameters, self.parameter_ptrs))
+        return list(map(torch.Tensor.data_ptr, self.parameters)) == self.parameter_ptrs
 
     def run(self, x: torch.Tensor, ctx, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on x [rows, hidden] (the embeddings): (last MLP output, residual)."""
+        if ctx.shared_rows:
+            return self.run_calls(x, ctx, backend)
+        c, rows = self.config, x.shape[0]
+        buffers = self._buffers(x)
+        group, pool = ctx.backend_state.decode, backend.pool
+        table = backend.req_to_token.table
+        held = (  # int64 copies, held until the call returns
+            ctx.positions.to(torch.int64).contiguous(),
+            ctx.out_slots.to(torch.int64).contiguous(),
+            group.table_rows.to(torch.int64).contiguous(),
+            group.seq_lens.to(torch.int64).contiguous(),
+        )
+        args = StepArgs(
+            *(t.data_ptr() for t in buffers),
+            rows, c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            self.inter, cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa()),
+            *(t.data_ptr() for t in held), table.data_ptr(), table.stride(0), backend.scale,
+            CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows),
+        )  # fmt: skip
+        self._point_at_caches(backend)
+        failed = self.lib.spruce_decode_layers(
+            self.step_layers, len(self.step_layers), ctypes.byref(args)
+        )
+        if failed == 2:
+            raise ValueError(
+                f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})"
+            )
+        _check(failed)
+        residual, out = buffers[0], buffers[2]
+        return out, residual
+
+    def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The step's buffers, in StepArgs' order: residual (x copied), h, out, qkv, attn,
+        gate_up, act."""
+        c, rows = self.config, x.shape[0]
+        return (
+            x.contiguous().clone(),
+            torch.empty(rows, c.hidden_size),
+            torch.empty(rows, c.hidden_size),
+            torch.empty(rows, self.qkv_width),
+            torch.empty(rows, c.q_size),
+            torch.empty(rows, 2 * self.inter),
+            torch.empty(rows, self.inter),
+        )
+
+    def _kernel_codes(self, rows: int) -> ctypes.Array:
+        """The C side's kernel table for `rows`: cpu_quant_ops.kernel's choice per weight type."""
+        isa = cpu_quant_ops.best_isa()
+        codes = self.kernel_codes.get((rows, isa))
+        if codes is None:
+            codes = (ctypes.c_int8 * KERNEL_TYPES)()
+            for q in self.qtypes:
+                codes[cpu_quant_ops.QUANT_TYPES[q].ggml_id] = KERNEL_CODES[
+                    cpu_quant_ops.kernel(q, rows)
+                ]
+            self.kernel_codes[rows, isa] = codes
+        return codes
+
+    def _point_at_caches(self, backend) -> None:
+        """Each layer's K/V cache (and int8 scales) and attention window, from `backend`'s
+        pool (filled again when the pool is another)."""
+        pool = backend.pool
+        key = (id(pool), pool.k[0].data_ptr(), pool.v[-1].data_ptr(), tuple(backend.windows))
+        if self.cache_of == key:
+            return
+        for entry, (*_, layer) in zip(self.step_layers, self.layers):
+            entry.k_cache, entry.v_cache = pool.k[layer].data_ptr(), pool.v[layer].data_ptr()
+            entry.k_scale, entry.v_scale = scale_pointers(pool.scales(layer))
+            entry.window = backend.windows[layer] or 0
+        self.cache_of = key
+
+    def run_calls(self, x: torch.Tensor, ctx, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` as one call per kernel from Python: rows that share a request store their
+        K/V in the pool before attending."""
         c, lib, rows = self.config, self.lib, x.shape[0]
         hidden = c.hidden_size
-        residual = x.contiguous().clone()
-        h, out = torch.empty(rows, hidden), torch.empty(rows, hidden)
-        qkv, attn = torch.empty(rows, self.qkv_width), torch.empty(rows, c.q_size)
-        gate_up, act = torch.empty(rows, 2 * self.inter), torch.empty(rows, self.inter)
+        residual, h, out, qkv, attn, gate_up, act = self._buffers(x)
         p_res, p_h, p_out, p_qkv, p_attn = (t.data_ptr() for t in (residual, h, out, qkv, attn))
         p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
         attention = self._attention_call(ctx, backend, qkv, p_attn)

@@ -41,7 +41,7 @@ PER_ISA_SOURCES = [
     _HERE / "cpu_prefill_attention.c",
     _HERE / "cpu_layer_ops.c",
 ]
-PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c"]
+PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c", _HERE / "cpu_decode_step.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
 ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c"]
 HEADERS = [
@@ -87,6 +87,7 @@ SIGNATURES = {
     "spruce_dequantize_rows": [_I64, _P, _I64, _P, _I64, _P],  # type, blocks, k, ids, count, out
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
+    "spruce_decode_layers": [_P, _I64, _P],  # layers, count, step (decode_plan.StepLayer, StepArgs)
 }
 # fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
@@ -99,6 +100,7 @@ PER_ISA_KERNELS = (
 )
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
+PER_ISA_KERNELS += ("spruce_decode_layers",)
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
@@ -110,6 +112,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_linear": ctypes.c_int,
     "spruce_quant_gemm": ctypes.c_int,
     "spruce_quant_igemm": ctypes.c_int,
+    "spruce_decode_layers": ctypes.c_int,
 }
 
 _library: ctypes.CDLL | None = None

@@ -112,3 +112,28 @@ def test_each_weight_type_takes_its_own_kernel_for_the_rows():
     calls.clear()
     plan._linear(1)(q4_k, 0, 64, 32, 0, 1, None, 0, 1)
     assert [name for name, _ in calls] == ["integer"]
+
+
+def test_kernel_table_follows_each_weight_type():
+    """The C loop's table by ggml type id holds cpu_quant_ops.kernel's choice per format."""
+    plan = decode_plan.DecodePlan.__new__(decode_plan.DecodePlan)
+    plan.qtypes, plan.kernel_codes = {"q4_1", "q4_k"}, {}
+    q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
+    for rows in (1, cpu_quant_ops.K_INTEGER_MAX_ROWS + 1, 64):
+        codes = plan._kernel_codes(rows)
+        for name, kind in (("q4_1", q4_1), ("q4_k", q4_k)):
+            assert codes[kind] == decode_plan.KERNEL_CODES[cpu_quant_ops.kernel(name, rows)]
+        assert plan._kernel_codes(rows) is codes  # built once per row count
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize(
+    "requests,kv_dtype", [(1, torch.float32), (3, torch.float16), (MANY, torch.int8)]
+)
+def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, requests, kv_dtype):
+    """cpu_decode_step.c makes the same kernel calls as `run_calls`, bit for bit."""
+    loaded = load_model(str(tiny_qwen2_dir), quantization=qtype)
+    prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
+    in_c = decode(loaded, prompts, 5, kv_dtype)
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
+    assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))

@@ -1,0 +1,114 @@
+/* A decode step's layers in one call: the loop of models/decode_plan.py in C.
+ *
+ * Per layer the plan makes nine kernel calls (norm, QKV, rotary, attention, O, norm,
+ * gate/up, SiLU * up, down). From Python each call cost a ctypes call and its argument
+ * conversions, about 1-3 microseconds, while the other threads waited: 270 calls a step on
+ * a 30-layer model. Here the same calls, with the same arguments and in the same order,
+ * run from C, so the results are the Python loop's bit for bit.
+ *
+ * Compiled once per instruction set like the float kernels, so each variant calls its own
+ * instruction set's norm, rotary, SiLU, attention and float GEMM; the quantized GEMV and
+ * integer GEMM take the ISA as data (cpu_quant_ops.c). */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu_vector.h"
+
+/* the kernels it calls (cpu_layer_ops.c, cpu_decode_attention.c, cpu_quant_*.c) */
+void PER_ISA(spruce_rms_norm)(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                              int64_t dim, float eps);
+void PER_ISA(spruce_silu_mul)(const float *gate_up, float *out, int64_t rows, int64_t inter);
+void PER_ISA(spruce_rotary)(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
+                            const int64_t *positions, const float *cos, const float *sin);
+int PER_ISA(spruce_quant_gemm)(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                               const float *bias, float *y);
+int spruce_quant_linear(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                        const float *bias, float *y, int64_t isa);
+int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                       const float *bias, float *y);
+#define ATTENTION_ARGS(CACHE_T)                                                                                   \
+    const float *q, int64_t q_stride, const float *k_new, const float *v_new, int64_t new_stride,                 \
+        const int64_t *new_slots, CACHE_T *k_cache, CACHE_T *v_cache, float *k_scale, float *v_scale,             \
+        const int32_t *req_to_token, int64_t table_stride, const int64_t *rows, const int64_t *seq_lens, float *out, \
+        int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window
+int PER_ISA(spruce_decode_attention_f32)(ATTENTION_ARGS(float));
+int PER_ISA(spruce_decode_attention_f16)(ATTENTION_ARGS(_Float16));
+int PER_ISA(spruce_decode_attention_i8)(ATTENTION_ARGS(int8_t));
+
+/* One layer's weights and cache (decode_plan.StepLayer mirrors it). The linear layers are
+ * QKV, O, gate/up, down, each `type` (ggml id) blocks of n x k. */
+typedef struct {
+    const float *norm[2];
+    float eps[2];
+    int64_t type[4];
+    const uint8_t *weight[4];
+    int64_t n[4], k[4];
+    const float *qkv_bias;
+    const float *cos, *sin;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale;
+    int64_t window; /* 0: none */
+} step_layer;
+
+#define KERNEL_TYPES 32 /* ggml type ids below this */
+enum { KERNEL_INTEGER, KERNEL_IGEMM, KERNEL_GEMM };
+
+/* The step: its buffers, shapes and batch (decode_plan.StepArgs mirrors it). */
+typedef struct {
+    float *residual, *h, *out, *qkv, *attn, *gate_up, *act;
+    int64_t rows, hidden, q_size, kv_size, heads, kv_heads, head_dim, inter, isa;
+    const int64_t *positions, *slots, *table_rows, *seq_lens;
+    const int32_t *table;
+    int64_t table_stride;
+    float scale;
+    int64_t cache_kind;                 /* 0 float32, 1 float16, 2 int8 */
+    int8_t kernel[KERNEL_TYPES];        /* by weight type: KERNEL_* for this many rows */
+} step_args;
+
+static int linear(const step_args *s, const step_layer *l, int i, const float *x, const float *bias, float *y) {
+    int64_t type = l->type[i];
+    switch (type >= 0 && type < KERNEL_TYPES ? s->kernel[type] : KERNEL_GEMM) {
+    case KERNEL_INTEGER: return spruce_quant_linear(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y, s->isa);
+    case KERNEL_IGEMM: return spruce_quant_igemm(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y);
+    default: return PER_ISA(spruce_quant_gemm)(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y);
+    }
+}
+
+static int attention(const step_args *s, const step_layer *l) {
+    int64_t width = s->q_size + 2 * s->kv_size;
+    const float *k_new = s->qkv + s->q_size, *v_new = k_new + s->kv_size;
+#define CALL(SUFFIX, CACHE_T)                                                                                   \
+    PER_ISA(spruce_decode_attention_##SUFFIX)(s->qkv, width, k_new, v_new, width, s->slots, (CACHE_T *)l->k_cache, \
+                                              (CACHE_T *)l->v_cache, l->k_scale, l->v_scale, s->table,          \
+                                              s->table_stride, s->table_rows, s->seq_lens, s->attn, s->rows,    \
+                                              s->heads, s->kv_heads, s->head_dim, s->scale, l->window)
+    switch (s->cache_kind) {
+    case 0: return CALL(f32, float);
+    case 1: return CALL(f16, _Float16);
+    case 2: return CALL(i8, int8_t);
+    default: return 1;
+    }
+#undef CALL
+}
+
+/* Every layer on s->residual (the embeddings, [rows, hidden]): the last MLP output in
+ * s->out, the residual stream in s->residual. Returns 0, 1 when a linear layer found no
+ * memory for its activations, 2 when attention refused the shape. */
+int PER_ISA(spruce_decode_layers)(const step_layer *layers, int64_t count, const step_args *s) {
+    int64_t rows = s->rows, hidden = s->hidden, width = s->q_size + 2 * s->kv_size;
+    for (int64_t i = 0; i < count; i++) {
+        const step_layer *l = &layers[i];
+        /* the residual stream starts as the embeddings */
+        PER_ISA(spruce_rms_norm)(i == 0 ? s->residual : s->out, i == 0 ? NULL : s->residual, l->norm[0], s->h, rows,
+                                 hidden, l->eps[0]);
+        if (linear(s, l, 0, s->h, l->qkv_bias, s->qkv)) return 1;
+        PER_ISA(spruce_rotary)(s->qkv, width, rows, s->heads + s->kv_heads, s->head_dim, s->positions, l->cos, l->sin);
+        if (attention(s, l)) return 2;
+        if (linear(s, l, 1, s->attn, NULL, s->out)) return 1;
+        PER_ISA(spruce_rms_norm)(s->out, s->residual, l->norm[1], s->h, rows, hidden, l->eps[1]);
+        if (linear(s, l, 2, s->h, NULL, s->gate_up)) return 1;
+        PER_ISA(spruce_silu_mul)(s->gate_up, s->act, rows, s->inter);
+        if (linear(s, l, 3, s->act, NULL, s->out)) return 1;
+    }
+    return 0;
+}
