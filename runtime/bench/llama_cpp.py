@@ -30,24 +30,31 @@ def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
 def run_llama_cpp(
     tools: tuple[str, str], model: str, threads: list[int], extra: str = ""
 ) -> dict[str, float]:
-    """tokens/s: batch-1 decode (tg128) at each thread count (`tg128_t<N>`; `tg128` at the
-    largest), prefill (pp512, at the largest), and per parallel count the decode phase and
-    end to end (generated tokens over the whole run)."""
+    """tokens/s: prefill (pp512, at the largest thread count) and per parallel count the
+    decode phase and end to end (generated tokens over the whole run). The batch-1 rows
+    come from `llama_batch1`, in rounds beside Spruce's (bench/offline.py)."""
     most = max(threads)
+    rows = llama_bench(tools[0], model, [most], ["-p", "512", "-n", "0"], extra)
+    pp512 = next(row["avg_ts"] for row in rows if row["n_prompt"] and row["n_threads"] == most)
+    return {"pp512": pp512} | llama_batched(tools[1], model, most, PARALLEL, extra)
+
+
+def llama_batch1(tool: str, model: str, threads: list[int], extra: str = "") -> dict[str, float]:
+    """tokens/s of batch-1 decode (tg128, llama-bench's mean of 5) at each thread count:
+    `tg128_t<N>`, and `tg128` at the largest."""
+    rows = llama_bench(tool, model, threads, ["-p", "0", "-n", "128"], extra)
+    out = {f"tg128_t{row['n_threads']}": row["avg_ts"] for row in rows if row["n_gen"]}
+    out["tg128"] = out[f"tg128_t{max(threads)}"]
+    return out
+
+
+def llama_bench(tool: str, model: str, threads: list[int], test: list[str], extra: str) -> list:
+    """llama-bench's JSON rows for `test` (its -p / -n) at each thread count."""
     counts = ",".join(map(str, sorted(set(threads))))
-    bench = _run(
-        [tools[0], "-m", model, "-t", counts, "-p", "512", "-n", "128", "-o", "json",
-         *tool_args(extra, bench=True)],
-    )  # fmt: skip
-    out = {}
-    for row in json.loads(bench.stdout):
-        if row["n_prompt"]:
-            if row["n_threads"] == most:
-                out["pp512"] = row["avg_ts"]
-        else:
-            out[f"tg128_t{row['n_threads']}"] = row["avg_ts"]
-    out["tg128"] = out[f"tg128_t{most}"]
-    return out | llama_batched(tools[1], model, most, PARALLEL, extra)
+    done = _run(
+        [tool, "-m", model, "-t", counts, *test, "-o", "json", *tool_args(extra, bench=True)]
+    )
+    return json.loads(done.stdout)
 
 
 NO_REPACK = ("-nr", "--no-repack")

@@ -9,7 +9,9 @@ requests through transformers' batched `generate` in the same process and prints
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
 GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
-use; without the binaries (on PATH or in --llama-cpp-bin) it says so and skips them.
+use; the batch-1 rows are the median of `--compare-rounds` rounds that run both engines back
+to back (batch1_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
+skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
@@ -31,6 +33,7 @@ from spruce.runtime.bench import write_json
 from spruce.runtime.bench.breakdown import print_breakdown, step_breakdown
 from spruce.runtime.bench.llama_cpp import (
     PARALLEL,
+    llama_batch1,
     llama_batched,
     llama_cpp_tools,
     run_llama_cpp,
@@ -55,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", choices=["hf", "llama.cpp"], default=None)
     parser.add_argument("--llama-cpp-bin", default=None,
         help="folder of llama-bench / llama-batched-bench (default: PATH)")  # fmt: skip
+    parser.add_argument("--compare-rounds", type=int, default=3,
+        help="--compare llama.cpp: rounds of the batch-1 rows (median)")  # fmt: skip
     parser.add_argument("--llama-cpp-args", default="",
         help="more arguments for llama.cpp's tools, e.g. '-nr' (no AMX repack)")  # fmt: skip
     parser.add_argument(
@@ -358,14 +363,26 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
     return out
 
 
-def one_thread_decode(engine, tokenizer) -> float:
-    """Batch-1 decode tokens/s with torch (and the C kernels) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def batch1_decode(engine, tokenizer, threads: int) -> float:
+    """Batch-1 decode tokens/s with torch (and the C kernels) on `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return single_probes(engine, tokenizer)["batch1_decode_tokens_per_s"]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+
+
+def batch1_rounds(ours, theirs, rounds: int) -> tuple[dict, dict]:
+    """The batch-1 rows, `ours()` and `theirs()` (dicts of tokens/s) run back to back in each
+    of `rounds` rounds, who goes first alternating: the median of each key over the rounds.
+    A host's slow phase (this VM's ran both engines 25-45% slower for minutes) then falls on
+    both sides instead of deciding the ratio."""
+    runs: tuple[list, list] = ([], [])
+    for i in range(rounds):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            runs[side].append((ours, theirs)[side]())
+    return tuple({k: statistics.median(r[k] for r in side) for k in side[0]} for side in runs)
 
 
 def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
@@ -375,16 +392,22 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
                else "the model is not a GGUF file")  # fmt: skip
         print(f"llama.cpp comparison skipped: {why} (see --llama-cpp-bin)")
         return
-    threads = engine.config.num_threads
-    ours = spruce_parallel(engine, engine.tokenizer)
-    probes = (result if "batch1_decode_tokens_per_s" in result
-              else single_probes(engine, engine.tokenizer))  # fmt: skip
-    ours["tg128"], ours["pp512"] = (probes["batch1_decode_tokens_per_s"],
-                                    probes["prefill_512_tokens_per_s"])  # fmt: skip
-    ours["tg128_t1"] = one_thread_decode(engine, engine.tokenizer)
+    threads, tokenizer = engine.config.num_threads, engine.tokenizer
+    ours = spruce_parallel(engine, tokenizer)
+    probes = (result if "prefill_512_tokens_per_s" in result
+              else single_probes(engine, tokenizer))  # fmt: skip
+    ours["pp512"] = probes["prefill_512_tokens_per_s"]
     theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
+    ours_1, theirs_1 = batch1_rounds(
+        lambda: {"tg128_t1": batch1_decode(engine, tokenizer, 1),
+                 "tg128": batch1_decode(engine, tokenizer, threads)},
+        lambda: llama_batch1(tools[0], path, [1, threads], args.llama_cpp_args),
+        args.compare_rounds,
+    )  # fmt: skip
+    ours, theirs = ours | ours_1, theirs | theirs_1
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy()}
     print(f"\nthread wait policy: {wait_policy()}")
+    print(f"batch-1 rows: the median of {args.compare_rounds} rounds, the engines back to back")
     print("| workload (same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
     print("| --- | --- | --- | --- |")
     for key, label in table_rows(threads):

@@ -15,11 +15,13 @@ from types import SimpleNamespace
 import pytest
 
 from spruce.runtime.bench.llama_cpp import (
+    llama_batch1,
     llama_cpp_tools,
     run_llama_cpp,
     table_rows,
     tool_args,
 )
+from spruce.runtime.bench.offline import batch1_rounds
 from spruce.runtime.bench.spec import compare_llama_cpp, llama_cpp_servers
 
 BENCH = [
@@ -45,21 +47,48 @@ def tool(folder, name: str, output: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+def bench_tool(folder) -> None:
+    """A llama-bench that prints the rows of the test it is asked for (-p 512 or -n 128)."""
+    prefill = json.dumps([r for r in BENCH if r["n_prompt"]])
+    decode = json.dumps([r for r in BENCH if r["n_gen"]])
+    path = folder / "llama-bench"
+    log = folder / "llama-bench.args"
+    path.write_text(
+        f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n"
+        f"open({str(log)!r}, 'w').write(' '.join(args))\n"
+        f"print({prefill!r} if args[args.index('-p') + 1] == '512' else {decode!r})\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
 def test_thread_rows_and_extra_arguments(tmp_path):
-    tool(tmp_path, "llama-bench", json.dumps(BENCH))
+    bench_tool(tmp_path)
     tool(tmp_path, "llama-batched-bench", "\n".join(json.dumps(r) for r in BATCHED))
     tools = llama_cpp_tools(str(tmp_path))
     out = run_llama_cpp(tools, "m.gguf", [1, 2], "-nr 1")
-    assert out["tg128_t1"] == 40.0 and out["tg128_t2"] == out["tg128"] == 70.0
     assert out["pp512"] == 190.0 and out["decode_64"] == 300.0
     assert out["end_to_end_16"] == 16 * 128 / 20.0
     bench_args = (tmp_path / "llama-bench.args").read_text().split()
-    assert bench_args[bench_args.index("-t") + 1] == "1,2"
+    assert bench_args[bench_args.index("-t") + 1] == "2"  # prefill at the largest count
     assert bench_args[-2:] == ["--repack", "0"]  # llama-bench's spelling of no repacking
     batched_args = (tmp_path / "llama-batched-bench.args").read_text().split()
     assert batched_args[-1] == "-nr" and "--repack" not in batched_args
-    assert {key for key, _ in table_rows(2)} <= set(out)
+    batch1 = llama_batch1(tools[0], "m.gguf", [1, 2], "-nr")
+    assert batch1 == {"tg128_t1": 40.0, "tg128_t2": 70.0, "tg128": 70.0}
+    bench_args = (tmp_path / "llama-bench.args").read_text().split()
+    assert bench_args[bench_args.index("-t") + 1] == "1,2"
+    assert bench_args[-2:] == ["--repack", "0"]
+    assert {key for key, _ in table_rows(2)} <= set(out) | set(batch1)
     assert llama_cpp_tools(str(tmp_path / "none")) is None
+
+
+def test_batch1_rounds_alternate_who_goes_first_and_take_medians():
+    order, ours_rates, theirs_rates = [], iter([100.0, 300.0, 200.0]), iter([50.0, 10.0, 60.0])
+    ours = lambda: order.append("ours") or {"tg128": next(ours_rates)}  # noqa: E731
+    theirs = lambda: order.append("theirs") or {"tg128": next(theirs_rates)}  # noqa: E731
+    mine, peer = batch1_rounds(ours, theirs, 3)
+    assert order == ["ours", "theirs", "theirs", "ours", "ours", "theirs"]
+    assert mine == {"tg128": 200.0} and peer == {"tg128": 50.0}
 
 
 def test_each_tool_gets_no_repack_in_its_own_spelling_and_failures_show_their_error(tmp_path):
