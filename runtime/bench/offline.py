@@ -373,16 +373,20 @@ def batch1_decode(engine, tokenizer, threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def batch1_rounds(ours, theirs, rounds: int) -> tuple[dict, dict]:
+def batch1_rounds(ours, theirs, rounds: int) -> tuple[list[dict], list[dict]]:
     """The batch-1 rows, `ours()` and `theirs()` (dicts of tokens/s) run back to back in each
-    of `rounds` rounds, who goes first alternating: the median of each key over the rounds.
-    A host's slow phase (this VM's ran both engines 25-45% slower for minutes) then falls on
-    both sides instead of deciding the ratio."""
+    of `rounds` rounds, who goes first alternating: each side's results by round. Their
+    medians make the table, so a host's slow phase (this VM's ran both engines 25-45% slower
+    for minutes) falls on both sides instead of deciding the ratio."""
     runs: tuple[list, list] = ([], [])
     for i in range(rounds):
         for side in (0, 1) if i % 2 == 0 else (1, 0):
             runs[side].append((ours, theirs)[side]())
-    return tuple({k: statistics.median(r[k] for r in side) for k in side[0]} for side in runs)
+    return runs
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
@@ -398,16 +402,20 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
               else single_probes(engine, tokenizer))  # fmt: skip
     ours["pp512"] = probes["prefill_512_tokens_per_s"]
     theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
-    ours_1, theirs_1 = batch1_rounds(
+    ours_runs, theirs_runs = batch1_rounds(
         lambda: {"tg128_t1": batch1_decode(engine, tokenizer, 1),
                  "tg128": batch1_decode(engine, tokenizer, threads)},
         lambda: llama_batch1(tools[0], path, [1, threads], args.llama_cpp_args),
         args.compare_rounds,
     )  # fmt: skip
-    ours, theirs = ours | ours_1, theirs | theirs_1
+    ours, theirs = ours | medians(ours_runs), theirs | medians(theirs_runs)
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy()}
+    result["llama_cpp"]["batch1_rounds"] = {"spruce": ours_runs, "llama.cpp": theirs_runs}
     print(f"\nthread wait policy: {wait_policy()}")
     print(f"batch-1 rows: the median of {args.compare_rounds} rounds, the engines back to back")
+    for key in ("tg128_t1", "tg128"):
+        rates = [", ".join(f"{run[key]:.1f}" for run in runs) for runs in (ours_runs, theirs_runs)]
+        print(f"  {key} by round: Spruce {rates[0]}; llama.cpp {rates[1]}")
     print("| workload (same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
     print("| --- | --- | --- | --- |")
     for key, label in table_rows(threads):

@@ -21,7 +21,7 @@ from spruce.runtime.bench.llama_cpp import (
     table_rows,
     tool_args,
 )
-from spruce.runtime.bench.offline import batch1_rounds
+from spruce.runtime.bench.offline import batch1_rounds, medians
 from spruce.runtime.bench.spec import compare_llama_cpp, llama_cpp_servers
 
 BENCH = [
@@ -88,7 +88,8 @@ def test_batch1_rounds_alternate_who_goes_first_and_take_medians():
     theirs = lambda: order.append("theirs") or {"tg128": next(theirs_rates)}  # noqa: E731
     mine, peer = batch1_rounds(ours, theirs, 3)
     assert order == ["ours", "theirs", "theirs", "ours", "ours", "theirs"]
-    assert mine == {"tg128": 200.0} and peer == {"tg128": 50.0}
+    assert [run["tg128"] for run in mine] == [100.0, 300.0, 200.0]
+    assert medians(mine) == {"tg128": 200.0} and medians(peer) == {"tg128": 50.0}
 
 
 def test_each_tool_gets_no_repack_in_its_own_spelling_and_failures_show_their_error(tmp_path):
