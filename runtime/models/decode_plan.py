@@ -225,9 +225,7 @@ class DecodePlan:
             self.step_layers, len(self.step_layers), ctypes.byref(args)
         )
         if failed == 2:
-            raise ValueError(
-                f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})"
-            )
+            raise _attention_refused(c)
         _check(failed)
         residual, out = buffers[0], buffers[2]
         return out, residual
@@ -358,11 +356,15 @@ class DecodePlan:
                 *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
             )  # fmt: skip
             if failed:
-                raise ValueError(
-                    f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})"
-                )
+                raise _attention_refused(c)
 
         return attention
+
+
+def _attention_refused(c) -> ValueError:
+    return ValueError(
+        f"CPU attention kernel: unsupported shape (heads {c.num_heads}, head_dim {c.head_dim})"
+    )
 
 
 def _check(failed: int) -> None:
