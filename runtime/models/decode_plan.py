@@ -204,6 +204,7 @@ class DecodePlan:
         if ctx.shared_rows:
             return self.run_calls(x, ctx, backend)
         c, rows = self.config, x.shape[0]
+        isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
         buffers = self._buffers(x)
         group, pool = ctx.backend_state.decode, backend.pool
         table = backend.req_to_token.table
@@ -216,9 +217,9 @@ class DecodePlan:
         args = StepArgs(
             *(t.data_ptr() for t in buffers),
             rows, c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            self.inter, cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa()),
+            self.inter, cpu_quant_ops.ISAS.index(isa),
             *(t.data_ptr() for t in held), table.data_ptr(), table.stride(0), backend.scale,
-            CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows),
+            CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows, isa),
         )  # fmt: skip
         self._point_at_caches(backend)
         failed = self.lib.spruce_decode_layers(
@@ -244,24 +245,24 @@ class DecodePlan:
             torch.empty(rows, self.inter),
         )
 
-    def _kernel_codes(self, rows: int) -> ctypes.Array:
-        """The C side's kernel table for `rows`: cpu_quant_ops.kernel's choice per weight type."""
-        isa = cpu_quant_ops.best_isa()
+    def _kernel_codes(self, rows: int, isa: str) -> ctypes.Array:
+        """The C side's kernel table for `rows` on `isa`: cpu_quant_ops.kernel's choice per
+        weight type."""
         codes = self.kernel_codes.get((rows, isa))
         if codes is None:
             codes = (ctypes.c_int8 * KERNEL_TYPES)()
             for q in self.qtypes:
                 codes[cpu_quant_ops.QUANT_TYPES[q].ggml_id] = KERNEL_CODES[
-                    cpu_quant_ops.kernel(q, rows)
+                    cpu_quant_ops.kernel(q, rows, isa)
                 ]
             self.kernel_codes[rows, isa] = codes
         return codes
 
     def _point_at_caches(self, backend) -> None:
         """Each layer's K/V cache (and int8 scales) and attention window, from `backend`'s
-        pool (filled again when the pool is another)."""
+        pool (filled again when the backend or its pool is another)."""
         pool = backend.pool
-        key = (id(pool), pool.k[0].data_ptr(), pool.v[-1].data_ptr(), tuple(backend.windows))
+        key = (id(backend), id(pool), pool.k[0].data_ptr(), pool.v[-1].data_ptr())
         if self.cache_of == key:
             return
         for entry, (*_, layer) in zip(self.step_layers, self.layers):

@@ -120,10 +120,11 @@ def test_kernel_table_follows_each_weight_type():
     plan.qtypes, plan.kernel_codes = {"q4_1", "q4_k"}, {}
     q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
     for rows in (1, cpu_quant_ops.K_INTEGER_MAX_ROWS + 1, 64):
-        codes = plan._kernel_codes(rows)
+        isa = cpu_quant_ops.best_isa()
+        codes = plan._kernel_codes(rows, isa)
         for name, kind in (("q4_1", q4_1), ("q4_k", q4_k)):
             assert codes[kind] == decode_plan.KERNEL_CODES[cpu_quant_ops.kernel(name, rows)]
-        assert plan._kernel_codes(rows) is codes  # built once per row count
+        assert plan._kernel_codes(rows, isa) is codes  # built once per row count
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
