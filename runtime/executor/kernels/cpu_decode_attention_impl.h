@@ -126,13 +126,13 @@ SPECIALIZED(7, 128)
 #undef SPECIALIZED
 #endif
 
-/* Reads tokens [0, n)'s K/V rows (and an int8 cache's scales) into L2: one load per cache
- * line, none depending on another, so the core has as many misses in flight as it can track
- * (see the file's header, "staging"). */
+/* Reads tokens [0, n)'s K/V rows (`part` elements of each, from k and v; and an int8
+ * cache's scales) into L2: one load per cache line, none depending on another, so the core
+ * has as many misses in flight as it can track (see the file's header, "staging"). */
 static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks, const float *vs,
-                             const int32_t *slots, int64_t n, int64_t row_len, int64_t kv_heads) {
+                             const int32_t *slots, int64_t n, int64_t row_len, int64_t part, int64_t kv_heads) {
     /* bytes, not elements: widening a half float to an integer costs two conversions */
-    const int64_t bytes = row_len * (int64_t)sizeof(CACHE_T);
+    const int64_t bytes = part * (int64_t)sizeof(CACHE_T);
     uint32_t sink = 0;
     for (int64_t j = 0; j < n; j++) {
         const volatile uint8_t *kr = (const uint8_t *)(k + (int64_t)slots[j] * row_len);
@@ -144,21 +144,22 @@ static void NAME(stage_rows)(const CACHE_T *k, const CACHE_T *v, const float *ks
     __asm__ volatile("" ::"r"(sink));
 }
 
-/* Every query head of one request attends over its tokens, `span` at a time (as many as fit
- * in half the core's L2; a multiple of BLOCK): each span is staged, then every kv head's pass
- * reads its part of the span's rows from L2. */
+/* The query heads of kv heads [h0, h1) of one request attend over its tokens, `span` at a
+ * time (as many as fit in half the core's L2; a multiple of BLOCK): each span's rows (those
+ * kv heads' part) are staged, then every kv head's pass reads its part from L2. */
 static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *v_cache, const float *k_scale,
                          const float *v_scale, const int32_t *slots, int64_t seq_len, float *out, int64_t heads,
-                         int64_t kv_heads, int64_t dim, float scale, int64_t span) {
+                         int64_t kv_heads, int64_t dim, float scale, int64_t span, int64_t h0, int64_t h1) {
     int64_t group = heads / kv_heads, row_len = kv_heads * dim;
     float m[heads];
     avec l[heads];
-    for (int64_t i = 0; i < heads; i++) m[i] = -INFINITY, l[i] = (avec){0};
-    memset(out, 0, (size_t)(heads * dim) * sizeof(float));
+    for (int64_t i = h0 * group; i < h1 * group; i++) m[i] = -INFINITY, l[i] = (avec){0};
+    memset(out + h0 * group * dim, 0, (size_t)((h1 - h0) * group * dim) * sizeof(float));
     for (int64_t from = 0; from < seq_len; from += span) {
         int64_t to = seq_len - from < span ? seq_len : from + span;
-        NAME(stage_rows)(k_cache, v_cache, k_scale, v_scale, slots + from, to - from, row_len, kv_heads);
-        for (int64_t h = 0; h < kv_heads; h++) {
+        NAME(stage_rows)(k_cache + h0 * dim, v_cache + h0 * dim, k_scale ? k_scale + h0 : NULL,
+                         v_scale ? v_scale + h0 : NULL, slots + from, to - from, row_len, (h1 - h0) * dim, kv_heads);
+        for (int64_t h = h0; h < h1; h++) {
             const float *qh = q + h * group * dim;
             float *oh = out + h * group * dim, *mh = m + h * group;
             avec *lh = l + h * group;
@@ -180,7 +181,7 @@ static void NAME(attend)(const float *q, const CACHE_T *k_cache, const CACHE_T *
             }
         }
     }
-    for (int64_t i = 0; i < heads; i++) { /* the accumulators over the softmax's sums */
+    for (int64_t i = h0 * group; i < h1 * group; i++) { /* the accumulators over the softmax's sums */
         float total = asum_lanes(l[i]);
         float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t c = 0; c < dim; c += AL) astore(out + i * dim + c, aload(out + i * dim + c) * inv);
@@ -215,19 +216,23 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
     /* tokens per span: their K and V rows in half the L2 */
     int64_t span = l2_bytes() / 2 / (2 * row_len * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
     if (span < BLOCK) span = BLOCK;
-#pragma omp parallel for schedule(dynamic, 1) if (batch > 1) /* one request: no thread wake-up */
-    for (int64_t b = 0; b < batch; b++) {
+    /* Work items: whole requests, or with fewer requests than threads each request's kv heads
+     * one by one (their query heads, and the new token's K/V of those heads, are theirs alone). */
+    int64_t parts = batch < omp_get_max_threads() ? kv_heads : 1, items = batch * parts;
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t b = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
         if (new_slots != NULL) {
-            int64_t slot = new_slots[b];
-            NAME(store)(k_cache + slot * row_len, k_scale ? k_scale + slot * kv_heads : NULL, k_new + b * new_stride,
-                        kv_heads, dim);
-            NAME(store)(v_cache + slot * row_len, v_scale ? v_scale + slot * kv_heads : NULL, v_new + b * new_stride,
-                        kv_heads, dim);
+            int64_t at = new_slots[b] * row_len + h0 * dim, scale_at = new_slots[b] * kv_heads + h0;
+            NAME(store)(k_cache + at, k_scale ? k_scale + scale_at : NULL, k_new + b * new_stride + h0 * dim, h1 - h0,
+                        dim);
+            NAME(store)(v_cache + at, v_scale ? v_scale + scale_at : NULL, v_new + b * new_stride + h0 * dim, h1 - h0,
+                        dim);
         }
         /* a sliding window reads only the last `window` tokens: the tail of the row */
         int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
         NAME(attend)(q + b * q_stride, k_cache, v_cache, k_scale, v_scale, req_to_token + rows[b] * table_stride + first,
-               seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, span);
+                     seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, span, h0, h1);
     }
     return 0;
 }

@@ -247,3 +247,42 @@ def test_rising_scores_rescale_exactly(kernel, cache_dtype):
     got = kernel(q, k_cache, v_cache, table, rows, seq_lens, 1.0, scales=scales)
     want = reference(q, k_read, v_read, table, rows, seq_lens, 1.0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (16, 1, 64), (28, 4, 128)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_one_request_is_split_by_kv_heads_exactly(kernel, heads, kv_heads, dim, cache_dtype):
+    """With fewer requests than threads each request's kv heads are work items of their own
+    (their new K/V stored, their spans staged, their heads normalized by the thread that
+    takes them): the output and the stored K/V are the one-thread call's bit for bit, and
+    the reference's, with and without a window and across several L2 spans."""
+    g = torch.Generator().manual_seed(heads + dim)
+    k, v = torch.randn(1, kv_heads, dim, generator=g), torch.randn(1, kv_heads, dim, generator=g)
+    q = torch.randn(1, heads, dim, generator=g)
+    table = (torch.randperm(2999, generator=g)[:2500] + 1).int().view(1, 2500)
+    rows = torch.tensor([0])
+    for length, window in ((1, None), (37, None), (37, 20), (2500, None)):
+        seq_lens = torch.tensor([length])
+        slots = table[0, length - 1 : length].long()
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            g.manual_seed(length)
+            k_cache, v_cache, scales, _, _ = to_cache(
+                torch.randn(3000, kv_heads, dim, generator=g),
+                torch.randn(3000, kv_heads, dim, generator=g),
+                cache_dtype,
+            )
+            got = kernel(q, k_cache, v_cache, table, rows, seq_lens, dim**-0.5, new_kv=(k, v, slots),
+                         window=window, scales=scales)  # fmt: skip
+            results.append((got, k_cache, v_cache, *(scales or ())))
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+        _, k_cache, v_cache, *scales = results[1]
+        k_read, v_read = (
+            (k_cache.float(), v_cache.float())
+            if not scales
+            else (dequantize_int8(k_cache, scales[0], torch.float32),
+                  dequantize_int8(v_cache, scales[1], torch.float32))
+        )  # fmt: skip
+        want = reference(q, k_read, v_read, table, rows, seq_lens, dim**-0.5, window)
+        torch.testing.assert_close(results[1][0], want, atol=1e-5, rtol=1e-5)
