@@ -179,6 +179,29 @@ def test_integer_linear_matches_block_reference(isa, qtype, rows, n, k):
     ).max()
 
 
+@pytest.mark.parametrize("n", [1, 15, 17, 48, 70, 1000])
+def test_integer_linear_is_the_same_on_any_thread_count(isa, n):
+    """The weight rows' tiles are shared out and taken back by threads as they finish (one
+    tile, fewer tiles than threads, a last partial tile, many): every output row is computed,
+    each by one sum in one order, so any thread count gives the one-thread result and the
+    reference's."""
+    rng = np.random.default_rng(n)
+    blocks = random_blocks("q4_1", n, 96, rng)
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results.append(ops.integer_linear(torch.from_numpy(x), "q4_1", blocks, bias, isa=isa))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    expected = reference_linear(x, "q4_1", blocks, 96) + bias.numpy()
+    assert np.allclose(results[0].numpy(), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_batch_one_equals_a_row_of_a_batch(isa, qtype):
     """One activation row takes its own path (several weight rows at a time); its
