@@ -213,7 +213,9 @@ TARGET_VNNI static inline __m256i dot16x_vnni(__m256i lo, __m256i hi, __m256i x_
 
 /* Q4_1: the four rows' block headers (d, m) as floats in one conversion, lanes 2r = d and
  * 2r + 1 = m of row r. With the products d dx and m dx sx in vectors this saved ~12% of
- * the batch-1 Q4_1 matmuls (for Q4_0 and Q8_0, one fp16 per block, it lost). */
+ * the batch-1 Q4_1 matmuls (for Q4_0 and Q8_0, one fp16 per block, it lost). Row r's d dx
+ * then reaches its multiply-add as a broadcast load from a stored copy rather than a lane
+ * permute: batch-1 matmuls in cache 2-3% faster on Zen 4, the same at 2-4 rows. */
 TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t stride) {
     uint32_t h[4];
     for (int r = 0; r < 4; r++) memcpy(&h[r], block + r * stride, 4);
@@ -272,8 +274,10 @@ TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t str
             LOAD_X(ROWS)                                                                              \
             const uint8_t *block = w + b * bytes;                                                     \
             __m256 dm = block_scales4(block, stride), ds[MAX_ROWS];                                   \
+            float dsv[MAX_ROWS][8];                                                                   \
             for (int m = 0; m < ROWS; m++) {                                                          \
                 ds[m] = _mm256_mul_ps(dm, _mm256_set1_ps(a->dx[m * nb + b]));                         \
+                _mm256_storeu_ps(dsv[m], ds[m]);                                                      \
                 extra[m] = _mm256_fmadd_ps(ds[m], _mm256_set1_ps(a->sx[m * nb + b]), extra[m]);       \
             }                                                                                         \
             for (int r = 0; r < 4; r++) {                                                             \
@@ -281,7 +285,7 @@ TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t str
                 load_weight16(TYPE_Q4_1, block + r * stride, &w_lo, &w_hi);                           \
                 for (int m = 0; m < ROWS; m++) {                                                      \
                     __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
-                    __m256 scale = _mm256_permutevar8x32_ps(ds[m], _mm256_set1_epi32(2 * r));         \
+                    __m256 scale = _mm256_broadcast_ss(&dsv[m][2 * r]);                               \
                     acc[r][m] = _mm256_fmadd_ps(dot, scale, acc[r][m]);                               \
                 }                                                                                     \
             }                                                                                         \
