@@ -27,9 +27,9 @@ thread) 172-185 ms, with two fixed threads 226-229 ms, with three fixed threads 
 thread beside a busy process thus costs 1.5-1.8x the quiet step: about what two threads gain
 over one when the cores are free, which no policy that leaves the other process its share
 can beat on two cores. Again with the batch-1 matmuls' rows shared out between threads
-(2026-12-04, 64 requests of 128 prompt + 40 generated tokens, decode steps, medians of two alternated runs
-each): quiet 81 ms; busy with this governor (one thread) 148 ms, 1.81x, what two threads
-gain over one on free cores; busy with two fixed threads 249 ms.
+(2026-12-04; 64 requests of 128 prompt + 40 generated tokens, the median decode step of
+two alternated runs each): quiet 81 ms; busy with this governor (one thread) 148 ms, 1.81x,
+what two threads gain over one on free cores; busy with two fixed threads 249 ms.
 """
 
 from __future__ import annotations

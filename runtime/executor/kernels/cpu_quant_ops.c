@@ -341,30 +341,33 @@ typedef struct {
     tile4_fn tile4; /* four weight rows at a time (the 32-value formats), or NULL */
 } gemv_call;
 
-#define TILE 16 /* weight rows per tile */
+#define TILE 16 /* weight rows per tile (a multiple of 4) */
 
-/* Weight rows [first, end) against every activation row, MAX_ROWS activation rows at a
- * time: the rows stay in cache while they meet them all, so the weights are read from memory
- * once for any number of activation rows. */
+/* Weight rows [first_row, end) against every activation row, a tile of TILE rows at a time:
+ * the tile stays in cache while it meets the activation rows MAX_ROWS at a time, so the
+ * weights are read from memory once for any number of activation rows. */
 static void gemv_rows(const gemv_call *g, int64_t first_row, int64_t end) {
     int64_t nb = g->k / QK, bytes = row_bytes(g->type, g->k), k = g->k;
-    for (int64_t first = 0; first < g->rows; first += MAX_ROWS) {
-        int64_t count = g->rows - first < MAX_ROWS ? g->rows - first : MAX_ROWS;
-        activations a = {g->qx + first * k, g->dx + first * nb, g->sx + first * nb, k, count};
-        float *y = g->y + first * g->y_stride;
-        int64_t i = first_row;
-        for (; g->tile4 != NULL && i + 4 <= end; i += 4) {
-            float out[4 * MAX_ROWS];
-            g->tile4(g->type, g->w + i * bytes, &a, out, bytes);
-            for (int64_t r = 0; r < 4; r++)
+    for (int64_t tile = first_row; tile < end; tile += TILE) {
+        int64_t tile_end = tile + TILE < end ? tile + TILE : end;
+        for (int64_t first = 0; first < g->rows; first += MAX_ROWS) {
+            int64_t count = g->rows - first < MAX_ROWS ? g->rows - first : MAX_ROWS;
+            activations a = {g->qx + first * k, g->dx + first * nb, g->sx + first * nb, k, count};
+            float *y = g->y + first * g->y_stride;
+            int64_t i = tile;
+            for (; g->tile4 != NULL && i + 4 <= tile_end; i += 4) {
+                float out[4 * MAX_ROWS];
+                g->tile4(g->type, g->w + i * bytes, &a, out, bytes);
+                for (int64_t r = 0; r < 4; r++)
+                    for (int64_t m = 0; m < count; m++)
+                        y[m * g->y_stride + i + r] = out[r * MAX_ROWS + m] + (g->bias != NULL ? g->bias[i + r] : 0.0f);
+            }
+            for (; i < tile_end; i++) {
+                float out[MAX_ROWS];
+                g->row(g->type, g->w + i * bytes, &a, out);
                 for (int64_t m = 0; m < count; m++)
-                    y[m * g->y_stride + i + r] = out[r * MAX_ROWS + m] + (g->bias != NULL ? g->bias[i + r] : 0.0f);
-        }
-        for (; i < end; i++) {
-            float out[MAX_ROWS];
-            g->row(g->type, g->w + i * bytes, &a, out);
-            for (int64_t m = 0; m < count; m++)
-                y[m * g->y_stride + i] = out[m] + (g->bias != NULL ? g->bias[i] : 0.0f);
+                    y[m * g->y_stride + i] = out[m] + (g->bias != NULL ? g->bias[i] : 0.0f);
+            }
         }
     }
 }
