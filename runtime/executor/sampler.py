@@ -15,12 +15,14 @@ argmax (at 1e-5 the distribution already is), so a tiny temperature cannot overf
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from spruce.runtime.core.request import Req, TokenLogprobs
 from spruce.runtime.core.sampling_params import MIN_TEMPERATURE  # below: argmax (no overflow)
+from spruce.runtime.executor.kernels import cpu_layer_ops
 
 logger = logging.getLogger("spruce.sampler")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -150,15 +152,22 @@ class Sampler:
                 logger.exception("the grammar mask of request %s failed", req.rid)
                 errors[i] = "the grammar mask failed (see the server log)"
 
-    def _check_rows(
-        self, logits: torch.Tensor, argmax: torch.Tensor, errors: dict[int, str]
-    ) -> None:
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax (argmax picks a NaN when there is one) and its logit: one C pass
+        over float32 CPU logits (cpu_layer_ops.argmax_rows), torch elsewhere."""
+        if logits.dim() == 2 and cpu_layer_ops.usable(logits):
+            return cpu_layer_ops.argmax_rows(logits)
+        ids = logits.argmax(dim=-1)
+        return ids, logits.gather(1, ids[:, None])[:, 0]
+
+    def _check_rows(self, best: torch.Tensor, errors: dict[int, str]) -> None:
         """Rows with a NaN or +inf, or with every token at -inf, cannot be sampled: exactly
-        those whose argmax logit is not finite (argmax picks a NaN when there is one), so
-        this costs a gather, not another pass over the vocabulary."""
-        bad = ~torch.isfinite(logits.gather(1, argmax[:, None])[:, 0])
-        for i in torch.nonzero(bad).flatten().tolist():
-            errors.setdefault(i, "the logits allow no token (NaN, or every token masked)")
+        those whose argmax logit (`best`) is not finite, so this costs no other pass over the
+        vocabulary."""
+        for i, value in enumerate(best.tolist()):
+            if not math.isfinite(value):
+                errors.setdefault(i, "the logits allow no token (NaN, or every token masked)")
 
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
@@ -166,8 +175,8 @@ class Sampler:
     # -- choosing tokens -----------------------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> list[int]:
-        ids = logits.argmax(dim=-1)
-        self._check_rows(logits, ids, errors)
+        ids, best = self._argmax(logits)
+        self._check_rows(best, errors)
         sampled = [i for i, r in enumerate(reqs) if _is_sampled(r) and i not in errors]
         if sampled:
             probs = self._filtered_probs(logits[sampled], [reqs[i].sampling for i in sampled])

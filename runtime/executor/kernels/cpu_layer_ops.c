@@ -1,5 +1,6 @@
 /* The small per-layer operations of a decoder on the CPU, one pass over memory each:
- * residual add + RMSNorm, SiLU(gate) * up, and rotary embedding in place.
+ * residual add + RMSNorm, SiLU(gate) * up, and rotary embedding in place; and each row's
+ * argmax for greedy sampling.
  *
  * Each of these is several torch operators, and each torch operator over a decode batch
  * wakes the OpenMP threads (tens of microseconds on a small VM with sleeping threads),
@@ -128,5 +129,53 @@ void PER_ISA(spruce_gemv)(const float *x, int64_t rows, int64_t k, const float *
         dot_rows(x, rows, k, w + start * k, n_here, out);
         for (int64_t i = 0; i < n_here; i++)
             for (int64_t m = 0; m < rows; m++) y[m * n + start + i] = out[i][m] + (bias != NULL ? bias[start + i] : 0.0f);
+    }
+}
+
+/* One row's argmax as torch.argmax takes it: the first NaN where there is one, else the first
+ * of the largest values. */
+static int64_t argmax_row(const float *row, int64_t n) {
+    int64_t best = 0, i = 0;
+#if defined(__AVX2__)
+    /* the largest value (max_ps(v, m) keeps m where v is NaN) and whether a NaN is there,
+     * then the first lane equal to it: two vector passes, instead of a compare and branch per
+     * value (65 us over 49,152 logits) */
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(row + i);
+        m = _mm256_max_ps(v, m), nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float top = _mm_cvtss_f32(h);
+    for (int64_t j = i; j < n; j++) top = row[j] > top ? row[j] : top;
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t j = i; j < n; j++) any_nan |= row[j] != row[j];
+    if (!any_nan) {
+        __m256 wanted = _mm256_set1_ps(top);
+        for (i = 0; i + 8 <= n; i += 8) {
+            int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), wanted, _CMP_EQ_OQ));
+            if (hits != 0) return i + __builtin_ctz((unsigned)hits);
+        }
+        for (; i < n; i++)
+            if (row[i] == top) return i;
+    }
+    i = 0; /* a NaN somewhere: the exact loop below finds the first */
+#endif
+    for (i = i + 1; i < n && row[best] == row[best]; i++) /* stops at a NaN */
+        if (!(row[i] <= row[best])) best = i;             /* larger, or NaN */
+    return best;
+}
+
+/* Each row of x [rows, n] (contiguous): its argmax (argmax_row) in ids, the value there in
+ * values (a row whose value is not finite cannot be sampled). torch's argmax and the gather
+ * for the value took ~0.18 ms of a batch-1 step over SmolLM2's 49,152 logits (cold, small
+ * operators). */
+void PER_ISA(spruce_argmax_rows)(const float *x, int64_t rows, int64_t n, int64_t *ids, float *values) {
+#pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        ids[r] = argmax_row(x + r * n, n);
+        values[r] = x[r * n + ids[r]];
     }
 }

@@ -1,6 +1,6 @@
 """Per-layer decoder operations in C for float32 CPU tensors (runtime/kernels/cpu_layer_ops.c):
-residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, and linear layers for a
-few rows (batch-1 decode).
+residual add + RMSNorm, SiLU(gate) * up, rotary embedding in place, linear layers for a
+few rows (batch-1 decode), and each row's argmax for greedy sampling.
 
 `usable(x)` says whether a tensor can take this path; the model falls back to torch ops
 otherwise (other devices and dtypes, no C compiler).
@@ -66,6 +66,17 @@ def rotary_(
         cos.data_ptr(),
         sin.data_ptr(),
     )
+
+
+def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n] -> (ids int64 [rows], values [rows]): torch.argmax(x, -1) (the first NaN
+    of a row that has one, else the first of its largest values) and x at those ids."""
+    x = x.contiguous()
+    ids, values = torch.empty(x.shape[0], dtype=torch.int64), torch.empty(x.shape[0])
+    load_library().spruce_argmax_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), values.data_ptr()
+    )
+    return ids, values
 
 
 GEMV_MAX_ROWS = 4

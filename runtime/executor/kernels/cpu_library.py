@@ -76,6 +76,7 @@ SIGNATURES = {
     "spruce_silu_mul": [_P, _P, _I64, _I64],  # gate_up, out, rows, inter
     "spruce_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],  # x, row_stride, rows, heads, dim, pos, cos, sin
     "spruce_gemv": [_P, _I64, _I64, _P, _P, _I64, _P],  # x, rows, k, weight, bias, n, y
+    "spruce_argmax_rows": [_P, _I64, _I64, _P, _P],  # x, rows, n, ids, values
     "spruce_quantize_rows_q16": [_P, _I64, _I64, _P, _P, _P, _I64],  # x, rows, k, qx, dx, sx, isa
     # type, blocks, n, k, qx, dx, sx, rows, bias, y, y_stride, isa
     "spruce_quant_gemv": [_I64, _P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64],
@@ -100,7 +101,7 @@ PER_ISA_KERNELS = (
 )
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
-PER_ISA_KERNELS += ("spruce_decode_layers",)
+PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_argmax_rows")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,

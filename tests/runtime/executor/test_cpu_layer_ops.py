@@ -86,3 +86,28 @@ def test_linear_few_rows(rows, n, k):
         torch.testing.assert_close(
             cpu_layer_ops.linear(x, w, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5
         )
+
+
+@pytest.mark.parametrize("rows,n", [(1, 49152), (3, 17), (64, 5000)])
+def test_argmax_rows_is_torchs(rows, n):
+    """torch.argmax's choice on every row: ties go to the first, a NaN wins (the first of
+    several), +inf wins, a row all -inf gives 0; and the value at that id. 64 x 5000 runs on
+    several threads."""
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randint(-3, 4, (rows, n), generator=g).float()  # many ties
+    x[0, n // 2] = 10.0
+    x[0, n - 1] = 10.0  # a tie with a later id
+    if rows > 1:
+        x[1, min(5, n - 1)] = float("nan")
+        x[1, n - 1] = float("nan")
+        x[1, 0] = float("inf")
+        x[2] = float("-inf")
+    if rows > 3:
+        x[3, n - 1] = float("inf")
+        x[4, :10] = float("nan")
+    ids, values = cpu_layer_ops.argmax_rows(x)
+    want = x.argmax(dim=-1)
+    assert torch.equal(ids, want)
+    assert torch.equal(values.isnan(), x.gather(1, want[:, None])[:, 0].isnan())
+    finite = ~values.isnan()
+    assert torch.equal(values[finite], x.gather(1, want[:, None])[:, 0][finite])
