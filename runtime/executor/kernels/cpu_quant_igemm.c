@@ -13,12 +13,14 @@
  *   packed x   once per call: groups of 16 rows, per block of k the 16 pairs of 16 rows
  *              (int16 pairs as int32 lanes), dx and dx sx as 16 floats; rows past the end
  *              are zero.
- *   packed W   per task, a panel of PANEL weight rows widened to int16, row by row (the
- *              microkernel broadcasts a pair of values from it), with each block's scale
+ *   packed W   per task, a panel of PANEL weight rows widened to int16, in tiles of NW
+ *              rows with the rows' blocks side by side (the microkernel broadcasts each
+ *              pair of values from memory, all from one pointer), with each block's scale
  *              dw and second term (Q4_0: -8 dw, Q4_1: m, Q8_0: none) as floats; rows past
  *              n are zero.
- *   microkernel  NW weight rows x 16 activation rows: per block NW int32 sums (16 steps
- *              of vpdpwssd), then acc += float(sum) dx dw + dx sx second.
+ *   microkernel  NW weight rows x 16 activation rows of one or two row groups: per block
+ *              NW int32 sums per group (16 steps of vpdpwssd), then acc += float(sum)
+ *              dx dw + dx sx second.
  *   threads    torch's OpenMP threads take panels (x a part of the row groups when the
  *              panels are few) one at a time, as each is free (as the float GEMM does).
  *
@@ -69,89 +71,107 @@ static void pack_group(const igemm *g, const float *x, int64_t group, int16_t *q
         }
 }
 
-/* Weight rows [j0, j0 + PANEL) (zeros past n) as int16 [PANEL][k], scales [PANEL][nb] each. */
+/* Weight rows [j0, j0 + PANEL) (zeros past n), widened to int16, in tiles of NW rows: per
+ * tile, block by block, the NW rows' blocks side by side ([nb][NW][32] int16, so the
+ * microkernel reaches every row's pairs from one pointer); each block's scale dw and
+ * second term per tile as [nb][NW] floats. */
 TARGET_VNNI static void pack_panel(const igemm *g, int64_t j0, int16_t *w16, float *dw, float *second) {
     int64_t k = g->k, nb = g->nb, bytes = block_bytes(g->type), here = min64(PANEL, g->n - j0);
+    int64_t filled = here / NW * NW;
+    if (here < PANEL) {
+        memset(w16 + filled * k, 0, (size_t)((PANEL - filled) * k) * sizeof(int16_t));
+        memset(dw + filled * nb, 0, (size_t)((PANEL - filled) * nb) * sizeof(float));
+        memset(second + filled * nb, 0, (size_t)((PANEL - filled) * nb) * sizeof(float));
+    }
     for (int64_t r = 0; r < here; r++) {
         const uint8_t *row = g->w + (j0 + r) * g->row_bytes;
+        int64_t base = r / NW * NW, w = r % NW;
+        int16_t *tile_w = w16 + base * k + w * QK;
+        float *dws = dw + base * nb + w, *seconds = second + base * nb + w;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *block = row + b * bytes;
-            int16_t *out = w16 + r * k + b * QK;
+            int16_t *wide = tile_w + b * NW * QK;
             uint16_t h[2];
             memcpy(h, block, sizeof h);
             float d = _cvtsh_ss(h[0]);
-            dw[r * nb + b] = d;
+            dws[b * NW] = d;
             if (g->type == TYPE_Q8_0) {
-                second[r * nb + b] = 0.0f;
+                seconds[b * NW] = 0.0f;
                 __m256i q = _mm256_loadu_si256((const __m256i *)(block + 2));
-                _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(q));
-                continue;
+                _mm512_storeu_si512(wide, _mm512_cvtepi8_epi16(q));
+            } else {
+                seconds[b * NW] = g->type == TYPE_Q4_1 ? _cvtsh_ss(h[1]) : -8.0f * d;
+                const uint8_t *qs = block + (g->type == TYPE_Q4_1 ? 4 : 2);
+                __m256i bytes16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
+                _mm256_storeu_si256((__m256i *)wide, _mm256_and_si256(bytes16, _mm256_set1_epi16(0x0f)));
+                _mm256_storeu_si256((__m256i *)(wide + 16), _mm256_srli_epi16(bytes16, 4));
             }
-            second[r * nb + b] = g->type == TYPE_Q4_1 ? _cvtsh_ss(h[1]) : -8.0f * d;
-            const uint8_t *qs = block + (g->type == TYPE_Q4_1 ? 4 : 2);
-            __m256i bytes16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));
-            _mm256_storeu_si256((__m256i *)out, _mm256_and_si256(bytes16, _mm256_set1_epi16(0x0f)));
-            _mm256_storeu_si256((__m256i *)(out + 16), _mm256_srli_epi16(bytes16, 4));
         }
-    }
-    if (here < PANEL) {
-        memset(w16 + here * k, 0, (size_t)((PANEL - here) * k) * sizeof(int16_t));
-        memset(dw + here * nb, 0, (size_t)((PANEL - here) * nb) * sizeof(float));
-        memset(second + here * nb, 0, (size_t)((PANEL - here) * nb) * sizeof(float));
     }
 }
 
-/* out[NW][LANES] = weight rows w16[0..NW) (of the panel) against row group `group`.
- * (Two row groups per tile, or 4 / 16 weight rows, measured no faster.) */
+/* out[groups][NW][LANES] = the NW weight rows of a packed tile against the row groups
+ * [group, group + groups) (1 or 2): each pair of k values is loaded for 16 rows of each
+ * group once, and every weight row's pair, broadcast from memory once, multiplies them all.
+ * Two groups halve the broadcasts per multiply, which bound the one-group tile on CPUs
+ * that issue two vpdpwssd a cycle but load only two values. The sums go to `out` block by
+ * block (no registers are left for them). */
 TARGET_VNNI static inline __attribute__((always_inline)) void tile(const igemm *g, const int16_t *w16, const float *dw,
-                                                                  const float *second, int64_t group, float *out,
-                                                                  const int with_second) {
-    int64_t k = g->k, nb = g->nb;
-    const int32_t *xp = g->xp + group * nb * 16 * LANES;
+                                                                  const float *second, int64_t group, const int groups,
+                                                                  float *out, const int with_second) {
+    int64_t nb = g->nb, stride = nb * 16 * LANES;
+    const int32_t *xp = g->xp + group * stride, *wp = (const int32_t *)w16;
     const float *dxp = g->dxp + group * nb * 2 * LANES;
-    __m512 acc[NW];
-    for (int w = 0; w < NW; w++) acc[w] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, xp += 16 * LANES, dxp += 2 * LANES) {
-        __m512i dot[NW];
-        for (int w = 0; w < NW; w++) dot[w] = _mm512_setzero_si512();
-        const int16_t *wb = w16 + b * QK;
+    for (int i = 0; i < groups * NW; i++) _mm512_storeu_ps(out + i * LANES, _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++, xp += 16 * LANES, dxp += 2 * LANES, wp += 16 * NW) {
+        __m512i dot[2][NW];
+        for (int h = 0; h < groups; h++)
+            for (int w = 0; w < NW; w++) dot[h][w] = _mm512_setzero_si512();
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
-            __m512i xv = _mm512_loadu_si512(xp + j * LANES);
+            __m512i xv[2];
+            for (int h = 0; h < groups; h++) xv[h] = _mm512_loadu_si512(xp + h * stride + j * LANES);
             for (int w = 0; w < NW; w++) {
-                int32_t pair;
-                memcpy(&pair, wb + w * k + 2 * j, sizeof pair);
-                dot[w] = _mm512_dpwssd_epi32(dot[w], xv, _mm512_set1_epi32(pair));
+                __m512i pair = _mm512_set1_epi32(wp[w * 16 + j]);
+                for (int h = 0; h < groups; h++) dot[h][w] = _mm512_dpwssd_epi32(dot[h][w], xv[h], pair);
             }
         }
-        __m512 dx = _mm512_loadu_ps(dxp), dxs = _mm512_loadu_ps(dxp + LANES);
-        for (int w = 0; w < NW; w++) {
-            __m512 scale = _mm512_mul_ps(dx, _mm512_set1_ps(dw[w * nb + b]));
-            acc[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[w]), scale, acc[w]);
-            if (with_second) acc[w] = _mm512_fmadd_ps(dxs, _mm512_set1_ps(second[w * nb + b]), acc[w]);
+        for (int h = 0; h < groups; h++) {
+            const float *d = dxp + h * nb * 2 * LANES;
+            __m512 dx = _mm512_loadu_ps(d), dxs = _mm512_loadu_ps(d + LANES);
+            for (int w = 0; w < NW; w++) {
+                float *o = out + (h * NW + w) * LANES;
+                __m512 scale = _mm512_mul_ps(dx, _mm512_set1_ps(dw[b * NW + w]));
+                __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[h][w]), scale, _mm512_loadu_ps(o));
+                if (with_second) acc = _mm512_fmadd_ps(dxs, _mm512_set1_ps(second[b * NW + w]), acc);
+                _mm512_storeu_ps(o, acc);
+            }
         }
     }
-    for (int w = 0; w < NW; w++) _mm512_storeu_ps(out + w * LANES, acc[w]);
 }
 
-/* The panel at weight row j0 against row groups [g0, g1). */
+/* The panel at weight row j0 against row groups [g0, g1), two groups at a time. */
 TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, int64_t g1, const int16_t *w16,
                                        const float *dw, const float *second) {
     int64_t nb = g->nb, cols = min64(PANEL, g->n - j0);
-    for (int64_t group = g0; group < g1; group++) {
-        int64_t first = group * LANES, lanes = min64(LANES, g->rows - first);
+    for (int64_t group = g0; group < g1; group += 2) {
+        int groups = g1 - group >= 2 ? 2 : 1;
         for (int64_t c = 0; c < cols; c += NW) {
-            float out[NW * LANES];
+            float out[2 * NW * LANES];
             const int16_t *w = w16 + c * g->k;
-            if (g->type == TYPE_Q8_0)
-                tile(g, w, dw + c * nb, second + c * nb, group, out, 0);
-            else
-                tile(g, w, dw + c * nb, second + c * nb, group, out, 1);
+            const float *d = dw + c * nb, *sec = second + c * nb;
+            if (g->type == TYPE_Q8_0 && groups == 2) tile(g, w, d, sec, group, 2, out, 0);
+            else if (g->type == TYPE_Q8_0) tile(g, w, d, sec, group, 1, out, 0);
+            else if (groups == 2) tile(g, w, d, sec, group, 2, out, 1);
+            else tile(g, w, d, sec, group, 1, out, 1);
             int64_t here = min64(NW, cols - c);
-            for (int64_t lane = 0; lane < lanes; lane++) {
-                float *y = g->y + (first + lane) * g->n + j0 + c;
-                for (int64_t w = 0; w < here; w++)
-                    y[w] = out[w * LANES + lane] + (g->bias != NULL ? g->bias[j0 + c + w] : 0.0f);
+            for (int h = 0; h < groups; h++) {
+                int64_t first = (group + h) * LANES, lanes = min64(LANES, g->rows - first);
+                for (int64_t lane = 0; lane < lanes; lane++) {
+                    float *y = g->y + (first + lane) * g->n + j0 + c;
+                    for (int64_t w = 0; w < here; w++)
+                        y[w] = out[(h * NW + w) * LANES + lane] + (g->bias != NULL ? g->bias[j0 + c + w] : 0.0f);
+                }
             }
         }
     }
