@@ -150,6 +150,19 @@ TARGET_VNNI static inline __attribute__((always_inline)) void tile(const igemm *
     }
 }
 
+/* y's columns [j0, j0 + cols) of row groups [group, group + groups) from a tile's sums
+ * out[groups][NW][LANES], plus the bias. */
+static void store_tile(const igemm *g, const float *out, int64_t group, int groups, int64_t j0, int64_t cols) {
+    for (int h = 0; h < groups; h++) {
+        int64_t first = (group + h) * LANES, lanes = min64(LANES, g->rows - first);
+        for (int64_t lane = 0; lane < lanes; lane++) {
+            float *y = g->y + (first + lane) * g->n + j0;
+            for (int64_t w = 0; w < cols; w++)
+                y[w] = out[(h * NW + w) * LANES + lane] + (g->bias != NULL ? g->bias[j0 + w] : 0.0f);
+        }
+    }
+}
+
 /* The panel at weight row j0 against row groups [g0, g1), two groups at a time. */
 TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, int64_t g1, const int16_t *w16,
                                        const float *dw, const float *second) {
@@ -164,15 +177,7 @@ TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, i
             else if (g->type == TYPE_Q8_0) tile(g, w, d, sec, group, 1, out, 0);
             else if (groups == 2) tile(g, w, d, sec, group, 2, out, 1);
             else tile(g, w, d, sec, group, 1, out, 1);
-            int64_t here = min64(NW, cols - c);
-            for (int h = 0; h < groups; h++) {
-                int64_t first = (group + h) * LANES, lanes = min64(LANES, g->rows - first);
-                for (int64_t lane = 0; lane < lanes; lane++) {
-                    float *y = g->y + (first + lane) * g->n + j0 + c;
-                    for (int64_t w = 0; w < here; w++)
-                        y[w] = out[(h * NW + w) * LANES + lane] + (g->bias != NULL ? g->bias[j0 + c + w] : 0.0f);
-                }
-            }
+            store_tile(g, out, group, groups, j0 + c, min64(NW, cols - c));
         }
     }
 }
