@@ -173,13 +173,17 @@ def run_engine(engine, prompts: list[list[int]], params: dict) -> dict:
     }
 
 
+DECODE_STEPS = 128  # the batch-1 probe's decode steps (llama-bench's tg128)
+
+
 def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
-    """Prefill tokens/s of one 512-token prompt and batch-1 decode tokens/s (64 new tokens
-    after a 16-token prompt): each the mean over `repetitions` runs after a warm-up, as
-    llama-bench reports its pp512 / tg128 (one run alone moved by 30% on a busy host)."""
+    """Prefill tokens/s of one 512-token prompt and batch-1 decode tokens/s: each the mean
+    over `repetitions` runs after a warm-up, as llama-bench reports its pp512 / tg128 (one run
+    alone moved by 30% on a busy host). Decode is 128 decode steps after a 16-token prompt,
+    timed as generating 129 tokens less generating 1 (both from an empty cache), so the
+    prompt's prefill and the request's setup fall out, as tg128 times decoding alone."""
     prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
     short = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
-    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
 
     def prefill() -> float:
         engine.flush_cache()  # the whole prompt computed, none of it from the cache
@@ -187,10 +191,15 @@ def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
         engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
         return 512 / (time.perf_counter() - start)
 
-    def decode() -> float:
+    def generate(tokens: int) -> float:
+        engine.flush_cache()
+        params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         start = time.perf_counter()
-        out = engine.generate(input_ids=short, sampling_params=params)
-        return len(out["output_ids"]) / (time.perf_counter() - start)
+        engine.generate(input_ids=short, sampling_params=params)
+        return time.perf_counter() - start
+
+    def decode() -> float:
+        return DECODE_STEPS / (generate(DECODE_STEPS + 1) - generate(1))
 
     rates = {}
     for name, probe in (

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from spruce.runtime.bench import offline
 from spruce.runtime.bench.llama_cpp import (
     llama_batch1,
     llama_cpp_tools,
@@ -90,6 +91,37 @@ def test_batch1_rounds_alternate_who_goes_first_and_take_medians():
     assert order == ["ours", "theirs", "theirs", "ours", "ours", "theirs"]
     assert [run["tg128"] for run in mine] == [100.0, 300.0, 200.0]
     assert medians(mine) == {"tg128": 200.0} and medians(peer) == {"tg128": 50.0}
+
+
+class ClockedEngine:
+    """An engine whose generate() moves a fake clock: a fixed setup, then per prompt token
+    and per generated token; flush_cache() is recorded."""
+
+    def __init__(self, clock: list[float], setup: float, per_prompt: float, per_step: float):
+        self.clock, self.setup, self.per_prompt, self.per_step = clock, setup, per_prompt, per_step
+        self.flushes = 0
+
+    def flush_cache(self) -> None:
+        self.flushes += 1
+
+    def generate(self, input_ids, sampling_params) -> dict:
+        steps = sampling_params["max_new_tokens"]
+        self.clock[0] += self.setup + self.per_prompt * len(input_ids) + self.per_step * steps
+        return {"output_ids": [0] * steps}
+
+
+def test_batch1_probe_times_decode_steps_alone_as_tg128_does(monkeypatch):
+    """The prompt's prefill and the request's setup are the same in both generations, so
+    the difference is 128 decode steps: the rate is the engine's per-step rate exactly."""
+    clock = [0.0]
+    monkeypatch.setattr(offline.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(offline, "synthetic_prompts", lambda tok, n, lo, hi, seed: [[1] * lo])
+    engine = ClockedEngine(clock, setup=0.030, per_prompt=0.002, per_step=0.008)
+    rates = offline.single_probes(engine, None, repetitions=2)
+    assert rates["batch1_decode_tokens_per_s"] == pytest.approx(1 / 0.008)
+    # prefill: one whole 512-token prompt and one token, setup included
+    assert rates["prefill_512_tokens_per_s"] == pytest.approx(512 / (0.030 + 512 * 0.002 + 0.008))
+    assert engine.flushes == 3 + 2 * 3  # every generation from an empty cache
 
 
 def test_each_tool_gets_no_repack_in_its_own_spelling_and_failures_show_their_error(tmp_path):
