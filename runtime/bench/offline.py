@@ -13,7 +13,8 @@ use; the batch-1 rows are the median of `--compare-rounds` rounds that run both 
 to back (batch1_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
 skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
-model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
+model ops, the runner, sampling, the scheduler). `--busy` times the batch-64 decode step
+alone and beside one busy process (bench/busy.py). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
 (llama-batched-bench, when found) and transformers.
 """
@@ -31,6 +32,7 @@ import torch
 
 from spruce.runtime.bench import write_json
 from spruce.runtime.bench.breakdown import print_breakdown, step_breakdown
+from spruce.runtime.bench.busy import busy_probe, print_busy
 from spruce.runtime.bench.llama_cpp import (
     PARALLEL,
     llama_batch1,
@@ -71,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="time the parts of a batch-1 decode step"
     )
+    parser.add_argument("--busy", action="store_true",
+        help="the batch-64 decode step quiet and beside one busy process (bench/busy.py)")  # fmt: skip
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences"
     )
@@ -310,6 +314,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         compare_llama_cpp(engine, args, result)
     if args.breakdown:
         result["breakdown"] = measure_breakdown(engine, tokenizer)
+    if args.busy:
+        result["busy"] = busy_probe(engine, tokenizer)
     if args.plot:
         result["scaling"] = scaling_curves(engine, args)
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
@@ -346,6 +352,8 @@ def print_report(r: dict) -> None:
         print(f"prefill (512 tokens)  {r['prefill_512_tokens_per_s']:.1f} tokens/s")
     if "breakdown" in r:
         print_breakdown(r["breakdown"])
+    if "busy" in r:
+        print_busy(r["busy"])
     if "scaling" in r:
         print("output tokens/s by parallel sequences (128 + 128 tokens each):")
         for name, curve in r["scaling"].items():

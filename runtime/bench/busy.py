@@ -1,0 +1,91 @@
+"""The decode step beside a competing process (`spruce bench offline --busy`).
+
+A batch of 64 sequences decodes once alone on the machine and once beside one busy process
+(a Python loop that never sleeps, started by the benchmark), with the engine's own thread
+policy: the wait policy and the governor that gives cores back while others want them
+(engine/threads.py). Rounds alternate which goes first, so a host's slow minutes fall on
+both; the table takes medians. The figure is the busy step over the quiet one, with the
+thread count the governor settled on beside the busy process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from spruce.runtime.engine.threads import PERIOD_S
+
+SEQUENCES = 64
+
+
+@contextlib.contextmanager
+def busy_process() -> Iterator[subprocess.Popen]:
+    """One process spinning on a core until the block ends (then killed and reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def busy_rounds(measure: Callable[[], float], rounds: int, busy=busy_process) -> dict:
+    """`measure()` (a step in ms) alone and inside `busy()`, `rounds` times, who goes first
+    alternating: each side's results and their medians."""
+    quiet, loaded = [], []
+    for i in range(rounds):
+        for side in ("quiet", "busy") if i % 2 == 0 else ("busy", "quiet"):
+            if side == "quiet":
+                quiet.append(measure())
+                continue
+            with busy():
+                loaded.append(measure())
+    q, b = statistics.median(quiet), statistics.median(loaded)
+    return {"quiet_step_ms": q, "busy_step_ms": b, "busy_over_quiet": b / q,
+            "quiet_rounds": quiet, "busy_rounds": loaded}  # fmt: skip
+
+
+def busy_probe(engine, tokenizer, rounds: int = 2) -> dict:
+    """The decode step of SEQUENCES sequences (128 prompt tokens, 24 generated) quiet and
+    beside one busy process; the prompts are cached first, so the runs are mostly decode."""
+    from spruce.runtime.bench.offline import run_engine, synthetic_prompts
+
+    prompts = synthetic_prompts(tokenizer, SEQUENCES, 128, 128, seed=SEQUENCES)
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
+    threads = []
+
+    def measure() -> float:
+        threads.append(settle(engine.core.governor, engine.config.num_threads))
+        return run_engine(engine, prompts, params)["decode_step_ms"]
+
+    result = busy_rounds(measure, rounds)
+    result["threads"] = engine.config.num_threads
+    result["threads_beside_busy"] = min(threads)  # the quiet runs read the full count
+    return result
+
+
+def settle(governor, threads: int) -> int:
+    """Lets the governor (None: fixed threads) see the machine as it is now before a run: it
+    reads the load only between steps, at most every PERIOD_S, and acts on two agreeing
+    readings, so a run's first steps would otherwise keep the count of the run before.
+    Returns the thread count it settled on."""
+    if governor is None:
+        return threads
+    for _ in range(3):
+        time.sleep(PERIOD_S + 0.05)
+        governor.check()
+    return governor.current
+
+
+def print_busy(r: dict) -> None:
+    rounds = ", ".join(f"{q:.0f}/{b:.0f}" for q, b in zip(r["quiet_rounds"], r["busy_rounds"]))
+    print(
+        f"beside a busy process  batch-{SEQUENCES} decode step {r['busy_step_ms']:.1f} ms, quiet "
+        f"{r['quiet_step_ms']:.1f} ms = {r['busy_over_quiet']:.2f}x (medians; quiet/busy by round "
+        f"{rounds} ms; {r['threads_beside_busy']} of {r['threads']} threads beside it)"
+    )
