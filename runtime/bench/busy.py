@@ -4,8 +4,8 @@ A batch of 64 sequences decodes once alone on the machine and once beside one bu
 (a Python loop that never sleeps, started by the benchmark), with the engine's own thread
 policy: the wait policy and the governor that gives cores back while others want them
 (engine/threads.py). Rounds alternate which goes first, so a host's slow minutes fall on
-both; the table takes medians. The figure is the busy step over the quiet one, with the
-thread count the governor settled on beside the busy process.
+both. The figure is the median over the rounds of the busy step over the quiet one, with
+the thread count the governor settled on beside the busy process.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def busy_process() -> Iterator[subprocess.Popen]:
 
 def busy_rounds(measure: Callable[[], float], rounds: int, busy=busy_process) -> dict:
     """`measure()` (a step in ms) alone and inside `busy()`, `rounds` times, who goes first
-    alternating: each side's results and their medians."""
+    alternating: each side's results, their medians, and the median of the rounds' ratios
+    (the two runs of a round are back to back: this VM's speed moved 2x between rounds)."""
     quiet, loaded = [], []
     for i in range(rounds):
         for side in ("quiet", "busy") if i % 2 == 0 else ("busy", "quiet"):
@@ -44,12 +45,13 @@ def busy_rounds(measure: Callable[[], float], rounds: int, busy=busy_process) ->
                 continue
             with busy():
                 loaded.append(measure())
-    q, b = statistics.median(quiet), statistics.median(loaded)
-    return {"quiet_step_ms": q, "busy_step_ms": b, "busy_over_quiet": b / q,
-            "quiet_rounds": quiet, "busy_rounds": loaded}  # fmt: skip
+    ratios = [b / q for q, b in zip(quiet, loaded)]
+    return {"quiet_step_ms": statistics.median(quiet), "busy_step_ms": statistics.median(loaded),
+            "busy_over_quiet": statistics.median(ratios), "quiet_rounds": quiet,
+            "busy_rounds": loaded}  # fmt: skip
 
 
-def busy_probe(engine, tokenizer, rounds: int = 2) -> dict:
+def busy_probe(engine, tokenizer, rounds: int = 3) -> dict:
     """The decode step of SEQUENCES sequences (128 prompt tokens, 24 generated) quiet and
     beside one busy process; the prompts are cached first, so the runs are mostly decode."""
     from spruce.runtime.bench.offline import run_engine, synthetic_prompts
@@ -86,6 +88,6 @@ def print_busy(r: dict) -> None:
     rounds = ", ".join(f"{q:.0f}/{b:.0f}" for q, b in zip(r["quiet_rounds"], r["busy_rounds"]))
     print(
         f"beside a busy process  batch-{SEQUENCES} decode step {r['busy_step_ms']:.1f} ms, quiet "
-        f"{r['quiet_step_ms']:.1f} ms = {r['busy_over_quiet']:.2f}x (medians; quiet/busy by round "
+        f"{r['quiet_step_ms']:.1f} ms, {r['busy_over_quiet']:.2f}x (medians; quiet/busy by round "
         f"{rounds} ms; {r['threads_beside_busy']} of {r['threads']} threads beside it)"
     )
