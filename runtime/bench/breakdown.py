@@ -1,12 +1,15 @@
 """`spruce bench offline --breakdown`: where a batch-1 decode step's time goes, from forward
 hooks on the model's modules and wrappers around the attention backend, the sampler, the
-runner and the step."""
+runner and the step; and the decode step at full batch against the model's bare matmuls
+(step_over_matmuls, which every `spruce bench offline` run prints)."""
 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 
+import torch
 from torch import nn
 
 
@@ -119,3 +122,55 @@ def print_breakdown(b: dict) -> None:
     print("| part | ms per step | share |\n| --- | --- | --- |")
     for label, ms in b["parts_ms"].items():
         print(f"| {label} | {ms:.3f} | {ms / b['timed_step_ms']:.1%} |")
+
+
+def bare_matmul_seconds(model, batch: int, repeats: int = 5) -> float:
+    """Time of the model's linear layers alone for `batch` rows (the decode step's floor),
+    through the same modules the model runs (quantized ones included)."""
+    dtype = next(model.parameters()).dtype
+    linears = []
+    for layer in model.layers:
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+        linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    head = model.embed_tokens.as_linear if model.lm_head is None else model.lm_head
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
+    x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
+
+    def run():
+        for m in linears:
+            m(inputs[m.in_features])
+        head(x)
+
+    with torch.inference_mode():
+        run()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+    return (time.perf_counter() - start) / repeats
+
+
+def step_over_matmuls(engine, prompts: list[list[int]], params: dict, every: int = 4) -> dict:
+    """The decode step at the full batch against the bare matmuls for that batch, measured
+    in pairs: every `every`-th all-decode step of the run is followed at once by one pass of
+    the bare matmuls, so both see the same load on a shared machine (one measured apart,
+    after the run, moved the ratio between 1.1x and 1.8x from run to run). Medians."""
+    core, model, batch = engine.core, engine.core.loaded.model, len(prompts)
+    engine.flush_cache()
+    core.step_log, steps, bares, seen = [], [], [], 0
+    try:
+        for _ in engine.generate(
+            input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True
+        ):
+            if len(core.step_log) == seen:  # a chunk of a step already looked at
+                continue
+            seen, last = len(core.step_log), core.step_log[-1]
+            if last.all_decode and last.batch_size == batch and seen % every == 0:
+                steps.append(last.seconds)
+                bares.append(bare_matmul_seconds(model, batch, repeats=1))
+    finally:
+        core.step_log = None
+    if not steps:
+        return {}
+    step, bare = statistics.median(steps) * 1e3, statistics.median(bares) * 1e3
+    return {"paired_step_ms": step, "bare_matmul_ms": bare, "decode_step_over_matmul": step / bare,
+            "pairs": len(steps), "paired_batch": batch}  # fmt: skip

@@ -51,12 +51,10 @@ def busy_rounds(measure: Callable[[], float], rounds: int, busy=busy_process) ->
             "busy_rounds": loaded}  # fmt: skip
 
 
-def busy_probe(engine, tokenizer, rounds: int = 3) -> dict:
-    """The decode step of SEQUENCES sequences (128 prompt tokens, 24 generated) quiet and
-    beside one busy process; the prompts are cached first, so the runs are mostly decode."""
-    from spruce.runtime.bench.offline import run_engine, synthetic_prompts
-
-    prompts = synthetic_prompts(tokenizer, SEQUENCES, 128, 128, seed=SEQUENCES)
+def busy_probe(engine, prompts: list[list[int]], run_engine) -> dict:
+    """The decode step of `prompts` (SEQUENCES of them, from offline.py, whose run_engine
+    times a run) quiet and beside one busy process, 24 tokens each; the prompts are cached
+    first, so the runs are mostly decode."""
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
     threads = []
@@ -65,7 +63,7 @@ def busy_probe(engine, tokenizer, rounds: int = 3) -> dict:
         threads.append(settle(engine.core.governor, engine.config.num_threads))
         return run_engine(engine, prompts, params)["decode_step_ms"]
 
-    result = busy_rounds(measure, rounds)
+    result = busy_rounds(measure, 3)
     result["threads"] = engine.config.num_threads
     result["threads_beside_busy"] = min(threads)  # the quiet runs read the full count
     return result

@@ -30,9 +30,13 @@ import time
 
 import torch
 
-from spruce.runtime.bench import write_json
-from spruce.runtime.bench.breakdown import print_breakdown, step_breakdown
-from spruce.runtime.bench.busy import busy_probe, print_busy
+from spruce.runtime.bench import busy, write_json
+from spruce.runtime.bench.breakdown import (
+    bare_matmul_seconds,
+    print_breakdown,
+    step_breakdown,
+    step_over_matmuls,
+)
 from spruce.runtime.bench.llama_cpp import (
     PARALLEL,
     llama_batch1,
@@ -102,58 +106,6 @@ def mean_decode_step(steps) -> tuple[float, int]:
     top = max(st.batch_size for st in decode)
     times = [st.seconds for st in decode if st.batch_size == top]
     return sum(times) / len(times), top
-
-
-def bare_matmul_seconds(model, batch: int, repeats: int = 5) -> float:
-    """Time of the model's linear layers alone for `batch` rows (the decode step's floor),
-    through the same modules the model runs (quantized ones included)."""
-    dtype = next(model.parameters()).dtype
-    linears = []
-    for layer in model.layers:
-        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
-        linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-    head = model.embed_tokens.as_linear if model.lm_head is None else model.lm_head
-    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
-    x = torch.randn(batch, model.config.hidden_size, dtype=dtype)
-
-    def run():
-        for m in linears:
-            m(inputs[m.in_features])
-        head(x)
-
-    with torch.inference_mode():
-        run()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            run()
-    return (time.perf_counter() - start) / repeats
-
-
-def step_over_matmuls(engine, prompts: list[list[int]], params: dict, every: int = 4) -> dict:
-    """The decode step at the full batch against the bare matmuls for that batch, measured
-    in pairs: every `every`-th all-decode step of the run is followed at once by one pass of
-    the bare matmuls, so both see the same load on a shared machine (one measured apart,
-    after the run, moved the ratio between 1.1x and 1.8x from run to run). Medians."""
-    core, model, batch = engine.core, engine.core.loaded.model, len(prompts)
-    engine.flush_cache()
-    core.step_log, steps, bares, seen = [], [], [], 0
-    try:
-        for _ in engine.generate(
-            input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True
-        ):
-            if len(core.step_log) == seen:  # a chunk of a step already looked at
-                continue
-            seen, last = len(core.step_log), core.step_log[-1]
-            if last.all_decode and last.batch_size == batch and seen % every == 0:
-                steps.append(last.seconds)
-                bares.append(bare_matmul_seconds(model, batch, repeats=1))
-    finally:
-        core.step_log = None
-    if not steps:
-        return {}
-    step, bare = statistics.median(steps) * 1e3, statistics.median(bares) * 1e3
-    return {"paired_step_ms": step, "bare_matmul_ms": bare, "decode_step_over_matmul": step / bare,
-            "pairs": len(steps), "paired_batch": batch}  # fmt: skip
 
 
 def run_engine(engine, prompts: list[list[int]], params: dict) -> dict:
@@ -315,7 +267,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     if args.breakdown:
         result["breakdown"] = measure_breakdown(engine, tokenizer)
     if args.busy:
-        result["busy"] = busy_probe(engine, tokenizer)
+        prompts = synthetic_prompts(tokenizer, busy.SEQUENCES, 128, 128, seed=busy.SEQUENCES)
+        result["busy"] = busy.busy_probe(engine, prompts, run_engine)
     if args.plot:
         result["scaling"] = scaling_curves(engine, args)
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
@@ -353,7 +306,7 @@ def print_report(r: dict) -> None:
     if "breakdown" in r:
         print_breakdown(r["breakdown"])
     if "busy" in r:
-        print_busy(r["busy"])
+        busy.print_busy(r["busy"])
     if "scaling" in r:
         print("output tokens/s by parallel sequences (128 + 128 tokens each):")
         for name, curve in r["scaling"].items():

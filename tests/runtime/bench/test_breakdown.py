@@ -35,7 +35,7 @@ def test_step_over_matmuls_pairs_each_sampled_step_with_the_bare_matmuls(tiny_ll
     """The paired probe of `spruce bench offline`: every 2nd all-decode step at the full batch
     is timed with the bare matmuls right after it; the requests all finish and the step log
     is put back."""
-    from spruce.runtime.bench.offline import step_over_matmuls
+    from spruce.runtime.bench.breakdown import step_over_matmuls
 
     engine = Engine(str(tiny_llama_dir), kv_memory_gb=0.02, num_threads=1)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
