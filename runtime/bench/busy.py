@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from spruce.runtime.engine.threads import PERIOD_S
 
 SEQUENCES = 64
+ROUNDS = 3
 
 
 @contextlib.contextmanager
@@ -63,7 +64,7 @@ def busy_probe(engine, prompts: list[list[int]], run_engine) -> dict:
         threads.append(settle(engine.core.governor, engine.config.num_threads))
         return run_engine(engine, prompts, params)["decode_step_ms"]
 
-    result = busy_rounds(measure, 3)
+    result = busy_rounds(measure, ROUNDS)
     result["threads"] = engine.config.num_threads
     result["threads_beside_busy"] = min(threads)  # the quiet runs read the full count
     return result
