@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from spruce.runtime.bench import alternating_rounds
 from spruce.runtime.engine.threads import PERIOD_S
 
 SEQUENCES = 64
@@ -38,14 +39,12 @@ def busy_rounds(measure: Callable[[], float], rounds: int, busy=busy_process) ->
     """`measure()` (a step in ms) alone and inside `busy()`, `rounds` times, who goes first
     alternating: each side's results, their medians, and the median of the rounds' ratios
     (the two runs of a round are back to back: this VM's speed moved 2x between rounds)."""
-    quiet, loaded = [], []
-    for i in range(rounds):
-        for side in ("quiet", "busy") if i % 2 == 0 else ("busy", "quiet"):
-            if side == "quiet":
-                quiet.append(measure())
-                continue
-            with busy():
-                loaded.append(measure())
+
+    def beside_busy() -> float:
+        with busy():
+            return measure()
+
+    quiet, loaded = alternating_rounds(measure, beside_busy, rounds)
     ratios = [b / q for q, b in zip(quiet, loaded)]
     return {"quiet_step_ms": statistics.median(quiet), "busy_step_ms": statistics.median(loaded),
             "busy_over_quiet": statistics.median(ratios), "quiet_rounds": quiet,
@@ -65,7 +64,7 @@ def busy_probe(engine, prompts: list[list[int]], run_engine) -> dict:
         return run_engine(engine, prompts, params)["decode_step_ms"]
 
     result = busy_rounds(measure, ROUNDS)
-    result["threads"] = engine.config.num_threads
+    result["threads"], result["sequences"] = engine.config.num_threads, len(prompts)
     result["threads_beside_busy"] = min(threads)  # the quiet runs read the full count
     return result
 
@@ -86,7 +85,7 @@ def settle(governor, threads: int) -> int:
 def print_busy(r: dict) -> None:
     rounds = ", ".join(f"{q:.0f}/{b:.0f}" for q, b in zip(r["quiet_rounds"], r["busy_rounds"]))
     print(
-        f"beside a busy process  batch-{SEQUENCES} decode step {r['busy_step_ms']:.1f} ms, quiet "
+        f"beside a busy process  batch-{r['sequences']} decode step {r['busy_step_ms']:.1f} ms, quiet "
         f"{r['quiet_step_ms']:.1f} ms, {r['busy_over_quiet']:.2f}x (medians; quiet/busy by round "
         f"{rounds} ms; {r['threads_beside_busy']} of {r['threads']} threads beside it)"
     )

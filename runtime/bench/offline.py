@@ -10,7 +10,7 @@ requests through transformers' batched `generate` in the same process and prints
 GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
 use; the batch-1 rows are the median of `--compare-rounds` rounds that run both engines back
-to back (batch1_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
+to back (bench.alternating_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
 skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--busy` times the batch-64 decode step
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from spruce.runtime.bench import busy, write_json
+from spruce.runtime.bench import alternating_rounds, busy, write_json
 from spruce.runtime.bench.breakdown import (
     bare_matmul_seconds,
     print_breakdown,
@@ -141,21 +141,18 @@ def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
     prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
     short = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
 
-    def prefill() -> float:
+    def generate(ids: list[int], tokens: int) -> float:
         engine.flush_cache()  # the whole prompt computed, none of it from the cache
-        start = time.perf_counter()
-        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
-        return 512 / (time.perf_counter() - start)
-
-    def generate(tokens: int) -> float:
-        engine.flush_cache()
         params = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
         start = time.perf_counter()
-        engine.generate(input_ids=short, sampling_params=params)
+        engine.generate(input_ids=ids, sampling_params=params)
         return time.perf_counter() - start
 
+    def prefill() -> float:
+        return 512 / generate(prompt, 1)
+
     def decode() -> float:
-        return DECODE_STEPS / (generate(DECODE_STEPS + 1) - generate(1))
+        return DECODE_STEPS / (generate(short, DECODE_STEPS + 1) - generate(short, 1))
 
     rates = {}
     for name, probe in (
@@ -343,18 +340,6 @@ def batch1_decode(engine, tokenizer, threads: int) -> float:
         torch.set_num_threads(before)
 
 
-def batch1_rounds(ours, theirs, rounds: int) -> tuple[list[dict], list[dict]]:
-    """The batch-1 rows, `ours()` and `theirs()` (dicts of tokens/s) run back to back in each
-    of `rounds` rounds, who goes first alternating: each side's results by round. Their
-    medians make the table, so a host's slow phase (this VM's ran both engines 25-45% slower
-    for minutes) falls on both sides instead of deciding the ratio."""
-    runs: tuple[list, list] = ([], [])
-    for i in range(rounds):
-        for side in (0, 1) if i % 2 == 0 else (1, 0):
-            runs[side].append((ours, theirs)[side]())
-    return runs
-
-
 def medians(runs: list[dict]) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
@@ -372,7 +357,7 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
               else single_probes(engine, tokenizer))  # fmt: skip
     ours["pp512"] = probes["prefill_512_tokens_per_s"]
     theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
-    ours_runs, theirs_runs = batch1_rounds(
+    ours_runs, theirs_runs = alternating_rounds(
         lambda: {"tg128_t1": batch1_decode(engine, tokenizer, 1),
                  "tg128": batch1_decode(engine, tokenizer, threads)},
         lambda: llama_batch1(tools[0], path, [1, threads], args.llama_cpp_args),

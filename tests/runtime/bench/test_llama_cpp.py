@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spruce.runtime.bench import offline
+from spruce.runtime.bench import alternating_rounds, offline
 from spruce.runtime.bench.llama_cpp import (
     llama_batch1,
     llama_cpp_tools,
@@ -22,7 +22,7 @@ from spruce.runtime.bench.llama_cpp import (
     table_rows,
     tool_args,
 )
-from spruce.runtime.bench.offline import batch1_rounds, medians
+from spruce.runtime.bench.offline import medians
 from spruce.runtime.bench.spec import compare_llama_cpp, llama_cpp_servers
 
 BENCH = [
@@ -87,7 +87,7 @@ def test_batch1_rounds_alternate_who_goes_first_and_take_medians():
     order, ours_rates, theirs_rates = [], iter([100.0, 300.0, 200.0]), iter([50.0, 10.0, 60.0])
     ours = lambda: order.append("ours") or {"tg128": next(ours_rates)}  # noqa: E731
     theirs = lambda: order.append("theirs") or {"tg128": next(theirs_rates)}  # noqa: E731
-    mine, peer = batch1_rounds(ours, theirs, 3)
+    mine, peer = alternating_rounds(ours, theirs, 3)
     assert order == ["ours", "theirs", "theirs", "ours", "ours", "theirs"]
     assert [run["tg128"] for run in mine] == [100.0, 300.0, 200.0]
     assert medians(mine) == {"tg128": 200.0} and medians(peer) == {"tg128": 50.0}
