@@ -76,7 +76,7 @@ def build(model: nn.Module, kinds: PlainKinds) -> DecodePlan | None:
             return None
     if load_library() is None:  # last: the kinds above rule out other models without building it
         return None
-    return DecodePlan(model)
+    return DecodePlan(model, kinds)
 
 
 def _tensors(model: nn.Module):
@@ -133,23 +133,42 @@ class StepArgs(ctypes.Structure):
         + [(name, _P) for name in ("positions", "slots", "table_rows", "seq_lens", "table")]
         + [("table_stride", _I64), ("scale", _F32), ("cache_kind", _I64)]
         + [("kernel", ctypes.c_int8 * KERNEL_TYPES)]
+        + [("final_norm", _P), ("final_eps", _F32), ("head_type", _I64), ("vocab", _I64)]
+        + [("head", _P), ("logits", _P)]
     )
 
 
+def _head(model: nn.Module, kinds: PlainKinds) -> tuple[nn.Module, nn.Module] | None:
+    """(final norm, output projection) when the step can end with them in C: the plain
+    norm and a quantized projection without bias (tied: the embedding table); else None."""
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    if type(model.norm) is not kinds.norm or not isinstance(head, kinds.linear):
+        return None
+    return None if head.bias is not None else (model.norm, head)
+
+
 class DecodePlan:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kinds: PlainKinds) -> None:
         c = model.config
         self.config = c
         self.lib = load_library()
         self.qkv_width = c.q_size + 2 * c.kv_size
         self.inter = model.layers[0].mlp.down_proj.in_features
+        self.head = _head(model, kinds)
+        if self.head is not None:  # final_norm, final_eps, head_type, head, vocab, hidden
+            norm, head = self.head
+            self.head_args = (norm.weight.data_ptr(), norm.eps, *_linear_args(head))
         modules = [m for layer in model.layers for m in layer.modules()]
+        modules += self.head or ()
         # a module keeps its hook dicts for life (register_forward_hook adds to them)
         self.hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.layers = []
-        self.qtypes: set[str] = set()  # the layers' weight formats
+        self.qtypes = {self.head[1].qtype} if self.head else set()  # the weight formats
         # what the pointers point into, and where the model holds them (checked each step)
-        self.holder_dicts, self.holder_names = zip(*_tensors(model))
+        holders = list(_tensors(model))
+        if self.head is not None:
+            holders += [(self.head[0]._parameters, "weight"), (self.head[1]._buffers, "blocks")]
+        self.holder_dicts, self.holder_names = zip(*holders)
         self.tensors = list(map(dict.get, self.holder_dicts, self.holder_names))
         self.parameters = [t for t in self.tensors if isinstance(t, nn.Parameter)]
         self.parameter_ptrs = [t.data_ptr() for t in self.parameters]
@@ -176,6 +195,7 @@ class DecodePlan:
             entry.qkv_bias, entry.cos, entry.sin = bias, cos, sin
         self.cache_of = None  # the pool whose caches step_layers points into
         self.kernel_codes: dict[tuple, ctypes.Array] = {}  # by (row count, ISA)
+        self.step_buffers: dict[int, tuple] = {}  # `logits`' buffers, by row count
 
     def applies(self, backend, ctx, x: torch.Tensor) -> bool:
         from spruce.runtime.executor.attention.native_backend import NativeAttentionBackend
@@ -203,9 +223,41 @@ class DecodePlan:
         """Every layer on x [rows, hidden] (the embeddings): (last MLP output, residual)."""
         if ctx.shared_rows:
             return self.run_calls(x, ctx, backend)
-        c, rows = self.config, x.shape[0]
-        isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
         buffers = self._buffers(x)
+        self._step(buffers, ctx, backend, None)
+        residual, out = buffers[0], buffers[2]
+        return out, residual
+
+    def ends_with_head(self, ctx, logits_rows) -> bool:
+        """Whether `logits` serves this step: a head the plan holds, every row's logits and
+        no hidden states wanted, no rows sharing a request."""
+        return (
+            self.head is not None
+            and logits_rows is None
+            and ctx.hidden_rows is None
+            and not ctx.shared_rows
+        )
+
+    def logits(self, x: torch.Tensor, ctx, backend) -> torch.Tensor:
+        """`run`, then the final norm and the output projection in the same C call: the
+        logits [rows, vocab]. Nothing but the logits leaves the step, so its buffers are
+        kept for the next one with as many rows."""
+        rows = x.shape[0]
+        buffers = self.step_buffers.get(rows)
+        if buffers is None:
+            self.step_buffers = {rows: self._buffers(x)}  # one row count held at a time
+            buffers = self.step_buffers[rows]
+        else:
+            buffers[0].copy_(x)
+        out = torch.empty(rows, self.head_args[4])
+        self._step(buffers, ctx, backend, out)
+        return out
+
+    def _step(self, buffers: tuple, ctx, backend, logits: torch.Tensor | None) -> None:
+        """One spruce_decode_layers call on `buffers` (_buffers' order); with `logits`, the
+        head's too."""
+        c, rows = self.config, buffers[0].shape[0]
+        isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
         group, pool = ctx.backend_state.decode, backend.pool
         table = backend.req_to_token.table
         held = (  # int64 copies, held until the call returns
@@ -221,6 +273,9 @@ class DecodePlan:
             *(t.data_ptr() for t in held), table.data_ptr(), table.stride(0), backend.scale,
             CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows, isa),
         )  # fmt: skip
+        if logits is not None:
+            args.final_norm, args.final_eps, args.head_type, args.head, args.vocab, _ = self.head_args
+            args.logits = logits.data_ptr()
         self._point_at_caches(backend)
         failed = self.lib.spruce_decode_layers(
             self.step_layers, len(self.step_layers), ctypes.byref(args)
@@ -228,8 +283,6 @@ class DecodePlan:
         if failed == 2:
             raise _attention_refused(c)
         _check(failed)
-        residual, out = buffers[0], buffers[2]
-        return out, residual
 
     def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The step's buffers, in StepArgs' order: residual (x copied), h, out, qkv, attn,

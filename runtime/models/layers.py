@@ -354,6 +354,8 @@ class DecoderModel(nn.Module):
         backend.prepare(ctx)
         x, residual = self.embed(input_ids), None
         plan = self._decode_plan(backend, ctx, x)
+        if plan is not None and plan.ends_with_head(ctx, logits_rows):
+            return self.cap_logits(plan.logits(x, ctx, backend))
         if plan is not None:
             x, residual = plan.run(x, ctx, backend)
         for layer in self.layers if plan is None else ():

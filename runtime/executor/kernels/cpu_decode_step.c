@@ -63,15 +63,27 @@ typedef struct {
     float scale;
     int64_t cache_kind;                 /* 0 float32, 1 float16, 2 int8 */
     int8_t kernel[KERNEL_TYPES];        /* by weight type: KERNEL_* for this many rows */
+    /* the final norm and the output projection (`type` blocks of vocab x hidden) into
+     * logits [rows, vocab]; head NULL: the step ends with the last layer */
+    const float *final_norm;
+    float final_eps;
+    int64_t head_type, vocab;
+    const uint8_t *head;
+    float *logits;
 } step_args;
 
-static int linear(const step_args *s, const step_layer *l, int i, const float *x, const float *bias, float *y) {
-    int64_t type = l->type[i];
+/* y [rows, n] = x [rows, k] @ W^T (+ bias) through the kernel the table gives W's type. */
+static int linear(const step_args *s, int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x,
+                  const float *bias, float *y) {
     switch (type >= 0 && type < KERNEL_TYPES ? s->kernel[type] : KERNEL_GEMM) {
-    case KERNEL_INTEGER: return spruce_quant_linear(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y, s->isa);
-    case KERNEL_IGEMM: return spruce_quant_igemm(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y);
-    default: return PER_ISA(spruce_quant_gemm)(type, l->weight[i], l->n[i], l->k[i], x, s->rows, bias, y);
+    case KERNEL_INTEGER: return spruce_quant_linear(type, w, n, k, x, s->rows, bias, y, s->isa);
+    case KERNEL_IGEMM: return spruce_quant_igemm(type, w, n, k, x, s->rows, bias, y);
+    default: return PER_ISA(spruce_quant_gemm)(type, w, n, k, x, s->rows, bias, y);
     }
+}
+
+static int layer_linear(const step_args *s, const step_layer *l, int i, const float *x, const float *bias, float *y) {
+    return linear(s, l->type[i], l->weight[i], l->n[i], l->k[i], x, bias, y);
 }
 
 static int attention(const step_args *s, const step_layer *l) {
@@ -92,8 +104,9 @@ static int attention(const step_args *s, const step_layer *l) {
 }
 
 /* Every layer on s->residual (the embeddings, [rows, hidden]): the last MLP output in
- * s->out, the residual stream in s->residual. Returns 0, 1 when a linear layer found no
- * memory for its activations, 2 when attention refused the shape. */
+ * s->out, the residual stream in s->residual; with a head, then the final norm and the
+ * logits (the module path's calls after the layers). Returns 0, 1 when a linear layer found
+ * no memory for its activations, 2 when attention refused the shape. */
 int PER_ISA(spruce_decode_layers)(const step_layer *layers, int64_t count, const step_args *s) {
     int64_t rows = s->rows, hidden = s->hidden, width = s->q_size + 2 * s->kv_size;
     for (int64_t i = 0; i < count; i++) {
@@ -101,14 +114,16 @@ int PER_ISA(spruce_decode_layers)(const step_layer *layers, int64_t count, const
         /* the residual stream starts as the embeddings */
         PER_ISA(spruce_rms_norm)(i == 0 ? s->residual : s->out, i == 0 ? NULL : s->residual, l->norm[0], s->h, rows,
                                  hidden, l->eps[0]);
-        if (linear(s, l, 0, s->h, l->qkv_bias, s->qkv)) return 1;
+        if (layer_linear(s, l, 0, s->h, l->qkv_bias, s->qkv)) return 1;
         PER_ISA(spruce_rotary)(s->qkv, width, rows, s->heads + s->kv_heads, s->head_dim, s->positions, l->cos, l->sin);
         if (attention(s, l)) return 2;
-        if (linear(s, l, 1, s->attn, NULL, s->out)) return 1;
+        if (layer_linear(s, l, 1, s->attn, NULL, s->out)) return 1;
         PER_ISA(spruce_rms_norm)(s->out, s->residual, l->norm[1], s->h, rows, hidden, l->eps[1]);
-        if (linear(s, l, 2, s->h, NULL, s->gate_up)) return 1;
+        if (layer_linear(s, l, 2, s->h, NULL, s->gate_up)) return 1;
         PER_ISA(spruce_silu_mul)(s->gate_up, s->act, rows, s->inter);
-        if (linear(s, l, 3, s->act, NULL, s->out)) return 1;
+        if (layer_linear(s, l, 3, s->act, NULL, s->out)) return 1;
     }
-    return 0;
+    if (s->head == NULL) return 0;
+    PER_ISA(spruce_rms_norm)(s->out, s->residual, s->final_norm, s->h, rows, hidden, s->final_eps);
+    return linear(s, s->head_type, s->head, s->vocab, hidden, s->h, NULL, s->logits);
 }

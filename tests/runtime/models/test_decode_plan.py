@@ -49,11 +49,13 @@ MANY = max(cpu_quant_ops.INTEGER_MAX_ROWS.values()) + 2
 def test_plan_equals_module_path(request, monkeypatch, fixture, qtype, requests, kv_dtype):
     loaded = load_model(str(request.getfixturevalue(fixture)), quantization=qtype)
     prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
-    runs = []
-    real_run = decode_plan.DecodePlan.run
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", lambda *a: runs.append(1) or real_run(*a))
+    runs = []  # per planned step: whether the head ran in C too
+    real_step = decode_plan.DecodePlan._step
+    monkeypatch.setattr(
+        decode_plan.DecodePlan, "_step", lambda *a: runs.append(a[-1] is not None) or real_step(*a)
+    )
     planned = decode(loaded, prompts, 6, kv_dtype)
-    assert len(runs) == 6  # every decode step, never the prefill
+    assert runs == [True] * 6  # every decode step with its head, never the prefill
     hook = loaded.model.layers[0].mlp.register_forward_hook(
         lambda *_: None
     )  # the plan stands aside
@@ -132,9 +134,11 @@ def test_kernel_table_follows_each_weight_type():
     "requests,kv_dtype", [(1, torch.float32), (3, torch.float16), (MANY, torch.int8)]
 )
 def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, requests, kv_dtype):
-    """cpu_decode_step.c makes the same kernel calls as `run_calls`, bit for bit."""
+    """cpu_decode_step.c makes the same kernel calls as `run_calls` (and, ending with the
+    head, as the model's final norm and output projection), bit for bit."""
     loaded = load_model(str(tiny_qwen2_dir), quantization=qtype)
     prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
     in_c = decode(loaded, prompts, 5, kv_dtype)
     monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
+    monkeypatch.setattr(decode_plan.DecodePlan, "ends_with_head", lambda *a: False)
     assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))
