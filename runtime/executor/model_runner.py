@@ -109,13 +109,19 @@ class ModelRunner:
         return ForwardOutput(logits.float(), offsets, hidden, hidden_offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
-        prefix = torch.tensor([it.prefix_len for it in items], dtype=torch.int64)
-        extend = torch.tensor([len(it.new_ids) for it in items], dtype=torch.int64)
-        rows = torch.tensor([it.row for it in items], dtype=torch.int64)
-        if all(
-            len(it.new_ids) == 1 for it in items
-        ):  # decode: one token per request at its prefix length
-            positions, table_rows = prefix, rows
+        """The step's context and input ids. Its small tensors come from Python lists in as
+        few torch calls as will do: at batch-1 decode each call ran from caches the weights
+        had just swept (tens of microseconds, against a few when warm)."""
+        prefix_cpu = [it.prefix_len for it in items]
+        extend_cpu = [len(it.new_ids) for it in items]
+        row_ids = [it.row for it in items]
+        decode = all(n == 1 for n in extend_cpu)  # one token per request at its prefix length
+        columns = [prefix_cpu, extend_cpu, row_ids]
+        if decode:
+            columns.append([it.new_ids[0] for it in items])
+        prefix, extend, rows, *ids = torch.tensor(columns, dtype=torch.int64).unbind()
+        if decode:
+            positions, table_rows, input_ids = prefix, rows, ids[0]
         else:
             starts = torch.cumsum(extend, 0) - extend
             # position of token t of item b = prefix[b] + (t - starts[b]), without a Python loop
@@ -123,22 +129,26 @@ class ModelRunner:
                 prefix - starts, extend
             )
             table_rows = torch.repeat_interleave(rows, extend)
-        out_slots = torch.cat([it.new_slots for it in items]).to(self.device)
-        positions, table_rows = positions.to(self.device), table_rows.to(self.device)
+            input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
+        slots = [it.new_slots for it in items]
+        out_slots = self._on_device(slots[0] if len(slots) == 1 else torch.cat(slots))
+        positions, table_rows = self._on_device(positions), self._on_device(table_rows)
         # the new tokens' slots go into their rows of the request-to-token table, in one write
         self.req_to_token.table[table_rows, positions] = out_slots.to(self.req_to_token.table.dtype)
-        input_ids = torch.tensor([t for it in items for t in it.new_ids], dtype=torch.int64)
         ctx = ForwardContext(
             positions=positions,
             out_slots=out_slots,
-            req_pool_indices=rows.to(self.device),
-            prefix_lens=prefix.to(self.device),
-            extend_lens=extend.to(self.device),
-            prefix_lens_cpu=prefix.tolist(),
-            extend_lens_cpu=extend.tolist(),
-            shared_rows=len({it.row for it in items}) < len(items),
+            req_pool_indices=self._on_device(rows),
+            prefix_lens=self._on_device(prefix),
+            extend_lens=self._on_device(extend),
+            prefix_lens_cpu=prefix_cpu,
+            extend_lens_cpu=extend_cpu,
+            shared_rows=len(set(row_ids)) < len(items),
         )
-        return ctx, input_ids.to(self.device)
+        return ctx, self._on_device(input_ids)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def _logits_rows(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
         rows, offsets, start = [], [0], 0
