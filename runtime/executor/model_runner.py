@@ -106,7 +106,8 @@ class ModelRunner:
         else:
             logits = self.model(input_ids, ctx, self.backend, logits_rows)
         hidden = None if ctx.hidden is None else ctx.hidden.float()
-        return ForwardOutput(logits.float(), offsets, hidden, hidden_offsets)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return ForwardOutput(logits, offsets, hidden, hidden_offsets)
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
         """The step's context and input ids. Its small tensors come from Python lists in as

@@ -260,11 +260,11 @@ class DecodePlan:
         isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
         group, pool = ctx.backend_state.decode, backend.pool
         table = backend.req_to_token.table
-        held = (  # int64 copies, held until the call returns
-            ctx.positions.to(torch.int64).contiguous(),
-            ctx.out_slots.to(torch.int64).contiguous(),
-            group.table_rows.to(torch.int64).contiguous(),
-            group.seq_lens.to(torch.int64).contiguous(),
+        held = tuple(  # int64, held until the call returns
+            map(
+                cpu_quant_ops.int64,
+                (ctx.positions, ctx.out_slots, group.table_rows, group.seq_lens),
+            )
         )
         args = StepArgs(
             *(t.data_ptr() for t in buffers),
@@ -274,7 +274,9 @@ class DecodePlan:
             CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows, isa),
         )  # fmt: skip
         if logits is not None:
-            args.final_norm, args.final_eps, args.head_type, args.head, args.vocab, _ = self.head_args
+            args.final_norm, args.final_eps, args.head_type, args.head, args.vocab, _ = (
+                self.head_args
+            )
             args.logits = logits.data_ptr()
         self._point_at_caches(backend)
         failed = self.lib.spruce_decode_layers(

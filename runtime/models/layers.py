@@ -81,10 +81,11 @@ class QuantizedEmbedding(QuantizedLinear):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_quant_ops.dequantize(
-            self.qtype, self.blocks, self.in_features, input_ids.reshape(-1)
-        )
-        return rows.to(self.dtype).reshape(*input_ids.shape, self.in_features)
+        flat = input_ids.dim() == 1  # a step's ids: no reshape or conversion calls
+        ids = input_ids if flat else input_ids.reshape(-1)
+        rows = cpu_quant_ops.dequantize(self.qtype, self.blocks, self.in_features, ids)
+        rows = rows if rows.dtype == self.dtype else rows.to(self.dtype)
+        return rows if flat else rows.reshape(*input_ids.shape, self.in_features)
 
     def as_linear(self, x: torch.Tensor) -> torch.Tensor:
         return QuantizedLinear.forward(self, x)

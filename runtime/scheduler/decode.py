@@ -26,7 +26,8 @@ class DecodeManager:
             counts = [1 + len(drafts.get(id(req), ())) for req in decoding]
             slots = self.cache.alloc(sum(counts))
             if slots is not None:
-                for req, n, slot in zip(decoding, counts, slots.split(counts)):
+                parts = slots.split(counts) if len(counts) > 1 else (slots,)
+                for req, n, slot in zip(decoding, counts, parts):
                     out.add(req, n, slot, drafts.get(id(req)))
                 return retracted
             if drafts:

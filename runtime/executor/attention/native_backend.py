@@ -97,8 +97,8 @@ class NativeAttentionBackend(AttentionBackend):
         table_rows = (
             ctx.req_pool_indices[ids] if len(ids) != ctx.batch_size else ctx.req_pool_indices
         )
-        rows = torch.tensor([starts[b] for b in ids], device=device)
-        group = _DecodeGroup(rows, table_rows, torch.tensor(seq_lens, device=device))
+        rows, lens = torch.tensor([[starts[b] for b in ids], seq_lens], device=device).unbind()
+        group = _DecodeGroup(rows, table_rows, lens)
         if self.cpu_kernel is None:
             self._pad_slots(group, seq_lens)
         return group

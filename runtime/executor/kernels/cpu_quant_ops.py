@@ -205,6 +205,12 @@ def _call_linear(
     return y
 
 
+def int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, without a torch call where it is already: at batch-1 decode
+    each call ran from caches the weights had just swept (tens of microseconds)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def dequantize(
     qtype: str, blocks: torch.Tensor, k: int, ids: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -212,7 +218,7 @@ def dequantize(
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     ids_ptr, count = None, blocks.shape[0]
     if ids is not None:
-        ids = ids.to(torch.int64).contiguous()
+        ids = int64(ids)
         ids_ptr, count = ids.data_ptr(), ids.numel()
     out = torch.empty(count, k)
     type_id = QUANT_TYPES[qtype].ggml_id
