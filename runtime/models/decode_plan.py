@@ -249,7 +249,7 @@ class DecodePlan:
             buffers = self.step_buffers[rows]
         else:
             buffers[0].copy_(x)
-        out = torch.empty(rows, self.head_args[4])
+        out = torch.empty(rows, self.head_args[4])  # [rows, vocab]
         self._step(buffers, ctx, backend, out)
         return out
 
