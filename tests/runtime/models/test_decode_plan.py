@@ -91,6 +91,40 @@ def test_plan_follows_replaced_weights(tiny_llama_dir):
         hook.remove()
 
 
+def test_head_follows_replaced_weights(tiny_llama_dir):
+    """The final norm's weight or the output projection replaced rebuilds the plan, whose
+    logits again equal the module path's."""
+    loaded = load_model(str(tiny_llama_dir), quantization="q4_1")
+    model, prompts = loaded.model, [[3, 40, 77]]
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    decode(loaded, prompts, 2, torch.float32)
+    for replace in (
+        lambda: setattr(model.norm.weight, "data", model.norm.weight.data * 3),
+        lambda: setattr(head, "blocks", head.blocks.flip(0).clone()),
+    ):
+        first = model.__dict__["_plan"]
+        replace()
+        planned = decode(loaded, prompts, 3, torch.float32)
+        assert model.__dict__["_plan"] is not first and model.__dict__["_plan"].head is not None
+        hook = model.layers[0].register_forward_hook(lambda *_: None)
+        try:
+            assert torch.equal(planned, decode(loaded, prompts, 3, torch.float32))
+        finally:
+            hook.remove()
+
+
+def test_head_in_c_only_for_the_plain_norm_and_a_quantized_head_without_bias(tiny_llama_dir):
+    model = load_model(str(tiny_llama_dir), quantization="q8_0").model
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    assert decode_plan._head(model, PLAIN_KINDS) == (model.norm, head)
+    head.bias = torch.zeros(head.out_features)
+    assert decode_plan._head(model, PLAIN_KINDS) is None
+    head.bias = None
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    assert decode_plan._head(model, PLAIN_KINDS) is None
+    assert decode_plan.build(model, PLAIN_KINDS).head is None  # the layers still planned
+
+
 def test_each_weight_type_takes_its_own_kernel_for_the_rows():
     """A model whose layers mix formats (Q4_K_M files: Q4_K and Q6_K next to 32-value
     blocks) takes the kernel cpu_quant_ops.kernel picks per layer, by that format's limits."""
