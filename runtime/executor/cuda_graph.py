@@ -33,6 +33,7 @@ class CudaGraphRunner:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.rows = torch.full((n,), padding_row, dtype=torch.int64, device=device)
+        self.ones = torch.ones(n, dtype=torch.int64, device=device)  # decode extend lengths
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -44,7 +45,9 @@ class CudaGraphRunner:
             out_slots=self.out_slots[:size],
             req_pool_indices=self.rows[:size],
             prefix_lens=self.positions[:size],  # a decode token's position = its prefix length
-            extend_lens=torch.ones(size, dtype=torch.int64, device=self.positions.device),
+            # every tensor a graph reads must outlive it: a tensor made here and freed after
+            # the capture left its replays reading whatever reused that memory
+            extend_lens=self.ones[:size],
             prefix_lens_cpu=[0] * size,
             extend_lens_cpu=[1] * size,
         )
