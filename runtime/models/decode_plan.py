@@ -4,8 +4,10 @@ At batch 1 the weights take about half of a step; most of the rest was Python: e
 went through a dozen module calls, tensor checks, conversions and allocations around its
 nine C kernel calls. A `DecodePlan` holds, per layer, the kernels' arguments (weight
 pointers, shapes, the layer's rotary table and attention window) and runs a decode step as
-those nine calls per layer on buffers allocated once per step. The calls and their inputs
-are the module path's, so the results are identical.
+those nine calls per layer on buffers allocated once per step; where every row wants its
+logits, the same call ends with the final norm and a quantized output projection (`logits`,
+whose buffers are kept from step to step). The calls and their inputs are the module path's,
+so the results are identical.
 
 It applies to the plain Llama-shaped decoder only (`DecoderLayer`, `Attention` with full
 rotary, `MLP`, `RMSNorm`, quantized linear layers), in float32 on the CPU, with the native
@@ -155,9 +157,9 @@ class DecodePlan:
         self.qkv_width = c.q_size + 2 * c.kv_size
         self.inter = model.layers[0].mlp.down_proj.in_features
         self.head = _head(model, kinds)
-        if self.head is not None:  # final_norm, final_eps, head_type, head, vocab, hidden
+        if self.head is not None:  # StepArgs' final_norm, final_eps, head_type, head, vocab
             norm, head = self.head
-            self.head_args = (norm.weight.data_ptr(), norm.eps, *_linear_args(head))
+            self.head_args = (norm.weight.data_ptr(), norm.eps, *_linear_args(head)[:3])
         modules = [m for layer in model.layers for m in layer.modules()]
         modules += self.head or ()
         # a module keeps its hook dicts for life (register_forward_hook adds to them)
@@ -195,7 +197,7 @@ class DecodePlan:
             entry.qkv_bias, entry.cos, entry.sin = bias, cos, sin
         self.cache_of = None  # the pool whose caches step_layers points into
         self.kernel_codes: dict[tuple, ctypes.Array] = {}  # by (row count, ISA)
-        self.step_buffers: dict[int, tuple] = {}  # `logits`' buffers, by row count
+        self.step_buffers: tuple = ()  # `logits`' buffers, for one row count at a time
 
     def applies(self, backend, ctx, x: torch.Tensor) -> bool:
         from spruce.runtime.executor.attention.native_backend import NativeAttentionBackend
@@ -242,14 +244,12 @@ class DecodePlan:
         """`run`, then the final norm and the output projection in the same C call: the
         logits [rows, vocab]. Nothing but the logits leaves the step, so its buffers are
         kept for the next one with as many rows."""
-        rows = x.shape[0]
-        buffers = self.step_buffers.get(rows)
-        if buffers is None:
-            self.step_buffers = {rows: self._buffers(x)}  # one row count held at a time
-            buffers = self.step_buffers[rows]
-        else:
+        rows, buffers = x.shape[0], self.step_buffers
+        if buffers and buffers[0].shape[0] == rows:
             buffers[0].copy_(x)
-        out = torch.empty(rows, self.head_args[4])  # [rows, vocab]
+        else:
+            buffers = self.step_buffers = self._buffers(x)
+        out = torch.empty(rows, self.head[1].out_features)
         self._step(buffers, ctx, backend, out)
         return out
 
@@ -274,9 +274,7 @@ class DecodePlan:
             CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows, isa),
         )  # fmt: skip
         if logits is not None:
-            args.final_norm, args.final_eps, args.head_type, args.head, args.vocab, _ = (
-                self.head_args
-            )
+            args.final_norm, args.final_eps, args.head_type, args.head, args.vocab = self.head_args
             args.logits = logits.data_ptr()
         self._point_at_caches(backend)
         failed = self.lib.spruce_decode_layers(
@@ -335,7 +333,7 @@ class DecodePlan:
         p_res, p_h, p_out, p_qkv, p_attn = (t.data_ptr() for t in (residual, h, out, qkv, attn))
         p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
         attention = self._attention_call(ctx, backend, qkv, p_attn)
-        positions = ctx.positions.to(torch.int64).contiguous()
+        positions = cpu_quant_ops.int64(ctx.positions)
         rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, self._linear(rows)
         isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())  # follows cpu_library.use_isa
         width, heads = self.qkv_width, c.num_heads + c.num_kv_heads
@@ -383,9 +381,9 @@ class DecodePlan:
         c, lib, rows = self.config, self.lib, qkv.shape[0]
         group = ctx.backend_state.decode
         table = backend.req_to_token.table
-        table_rows = group.table_rows.to(torch.int64).contiguous()
-        seq_lens = group.seq_lens.to(torch.int64).contiguous()
-        slots = ctx.out_slots.to(torch.int64).contiguous()
+        table_rows, seq_lens, slots = map(
+            cpu_quant_ops.int64, (group.table_rows, group.seq_lens, ctx.out_slots)
+        )
         pool = backend.pool
         fn = getattr(lib, KERNELS[pool.k[0].dtype])
         p_qkv, width = qkv.data_ptr(), self.qkv_width
