@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from spruce.runtime.cores import default_threads
 from spruce.runtime.errors import InvalidRequestError
 from spruce.runtime.limits import RequestLimits, ServingLimits
 
@@ -26,7 +27,7 @@ class ModelOptions:
     device: str = "auto"  # auto: cuda if available, else cpu
     attention_backend: str = "auto"  # auto | native (C kernels on CPU, torch ops elsewhere; alias torch) | triton | flashinfer
     context_length: int | None = None  # cap below the model's own
-    num_threads: int | None = None  # torch CPU threads; None: all cores
+    num_threads: int | None = None  # torch CPU threads; None: one per physical core (cores.py)
     disable_cuda_graph: bool = False
     pooling: str = "auto"  # embeddings: auto (the model folder's sentence-transformers pooling, else last) | last | mean | cls
 
@@ -169,7 +170,7 @@ class EngineConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.model.num_threads or os.cpu_count() or 1
+        return self.model.num_threads or default_threads()
 
 
 _SECTIONS = {

@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from spruce.runtime.cores import default_threads
+
 PERIOD_S = 0.25
 LOADAVG = "/proc/loadavg"
 
@@ -83,13 +85,6 @@ def others_runnable() -> int | None:
     return max(runnable - max(before, own_runnable_threads()), 0)
 
 
-def free_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class ThreadGovernor:
     """`check()` before a step: sets torch's (and the C kernels') thread count to what the
     cores not wanted by other work can take, at most `threads`. A reading only counts when
@@ -103,7 +98,7 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.threads, self.current = threads, threads
-        self.cores = cores or free_cores()
+        self.cores = cores or default_threads()
         self.read, self.set_threads = read, set_threads
         self.checked_at = 0.0
         self.last_want = threads

@@ -24,6 +24,7 @@ import time
 import torch
 
 from spruce.runtime.config import EngineConfig
+from spruce.runtime.cores import default_threads
 from spruce.runtime.executor.attention import resolve_backend
 from spruce.runtime.executor.distributed import (
     Placement,
@@ -53,7 +54,7 @@ def join(config: EngineConfig, where: Placement) -> TPGroup:
     device = config.resolved_device
     per_node = max(where.world // p.nnodes, 1)
     if device == "cpu" and config.model.num_threads is None:
-        torch.set_num_threads(max((os.cpu_count() or 1) // per_node, 1))
+        torch.set_num_threads(max(default_threads() // per_node, 1))
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", where.rank % per_node)))
     backend = backend_for(p.dist_backend, device)
