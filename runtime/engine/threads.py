@@ -30,6 +30,15 @@ can beat on two cores. Again with the batch-1 matmuls' rows shared out between t
 (2026-12-04; 64 requests of 128 prompt + 40 generated tokens, the median decode step of
 two alternated runs each): quiet 81 ms; busy with this governor (one thread) 148 ms, 1.81x,
 what two threads gain over one on free cores; busy with two fixed threads 249 ms.
+
+Tried and not kept (2-core Intel Xeon VM, 2026-12-04, the same 64 requests, one or two
+runs each): the batch's rows cut into parts that each go through the layers on their own,
+the threads taking one layer of whichever part is free, so a displaced thread holds up one
+part rather than every kernel's end. Beside the busy process two threads then used 1.26
+cores (two threads on the kernels' own split 1.0: the system kept them on one core) for a
+182-184 ms step, against 188-218 ms on the governor's one thread; but the integer GEMM
+widens each weight panel once per call, so each part pays that again: on one thread 218 ms
+in two parts and 307 ms in four, against 192 ms whole, and the quiet step was no faster.
 """
 
 from __future__ import annotations
