@@ -2,10 +2,11 @@
 
 A batch of 64 sequences decodes once alone on the machine and once beside one busy process
 (a Python loop that never sleeps, started by the benchmark), with the engine's own thread
-policy: the wait policy and the governor that gives cores back while others want them
-(engine/threads.py). Rounds alternate which goes first, so a host's slow minutes fall on
-both. The figure is the median over the rounds of the busy step over the quiet one, with
-the thread count the governor settled on beside the busy process.
+policy: the wait policy and the governor that gives cores back while others want them and,
+with one core left, runs the batch in parts of rows, a thread each (engine/threads.py).
+Rounds alternate which goes first, so a host's slow minutes fall on both. The figure is the
+median over the rounds of the busy step over the quiet one, with the thread count (and row
+parts) the governor settled on beside the busy process.
 """
 
 from __future__ import annotations
@@ -57,15 +58,18 @@ def busy_probe(engine, prompts: list[list[int]], run_engine) -> dict:
     first, so the runs are mostly decode."""
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})
-    threads = []
+    threads, parts = [], []
+    governor = engine.core.governor
 
     def measure() -> float:
-        threads.append(settle(engine.core.governor, engine.config.num_threads))
+        threads.append(settle(governor, engine.config.num_threads))
+        parts.append(0 if governor is None else governor.parts)
         return run_engine(engine, prompts, params)["decode_step_ms"]
 
     result = busy_rounds(measure, ROUNDS)
     result["threads"], result["sequences"] = engine.config.num_threads, len(prompts)
     result["threads_beside_busy"] = min(threads)  # the quiet runs read the full count
+    result["row_parts_beside_busy"] = max(parts)  # and no parts
     return result
 
 
@@ -84,8 +88,10 @@ def settle(governor, threads: int) -> int:
 
 def print_busy(r: dict) -> None:
     rounds = ", ".join(f"{q:.0f}/{b:.0f}" for q, b in zip(r["quiet_rounds"], r["busy_rounds"]))
+    n = r.get("row_parts_beside_busy", 0)
+    parts = f", the batch in {n} parts of rows, a thread each" if n > 1 else ""
     print(
         f"beside a busy process  batch-{r['sequences']} decode step {r['busy_step_ms']:.1f} ms, quiet "
         f"{r['quiet_step_ms']:.1f} ms, {r['busy_over_quiet']:.2f}x (medians; quiet/busy by round "
-        f"{rounds} ms; {r['threads_beside_busy']} of {r['threads']} threads beside it)"
+        f"{rounds} ms; {r['threads_beside_busy']} of {r['threads']} threads beside it{parts})"
     )

@@ -25,20 +25,24 @@ The batch-64 step again once the integer GEMM took its matmuls (cpu_quant_igemm.
 2026-12-03, one run each, alternated): quiet 99-124 ms; busy, with this governor (one
 thread) 172-185 ms, with two fixed threads 226-229 ms, with three fixed threads 195 ms. One
 thread beside a busy process thus costs 1.5-1.8x the quiet step: about what two threads gain
-over one when the cores are free, which no policy that leaves the other process its share
-can beat on two cores. Again with the batch-1 matmuls' rows shared out between threads
+over one when the cores are free, which no policy that leaves the other process its whole
+core can beat on two cores. Again with the batch-1 matmuls' rows shared out between threads
 (2026-12-04; 64 requests of 128 prompt + 40 generated tokens, the median decode step of
 two alternated runs each): quiet 81 ms; busy with this governor (one thread) 148 ms, 1.81x,
 what two threads gain over one on free cores; busy with two fixed threads 249 ms.
 
-Tried and not kept (2-core Intel Xeon VM, 2026-12-04, the same 64 requests, one or two
-runs each): the batch's rows cut into parts that each go through the layers on their own,
-the threads taking one layer of whichever part is free, so a displaced thread holds up one
-part rather than every kernel's end. Beside the busy process two threads then used 1.26
-cores (two threads on the kernels' own split 1.0: the system kept them on one core) for a
-182-184 ms step, against 188-218 ms on the governor's one thread; but the integer GEMM
+With one core left (this governor's one thread), a step of 32 rows or more runs instead
+in two parts of rows on two threads, each part through the layers on its own
+(decode_plan.set_row_parts): a thread the busy process displaces then holds up its own part,
+not the other thread at the end of every kernel. The parts cost more work (the integer GEMM
 widens each weight panel once per call, so each part pays that again: on one thread 218 ms
-in two parts and 307 ms in four, against 192 ms whole, and the quiet step was no faster.
+in two parts against 192 ms whole), but the two threads get 1.21-1.28 cores beside the busy
+process where the kernels' own two threads got 1.0 (the system kept them on one core).
+Measured on the 2-core Intel Xeon VM, 2026-12-04, the same 64 requests, three alternated
+rounds each, two runs: the busy step 152-167 ms with parts against 165-193 ms on one thread
+(the integer GEMM); forcing the AVX2 kernels (the float GEMM), 270-307 against 302-357 ms.
+Four parts of 16 rows cost more than they gained (307 ms on one thread), and so did
+three threads.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from collections.abc import Callable
 import torch
 
 from spruce.runtime.cores import default_threads
+from spruce.runtime.models.decode_plan import set_row_parts
 
 PERIOD_S = 0.25
 LOADAVG = "/proc/loadavg"
@@ -94,10 +99,15 @@ def others_runnable() -> int | None:
     return max(runnable - max(before, own_runnable_threads()), 0)
 
 
+ROW_PARTS = 2  # with one free core left: many-row decode steps in two parts, a thread each
+
+
 class ThreadGovernor:
     """`check()` before a step: sets torch's (and the C kernels') thread count to what the
-    cores not wanted by other work can take, at most `threads`. A reading only counts when
-    the one before it agreed (one runnable burst of a short-lived process changes nothing)."""
+    cores not wanted by other work can take, at most `threads`; where that leaves one thread
+    of two or more, many-row decode steps run in ROW_PARTS parts of rows instead, a thread
+    each (`parts`; decode_plan.set_row_parts). A reading only counts when the one before it
+    agreed (one runnable burst of a short-lived process changes nothing)."""
 
     def __init__(
         self,
@@ -105,10 +115,11 @@ class ThreadGovernor:
         cores: int | None = None,
         read: Callable[[], int | None] = others_runnable,
         set_threads: Callable[[int], None] = torch.set_num_threads,
+        set_parts: Callable[[int], None] = set_row_parts,
     ) -> None:
-        self.threads, self.current = threads, threads
+        self.threads, self.current, self.parts = threads, threads, 0
         self.cores = cores or default_threads()
-        self.read, self.set_threads = read, set_threads
+        self.read, self.set_threads, self.set_parts = read, set_threads, set_parts
         self.checked_at = 0.0
         self.last_want = threads
 
@@ -124,4 +135,6 @@ class ThreadGovernor:
         if want == self.last_want and want != self.current:
             self.set_threads(want)
             self.current = want
+            self.parts = ROW_PARTS if want == 1 and self.threads >= ROW_PARTS else 0
+            self.set_parts(self.parts)
         self.last_want = want

@@ -19,6 +19,7 @@ sees the module path). Anything else goes through the modules as before.
 The layer loop itself runs in C (cpu_decode_step.c: one ctypes call a step instead of nine
 a layer), except where rows share a request (speculative drafts), whose K/V the pool must
 hold before the kernel attends: there the same calls are made from Python (`run_calls`).
+`set_row_parts` has many-row steps run in parts of rows, a thread each (same results).
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ def _linear_args(m: nn.Module) -> tuple:
         m.out_features,
         m.in_features,
     )
+
+
+MIN_PART_ROWS = 16  # rows of a part at least (the integer GEMM's row group)
+_row_parts = 0  # set_row_parts'
+
+
+def set_row_parts(parts: int) -> None:
+    """Decode steps of at least `parts` x MIN_PART_ROWS rows run in `parts` parts of rows,
+    each through the layers on a thread of its own (cpu_decode_step.c's
+    spruce_decode_layers_split), instead of on the kernels' threads; 0 or 1: off. The thread
+    governor's setting beside another busy process (engine/threads.py); process-wide, like
+    torch's thread count."""
+    global _row_parts
+    _row_parts = parts
 
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -277,9 +292,11 @@ class DecodePlan:
             args.final_norm, args.final_eps, args.head_type, args.head, args.vocab = self.head_args
             args.logits = logits.data_ptr()
         self._point_at_caches(backend)
-        failed = self.lib.spruce_decode_layers(
-            self.step_layers, len(self.step_layers), ctypes.byref(args)
-        )
+        layers, count, parts = self.step_layers, len(self.step_layers), _row_parts
+        if parts > 1 and rows >= parts * MIN_PART_ROWS:
+            failed = self.lib.spruce_decode_layers_split(layers, count, ctypes.byref(args), parts)
+        else:
+            failed = self.lib.spruce_decode_layers(layers, count, ctypes.byref(args))
         if failed == 2:
             raise _attention_refused(c)
         _check(failed)

@@ -8,9 +8,15 @@
  *
  * Compiled once per instruction set like the float kernels, so each variant calls its own
  * instruction set's norm, rotary, SiLU, attention and float GEMM; the quantized GEMV and
- * integer GEMM take the ISA as data (cpu_quant_ops.c). */
+ * integer GEMM take the ISA as data (cpu_quant_ops.c). `spruce_decode_layers_split` runs the
+ * same calls on parts of the rows, a part per thread (the thread governor's choice beside
+ * another busy process: engine/threads.py). */
 #include <stddef.h>
 #include <stdint.h>
+#include <sched.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "cpu_vector.h"
 
@@ -103,27 +109,123 @@ static int attention(const step_args *s, const step_layer *l) {
 #undef CALL
 }
 
+/* Layer i on the step's rows: the module path's nine calls. Returns as spruce_decode_layers. */
+static int run_layer(const step_args *s, const step_layer *l, int64_t i) {
+    int64_t rows = s->rows, hidden = s->hidden, width = s->q_size + 2 * s->kv_size;
+    /* the residual stream starts as the embeddings */
+    PER_ISA(spruce_rms_norm)(i == 0 ? s->residual : s->out, i == 0 ? NULL : s->residual, l->norm[0], s->h, rows,
+                             hidden, l->eps[0]);
+    if (layer_linear(s, l, 0, s->h, l->qkv_bias, s->qkv)) return 1;
+    PER_ISA(spruce_rotary)(s->qkv, width, rows, s->heads + s->kv_heads, s->head_dim, s->positions, l->cos, l->sin);
+    if (attention(s, l)) return 2;
+    if (layer_linear(s, l, 1, s->attn, NULL, s->out)) return 1;
+    PER_ISA(spruce_rms_norm)(s->out, s->residual, l->norm[1], s->h, rows, hidden, l->eps[1]);
+    if (layer_linear(s, l, 2, s->h, NULL, s->gate_up)) return 1;
+    PER_ISA(spruce_silu_mul)(s->gate_up, s->act, rows, s->inter);
+    return layer_linear(s, l, 3, s->act, NULL, s->out);
+}
+
+/* The final norm and the logits (the module path's calls after the layers). */
+static int run_head(const step_args *s) {
+    PER_ISA(spruce_rms_norm)(s->out, s->residual, s->final_norm, s->h, s->rows, s->hidden, s->final_eps);
+    return linear(s, s->head_type, s->head, s->vocab, s->hidden, s->h, NULL, s->logits);
+}
+
 /* Every layer on s->residual (the embeddings, [rows, hidden]): the last MLP output in
  * s->out, the residual stream in s->residual; with a head, then the final norm and the
- * logits (the module path's calls after the layers). Returns 0, 1 when a linear layer found
- * no memory for its activations, 2 when attention refused the shape. */
+ * logits. Returns 0, 1 when a linear layer found no memory for its activations, 2 when
+ * attention refused the shape. */
 int PER_ISA(spruce_decode_layers)(const step_layer *layers, int64_t count, const step_args *s) {
-    int64_t rows = s->rows, hidden = s->hidden, width = s->q_size + 2 * s->kv_size;
     for (int64_t i = 0; i < count; i++) {
-        const step_layer *l = &layers[i];
-        /* the residual stream starts as the embeddings */
-        PER_ISA(spruce_rms_norm)(i == 0 ? s->residual : s->out, i == 0 ? NULL : s->residual, l->norm[0], s->h, rows,
-                                 hidden, l->eps[0]);
-        if (layer_linear(s, l, 0, s->h, l->qkv_bias, s->qkv)) return 1;
-        PER_ISA(spruce_rotary)(s->qkv, width, rows, s->heads + s->kv_heads, s->head_dim, s->positions, l->cos, l->sin);
-        if (attention(s, l)) return 2;
-        if (layer_linear(s, l, 1, s->attn, NULL, s->out)) return 1;
-        PER_ISA(spruce_rms_norm)(s->out, s->residual, l->norm[1], s->h, rows, hidden, l->eps[1]);
-        if (layer_linear(s, l, 2, s->h, NULL, s->gate_up)) return 1;
-        PER_ISA(spruce_silu_mul)(s->gate_up, s->act, rows, s->inter);
-        if (layer_linear(s, l, 3, s->act, NULL, s->out)) return 1;
+        int failed = run_layer(s, &layers[i], i);
+        if (failed) return failed;
     }
-    if (s->head == NULL) return 0;
-    PER_ISA(spruce_rms_norm)(s->out, s->residual, s->final_norm, s->h, rows, hidden, s->final_eps);
-    return linear(s, s->head_type, s->head, s->vocab, hidden, s->h, NULL, s->logits);
+    return s->head == NULL ? 0 : run_head(s);
+}
+
+/* s's rows [first, first + rows): each buffer and per-row array from its row `first`. */
+static step_args part_of(const step_args *s, int64_t first, int64_t rows) {
+    step_args p = *s;
+    int64_t width = s->q_size + 2 * s->kv_size;
+    p.rows = rows;
+    p.residual += first * s->hidden, p.h += first * s->hidden, p.out += first * s->hidden;
+    p.qkv += first * width, p.attn += first * s->q_size;
+    p.gate_up += first * 2 * s->inter, p.act += first * s->inter;
+    p.positions += first, p.slots += first, p.table_rows += first, p.seq_lens += first;
+    if (p.logits != NULL) p.logits += first * s->vocab;
+    return p;
+}
+
+#define MAX_PARTS 16
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+/* Takes the least advanced part that no thread holds and that has a task left: its index,
+ * its next task in *task; -1 when there is none now. */
+static int64_t take_part(int64_t parts, int64_t tasks, int64_t *next, int *held, int64_t *task) {
+    int64_t best = -1;
+    for (int64_t p = 0; p < parts; p++) {
+        int64_t t = __atomic_load_n(&next[p], __ATOMIC_RELAXED);
+        if (!__atomic_load_n(&held[p], __ATOMIC_RELAXED) && t < tasks && (best < 0 || t < *task)) best = p, *task = t;
+    }
+    int expected = 0;
+    if (best < 0 || !__atomic_compare_exchange_n(&held[best], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return -1;
+    *task = __atomic_load_n(&next[best], __ATOMIC_RELAXED);
+    if (*task < tasks) return best;
+    __atomic_store_n(&held[best], 0, __ATOMIC_RELEASE); /* finished between the look and the take */
+    return -1;
+}
+
+/* spruce_decode_layers with the rows cut into `parts` parts (at most MAX_PARTS), each going
+ * through the layers (and the head) on its own, on `parts` threads: a thread takes one task
+ * (a layer, or the head) of the least advanced part no other thread holds, runs its kernels
+ * alone, and gives the part back. Beside another busy process the kernels' own threads wait
+ * at the end of every kernel for a thread the system has taken away; here such a thread
+ * holds up only its part, while the other threads go on with theirs. A row's calls are
+ * the same and no kernel's result for a row depends on the other rows, so the results are
+ * identical. Returns as spruce_decode_layers (a part that fails stops there; the others
+ * finish). */
+int PER_ISA(spruce_decode_layers_split)(const step_layer *layers, int64_t count, const step_args *s,
+                                        int64_t parts) {
+    parts = parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts > s->rows ? s->rows : parts;
+    int64_t tasks = count + (s->head != NULL), next[MAX_PARTS], left = parts * tasks;
+    step_args part[MAX_PARTS];
+    int held[MAX_PARTS], failed = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        int64_t first = s->rows * p / parts;
+        part[p] = part_of(s, first, s->rows * (p + 1) / parts - first);
+        next[p] = 0, held[p] = 0;
+    }
+#pragma omp parallel num_threads(parts)
+    {
+#if defined(_OPENMP)
+        omp_set_num_threads(1); /* the kernels run on this thread alone (this region only) */
+#endif
+        unsigned idle = 0;
+        while (__atomic_load_n(&left, __ATOMIC_ACQUIRE) > 0) {
+            int64_t task = 0, p = take_part(parts, tasks, next, held, &task);
+            if (p < 0) { /* every part left is held: the step's end, or a thread taken away */
+                if (++idle % 64 == 0) sched_yield();
+                else relax();
+                continue;
+            }
+            idle = 0;
+            int r = task < count ? run_layer(&part[p], &layers[task], task) : run_head(&part[p]);
+            int64_t done = 1;
+            if (r) { /* the part stops here */
+                __atomic_store_n(&failed, r, __ATOMIC_RELAXED);
+                done = tasks - task;
+                task = tasks - 1;
+            }
+            __atomic_store_n(&next[p], task + 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&held[p], 0, __ATOMIC_RELEASE);
+            __atomic_sub_fetch(&left, done, __ATOMIC_RELEASE);
+        }
+    }
+    return failed;
 }

@@ -89,6 +89,7 @@ SIGNATURES = {
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
     "spruce_decode_layers": [_P, _I64, _P],  # layers, count, step (decode_plan.StepLayer, StepArgs)
+    "spruce_decode_layers_split": [_P, _I64, _P, _I64],  # the same, parts
 }
 # fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
@@ -101,7 +102,7 @@ PER_ISA_KERNELS = (
 )
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
-PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_argmax_rows")
+PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_decode_layers_split", "spruce_argmax_rows")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
@@ -114,6 +115,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_gemm": ctypes.c_int,
     "spruce_quant_igemm": ctypes.c_int,
     "spruce_decode_layers": ctypes.c_int,
+    "spruce_decode_layers_split": ctypes.c_int,
 }
 
 _library: ctypes.CDLL | None = None

@@ -44,7 +44,9 @@ def test_settle_brings_the_governor_to_the_machine_as_it_is(monkeypatch):
     monkeypatch.setattr(busy, "PERIOD_S", 0.01)
     monkeypatch.setattr(threads, "PERIOD_S", 0.01)
     others, set_to = [1], []
-    governor = ThreadGovernor(2, cores=2, read=lambda: others[0], set_threads=set_to.append)
+    governor = ThreadGovernor(
+        2, cores=2, read=lambda: others[0], set_threads=set_to.append, set_parts=lambda n: None
+    )
     assert busy.settle(governor, 2) == 1  # one other runnable thread: one core left
     others[0] = 0
     assert busy.settle(governor, 2) == 2

@@ -13,9 +13,16 @@ from spruce.runtime.engine.threads import (
 )
 
 
-def governor(readings: list[int | None], threads_: int = 2, cores: int = 2):
+def governor(readings: list[int | None], threads_: int = 2, cores: int = 2, parts=None):
     calls: list[int] = []
-    g = ThreadGovernor(threads_, cores, read=lambda: readings.pop(0), set_threads=calls.append)
+    parts = [] if parts is None else parts
+    g = ThreadGovernor(
+        threads_,
+        cores,
+        read=lambda: readings.pop(0),
+        set_threads=calls.append,
+        set_parts=parts.append,
+    )
     return g, calls
 
 
@@ -42,6 +49,26 @@ def test_enough_free_cores_change_nothing_and_no_reading_changes_nothing():
     g, calls = governor([None, None])
     step(g, 2)
     assert calls == [] and g.current == 2
+
+
+def test_one_thread_left_of_several_runs_many_rows_in_parts():
+    """Where others leave one core, many-row steps run in ROW_PARTS parts of rows (a thread
+    each) rather than on one thread; off again when the cores are free, and never where
+    fewer threads are asked for or more than one core is free."""
+    parts: list[int] = []
+    g, calls = governor([1, 1, 0, 0], parts=parts)
+    step(g, 2)
+    assert calls == [1] and parts == [threads.ROW_PARTS] and g.parts == threads.ROW_PARTS
+    step(g, 2)
+    assert calls == [1, 2] and parts == [threads.ROW_PARTS, 0] and g.parts == 0
+    parts.clear()
+    g, calls = governor([2, 2], threads_=4, cores=4, parts=parts)
+    step(g, 2)  # two cores free: two threads on the kernels, no parts
+    assert calls == [2] and parts == [0]
+    parts.clear()
+    g, calls = governor([3, 3], threads_=1, cores=4, parts=parts)
+    step(g, 2)
+    assert calls == [] and parts == []
 
 
 def test_a_check_within_the_period_reads_nothing(monkeypatch):

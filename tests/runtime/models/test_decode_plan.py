@@ -176,3 +176,37 @@ def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, 
     monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
     monkeypatch.setattr(decode_plan.DecodePlan, "ends_with_head", lambda *a: False)
     assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])  # the integer GEMM (VNNI) or the float GEMM
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("requests,parts", [(2 * decode_plan.MIN_PART_ROWS + 5, 2), (50, 3)])
+def test_row_parts_equal_the_whole_batch(tiny_qwen2_dir, monkeypatch, isa, qtype, requests, parts):
+    """Decode steps in parts of rows, a thread each (the governor's choice beside a busy
+    process), give the whole batch's logits bit for bit, and leave the thread count as it
+    was; a batch too small for the parts runs whole."""
+    from spruce.runtime.executor.kernels import cpu_library
+
+    if isa not in cpu_library.available_isas() or cpu_quant_ops.best_isa() == "scalar":
+        pytest.skip(f"this CPU or build has no {isa} kernels")
+    previous = cpu_library.use_isa(isa)
+    try:
+        loaded = load_model(str(tiny_qwen2_dir), quantization=qtype)
+        # lengths (positions) that differ between a part's rows and the next part's
+        prompts = [[3 + i % 7, 40 + i, 77, 12 + 5 * i, 9, 21][: 2 + i % 5] for i in range(requests)]
+        whole = decode(loaded, prompts, 4, torch.float32)
+        lib, calls = cpu_library.load_library(), []
+        split = lib.spruce_decode_layers_split
+        monkeypatch.setattr(
+            lib, "spruce_decode_layers_split", lambda *a: calls.append(a[-1]) or split(*a)
+        )
+        threads = torch.get_num_threads()
+        monkeypatch.setattr(decode_plan, "_row_parts", parts)
+        in_parts = decode(loaded, prompts, 4, torch.float32)
+        assert calls == [parts] * 4 and torch.get_num_threads() == threads
+        assert torch.equal(in_parts, whole)
+        few = prompts[: parts * decode_plan.MIN_PART_ROWS - 1]
+        decode(loaded, few, 1, torch.float32)
+        assert calls == [parts] * 4  # too few rows for the parts: whole
+    finally:
+        cpu_library.use_isa(previous)
