@@ -331,13 +331,18 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
 
 
 def batch1_decode(engine, tokenizer, threads: int) -> float:
-    """Batch-1 decode tokens/s with torch (and the C kernels) on `threads` threads."""
-    before = torch.get_num_threads()
+    """Batch-1 decode tokens/s with torch (and the C kernels) on `threads` threads, fixed as
+    llama-bench's -t fixes its own: the thread governor is set aside meanwhile (right after
+    llama.cpp's run it could still count llama.cpp's threads, or take a 1-thread probe back
+    to all threads once they were gone)."""
+    before, governor = torch.get_num_threads(), engine.core.governor
     torch.set_num_threads(threads)
+    engine.core.governor = None
     try:
         return single_probes(engine, tokenizer)["batch1_decode_tokens_per_s"]
     finally:
         torch.set_num_threads(before)
+        engine.core.governor = governor
 
 
 def medians(runs: list[dict]) -> dict:

@@ -13,6 +13,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from spruce.runtime.bench import alternating_rounds, offline
 from spruce.runtime.bench.llama_cpp import (
@@ -205,3 +206,21 @@ def test_spec_rows_on_two_llama_servers(tmp_path):
     with socket.socket() as s:  # both servers are gone: their ports are free again
         for url in servers:
             assert s.connect_ex(("127.0.0.1", int(url.rsplit(":", 1)[1]))) != 0
+
+
+def test_fixed_thread_probes_set_the_governor_aside_and_restore_it(monkeypatch):
+    """tg128 at 1 and N threads runs at exactly that count: no governor acts meanwhile (it
+    could take the 1-thread probe back to all threads); afterwards both are as they were."""
+    seen = []
+    governor = object()
+    engine = SimpleNamespace(core=SimpleNamespace(governor=governor))
+
+    def probe(engine_, tokenizer):
+        seen.append((torch.get_num_threads(), engine_.core.governor))
+        return {"batch1_decode_tokens_per_s": 1.0}
+
+    monkeypatch.setattr(offline, "single_probes", probe)
+    before = torch.get_num_threads()
+    assert offline.batch1_decode(engine, None, 1) == 1.0
+    assert seen == [(1, None)]
+    assert torch.get_num_threads() == before and engine.core.governor is governor
