@@ -67,19 +67,20 @@ def _ancestors(base: str, path: str):
         path = path.rsplit("/", 1)[0]
 
 
+def _cpus(quota: str | None, period: str | None) -> float | None:
+    """quota / period in CPUs; None when unlimited ("max", -1) or unread."""
+    if quota is None or period is None or quota == "max" or int(quota) <= 0:
+        return None
+    return int(quota) / int(period)
+
+
 def _v2_limit(folder: str) -> float | None:
     text = _read(f"{folder}/cpu.max")  # "max 100000" or "150000 100000"
-    if text is None or text.startswith("max"):
-        return None
-    quota, period = text.split()[:2]
-    return int(quota) / int(period)
+    return None if text is None else _cpus(*text.split()[:2])
 
 
 def _v1_limit(folder: str) -> float | None:
-    quota, period = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
-    if quota is None or period is None or int(quota) <= 0:
-        return None
-    return int(quota) / int(period)
+    return _cpus(_read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us"))
 
 
 def cgroup_cpus(root: str = CGROUP, proc_cgroup: str = PROC_CGROUP) -> float | None:
@@ -97,7 +98,7 @@ def cgroup_cpus(root: str = CGROUP, proc_cgroup: str = PROC_CGROUP) -> float | N
             )
             if base is not None:
                 limits += [_v1_limit(folder) for folder in _ancestors(base, paths["cpu"])]
-    except ValueError:  # a file not in the format the kernel writes
+    except (TypeError, ValueError):  # a file not in the format the kernel writes
         return None
     limits = [limit for limit in limits if limit is not None]
     return min(limits) if limits else None

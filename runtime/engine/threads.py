@@ -117,7 +117,7 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
         set_parts: Callable[[int], None] = set_row_parts,
     ) -> None:
-        self.threads, self.current, self.parts = threads, threads, 0
+        self.threads, self.current = threads, threads
         self.cores = cores or default_threads()
         self.read, self.set_threads, self.set_parts = read, set_threads, set_parts
         self.checked_at = 0.0
@@ -135,6 +135,10 @@ class ThreadGovernor:
         if want == self.last_want and want != self.current:
             self.set_threads(want)
             self.current = want
-            self.parts = ROW_PARTS if want == 1 and self.threads >= ROW_PARTS else 0
             self.set_parts(self.parts)
         self.last_want = want
+
+    @property
+    def parts(self) -> int:
+        """Parts of rows for many-row decode steps at the current count (0: whole)."""
+        return ROW_PARTS if self.current == 1 and self.threads >= ROW_PARTS else 0

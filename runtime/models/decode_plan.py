@@ -269,8 +269,8 @@ class DecodePlan:
         return out
 
     def _step(self, buffers: tuple, ctx, backend, logits: torch.Tensor | None) -> None:
-        """One spruce_decode_layers call on `buffers` (_buffers' order); with `logits`, the
-        head's too."""
+        """One spruce_decode_layers call on `buffers` (_buffers' order), or its split form
+        where set_row_parts asks for parts; with `logits`, the head's too."""
         c, rows = self.config, buffers[0].shape[0]
         isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
         group, pool = ctx.backend_state.decode, backend.pool
