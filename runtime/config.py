@@ -48,6 +48,8 @@ class SchedulerOptions:
     prefill_first: bool = False  # True: a step with prefill work runs no decode tokens
     decode_reserve_ratio: float = 0.3  # share of future output tokens kept free at admission
     lpm_max_queue: int = 128  # lpm and dfs-weight fall back to fcfs beyond this queue length
+    # greedy decode steps a batch of plain decodes runs in one call on the CPU (1: off)
+    decode_steps: int = 8
 
 
 @dataclass(frozen=True)

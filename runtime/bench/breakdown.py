@@ -6,6 +6,7 @@ runner and the step; and the decode step at full batch against the model's bare 
 from __future__ import annotations
 
 import collections
+import contextlib
 import statistics
 import time
 
@@ -88,13 +89,27 @@ BREAKDOWN_ROWS = [  # (label, parts added, parts taken away)
 ]
 
 
+@contextlib.contextmanager
+def one_step_a_call(engine):
+    """No multi-step decode calls meanwhile (scheduler.decode_steps 1): each timed step is
+    one forward pass through the modules and the sampler."""
+    scheduler = engine.core.scheduler
+    decode_steps, scheduler.decode_steps = scheduler.decode_steps, 1
+    try:
+        yield
+    finally:
+        scheduler.decode_steps = decode_steps
+
+
 def step_breakdown(engine, prompt: list[int], params: dict) -> dict:
     """Mean ms per part of the batch-1 decode steps of one timed request, and the mean
-    timed step (against an untimed run, the timers' own cost shows)."""
+    timed step (against an untimed run, the timers' own cost shows). The steps run one at
+    a time (no multi-step decode calls), so each one's parts show."""
     timers = StepTimers(engine.core)
     try:
-        engine.flush_cache()
-        engine.generate(input_ids=prompt, sampling_params=params)
+        with one_step_a_call(engine):
+            engine.flush_cache()
+            engine.generate(input_ids=prompt, sampling_params=params)
     finally:
         timers.close()
     decode = [st for st in timers.steps[2:] if "model" in st]  # past the prefill and the first step
@@ -157,16 +172,18 @@ def step_over_matmuls(engine, prompts: list[list[int]], params: dict, every: int
     core, model, batch = engine.core, engine.core.loaded.model, len(prompts)
     engine.flush_cache()
     core.step_log, steps, bares, seen = [], [], [], 0
+    stream = engine.generate(
+        input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True
+    )
     try:
-        for _ in engine.generate(
-            input_ids=prompts, sampling_params={**params, "ignore_eos": True}, stream=True
-        ):
-            if len(core.step_log) == seen:  # a chunk of a step already looked at
-                continue
-            seen, last = len(core.step_log), core.step_log[-1]
-            if last.all_decode and last.batch_size == batch and seen % every == 0:
-                steps.append(last.seconds)
-                bares.append(bare_matmul_seconds(model, batch, repeats=1))
+        with one_step_a_call(engine):
+            for _ in stream:
+                if len(core.step_log) == seen:  # a chunk of a step already looked at
+                    continue
+                seen, last = len(core.step_log), core.step_log[-1]
+                if last.all_decode and last.batch_size == batch and seen % every == 0:
+                    steps.append(last.seconds)
+                    bares.append(bare_matmul_seconds(model, batch, repeats=1))
     finally:
         core.step_log = None
     if not steps:

@@ -108,7 +108,7 @@ def one_at_a_time(engine, prompts: list[str], params: list[dict]) -> dict:
         engine.flush_cache()
         core.step_log = []
         out = engine.generate(prompt, p)
-        passes += len(core.step_log)
+        passes += sum(st.steps for st in core.step_log)
         latency += out["meta_info"]["e2e_latency"]
         jumped += out["meta_info"]["jump_forward_tokens"]
         texts.append(out["text"])

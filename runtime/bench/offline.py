@@ -369,9 +369,12 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
         args.compare_rounds,
     )  # fmt: skip
     ours, theirs = ours | medians(ours_runs), theirs | medians(theirs_runs)
-    result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy()}
+    steps = engine.core.scheduler.decode_steps
+    result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy(),
+                           "decode_steps": steps}  # fmt: skip
     result["llama_cpp"]["batch1_rounds"] = {"spruce": ours_runs, "llama.cpp": theirs_runs}
     print(f"\nthread wait policy: {wait_policy()}")
+    print(f"greedy decode steps per call, at most: {steps} (--decode-steps)")
     print(f"batch-1 rows: the median of {args.compare_rounds} rounds, the engines back to back")
     for key in ("tg128_t1", "tg128"):
         rates = [", ".join(f"{run[key]:.1f}" for run in runs) for runs in (ours_runs, theirs_runs)]

@@ -7,6 +7,7 @@ I/O differs. Requests arrive validated (`core.validation`, called by every front
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -33,7 +34,7 @@ from spruce.runtime.executor.distributed import send_stop as send_stop_message
 from spruce.runtime.executor.kv_pool import KVShape, pool_slots_for_budget
 from spruce.runtime.executor.logits_mask import GrammarMask
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
-from spruce.runtime.executor.sampler import Sampler, prompt_logprobs
+from spruce.runtime.executor.sampler import NO_TOKEN, Sampler, prompt_logprobs
 from spruce.runtime.models.loading.loader import LoadedModel, load_model, parse_dtype
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
@@ -48,10 +49,11 @@ DEFAULT_CPU_KV_GB = 2.0
 
 @dataclass(frozen=True, slots=True)
 class StepInfo:
-    seconds: float
+    seconds: float  # of one forward pass (a multi-step decode batch's share per step)
     batch_size: int
     num_tokens: int
     all_decode: bool
+    steps: int = 1  # forward passes it ran (greedy decode steps: scheduler.decode_steps)
 
 
 class EngineCore:
@@ -146,6 +148,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.cache_manager, stops, config.constraint, release, speculator
         )
+        if device != "cpu" or self.tp is not None:  # one forward pass a step there anyway
+            self.scheduler.decode_steps = 1
         self.grammar_mask = GrammarMask(
             self.vocab_size, config.scheduler.max_running_requests, self.runner.device
         )
@@ -297,15 +301,19 @@ class EngineCore:
             )
             return changed + self.scheduler.step_failed(out, e)
         changed += self.scheduler.update(out)
+        seconds = (time.perf_counter() - start) / out.steps  # per forward pass
+        all_decode = all(item.num_tokens == item.steps for item in out.scheduled)
+        if all_decode:  # the pace of the next multi-step decode batch
+            self.scheduler.step_seconds, self.scheduler.step_batch = seconds, len(out)
         if self.step_log is not None:
-            all_decode = all(item.num_tokens == 1 for item in out.scheduled)
-            seconds = time.perf_counter() - start
-            self.step_log.append(StepInfo(seconds, len(out), out.num_tokens, all_decode))
+            self.step_log.append(StepInfo(seconds, len(out), out.num_tokens, all_decode, out.steps))
         return changed
 
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> None:
         """Runs the step's forward pass and sampling; sets each scheduled request's `result`."""
+        if out.steps > 1:
+            return self._run_steps(out)
         groups = [self._forward_items(s) for s in out.scheduled]
         items = [item for group in groups for item in group]
         with (
@@ -328,6 +336,23 @@ class EngineCore:
             i = j
         if sampling:
             self._sample(forward.logits, sampling)
+
+    def _run_steps(self, out: ScheduleOutput) -> None:
+        """A batch of decodes over several greedy steps in one runner call: each request's
+        result holds the tokens chosen up to the first step whose logits allow none (that
+        step, when it is the first, is the request's row error, as in the sampler)."""
+        items = []
+        for s in out.scheduled:
+            start = s.req.computed_len
+            items.append(ForwardItem(s.req.row, start, s.req.token_ids(start, start + 1), s.slots))
+        ids, best = self.runner.decode_steps(items, out.steps)
+        for scheduled, chosen, logits in zip(out.scheduled, ids, best):
+            n = next((j for j, v in enumerate(logits) if not math.isfinite(v)), len(logits))
+            scheduled.result = Sampled(tokens=chosen[:n])
+            if n:
+                scheduled.result.token_id = chosen[0]
+            else:
+                scheduled.result.error = NO_TOKEN
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Scheduled, int]]) -> None:
         """Samples each request's next token from its logits row (a drafting request's

@@ -12,6 +12,7 @@ from spruce.runtime.executor.attention import create_backend
 from spruce.runtime.executor.attention.base import ForwardContext
 from spruce.runtime.executor.distributed import StepMessage, TPGroup, receive_step, send_step
 from spruce.runtime.executor.kv_pool import KVPool, KVShape, ReqToTokenTable
+from spruce.runtime.executor.sampler import Sampler
 
 
 @dataclass(slots=True)
@@ -108,6 +109,42 @@ class ModelRunner:
         hidden = None if ctx.hidden is None else ctx.hidden.float()
         logits = logits if logits.dtype == torch.float32 else logits.float()
         return ForwardOutput(logits, offsets, hidden, hidden_offsets)
+
+    @torch.inference_mode()
+    def decode_steps(
+        self, items: list[ForwardItem], steps: int
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy decoding `steps` steps for decode items (one new id each) whose
+        `new_slots` hold one slot per step: per item, the ids chosen at each step and their
+        logits (one that is not finite: the row could not be sampled there). Exactly the
+        tokens `steps` plain steps would sample by argmax: on the CPU in one call to the
+        model's C decode plan where it serves the batch, else one forward pass a step."""
+        first = [ForwardItem(it.row, it.prefix_len, it.new_ids, it.new_slots[:1]) for it in items]
+        decode_steps = getattr(self.model, "decode_steps", None)
+        if self.tp is None and self.device.type == "cpu" and decode_steps is not None:
+            ctx, input_ids = self._build(first)
+            slots = torch.stack([it.new_slots for it in items])  # [rows, steps]
+            ahead = ctx.positions[:, None] + torch.arange(steps)
+            table = self.req_to_token.table
+            table[ctx.req_pool_indices[:, None], ahead] = slots.to(table.dtype)
+            chosen = decode_steps(input_ids, ctx, self.backend, slots)
+            if chosen is not None:
+                ids, best = chosen
+                return ids.t().tolist(), best.t().tolist()
+        return self._decode_steps_by_forward(items, first, steps)
+
+    def _decode_steps_by_forward(self, items, first, steps):
+        """decode_steps as `steps` forward passes and argmax from Python."""
+        ids, best, step = [], [], first
+        for j in range(steps):
+            chosen, logits = Sampler.argmax(self.forward(step).logits)
+            ids.append(chosen.tolist())
+            best.append(logits.tolist())
+            step = [
+                ForwardItem(it.row, it.prefix_len + j + 1, [t], it.new_slots[j + 1 : j + 2])
+                for it, t in zip(items, ids[-1])
+            ]
+        return [list(c) for c in zip(*ids)], [list(c) for c in zip(*best)]
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
         """The step's context and input ids. Its small tensors come from Python lists in as

@@ -26,6 +26,7 @@ from spruce.runtime.executor.kernels import cpu_layer_ops
 
 logger = logging.getLogger("spruce.sampler")
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+NO_TOKEN = "the logits allow no token (NaN, or every token masked)"  # a row's error
 
 
 @dataclass(slots=True)
@@ -153,7 +154,7 @@ class Sampler:
                 errors[i] = "the grammar mask failed (see the server log)"
 
     @staticmethod
-    def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's argmax (argmax picks a NaN when there is one) and its logit: one C pass
         over float32 CPU logits (cpu_layer_ops.argmax_rows), torch elsewhere."""
         if logits.dim() == 2 and cpu_layer_ops.usable(logits):
@@ -167,7 +168,7 @@ class Sampler:
         vocabulary."""
         for i, value in enumerate(best.tolist()):
             if not math.isfinite(value):
-                errors.setdefault(i, "the logits allow no token (NaN, or every token masked)")
+                errors.setdefault(i, NO_TOKEN)
 
     def _column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
@@ -175,7 +176,7 @@ class Sampler:
     # -- choosing tokens -----------------------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, reqs: list[Req], errors: dict[int, str]) -> list[int]:
-        ids, best = self._argmax(logits)
+        ids, best = self.argmax(logits)
         self._check_rows(best, errors)
         sampled = [i for i, r in enumerate(reqs) if _is_sampled(r) and i not in errors]
         if sampled:
@@ -264,6 +265,16 @@ class Sampler:
                 logger.exception("the logprobs of request %s failed", reqs[i].rid)
                 errors[i] = "computing logprobs failed (see the server log)"
         return out
+
+
+def plain_argmax(req: Req) -> bool:
+    """Whether the sampler picks this request's tokens by argmax over its raw logits, with
+    nothing else computed: greedy, no penalties, logit_bias or logprobs, no grammar, and
+    min_new_tokens reached (so it can decode several steps in one call: engine/core.py)."""
+    s = req.sampling
+    if _is_sampled(req) or s.has_penalties or s.logit_bias or req.cursor is not None:
+        return False
+    return not req.options.return_logprob and len(req.output_ids) >= s.min_new_tokens
 
 
 def _is_sampled(req: Req) -> bool:

@@ -268,37 +268,79 @@ class DecodePlan:
         self._step(buffers, ctx, backend, out)
         return out
 
+    def decode_steps(
+        self, x: torch.Tensor, ctx, backend, slots: torch.Tensor, embedding: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy decoding `slots.shape[1]` steps in one C call from x [rows, hidden] (the
+        embeddings of each row's last token): step j puts its K/V into slots[:, j] (int64
+        [rows, steps], already in the request-to-token table) and chooses each row's argmax,
+        which `embedding` ((ggml type id, or -1 for float32 rows), table pointer) turns into
+        the next step's input. Returns the chosen ids (int64) and their logits, both
+        [steps, rows]; a logit that is not finite marks a row that could not be sampled."""
+        rows, steps = slots.shape
+        buffers = self._buffers(x)
+        logits = torch.empty(rows, self.head[1].out_features)
+        ahead = torch.arange(steps, dtype=torch.int64)[:, None]
+        group = ctx.backend_state.decode
+        per_step = (  # [steps, rows], step j's row of each
+            cpu_quant_ops.int64(ctx.positions)[None, :] + ahead,
+            slots.t().contiguous(),
+            cpu_quant_ops.int64(group.table_rows),
+            cpu_quant_ops.int64(group.seq_lens)[None, :] + ahead,
+        )
+        args = self._args(buffers, backend, logits, per_step)
+        ids, best = torch.empty(steps, rows, dtype=torch.int64), torch.empty(steps, rows)
+        failed = self.lib.spruce_decode_steps(
+            self.step_layers, len(self.step_layers), ctypes.byref(args), self._parts(rows),
+            steps, *embedding, ids.data_ptr(), best.data_ptr(),
+        )  # fmt: skip
+        self._check_step(failed)
+        return ids, best
+
     def _step(self, buffers: tuple, ctx, backend, logits: torch.Tensor | None) -> None:
         """One spruce_decode_layers call on `buffers` (_buffers' order), or its split form
         where set_row_parts asks for parts; with `logits`, the head's too."""
+        group = ctx.backend_state.decode
+        per_row = (ctx.positions, ctx.out_slots, group.table_rows, group.seq_lens)
+        per_row = tuple(map(cpu_quant_ops.int64, per_row))  # held until the call returns
+        args = self._args(buffers, backend, logits, per_row)
+        layers, count = self.step_layers, len(self.step_layers)
+        parts = self._parts(buffers[0].shape[0])
+        if parts > 1:
+            failed = self.lib.spruce_decode_layers_split(layers, count, ctypes.byref(args), parts)
+        else:
+            failed = self.lib.spruce_decode_layers(layers, count, ctypes.byref(args))
+        self._check_step(failed)
+
+    def _args(
+        self, buffers: tuple, backend, logits: torch.Tensor | None, per_row: tuple
+    ) -> StepArgs:
+        """StepArgs for `buffers`, with the int64 positions, new slots, table rows and
+        sequence lengths `per_row` (the caller holds them until the call returns)."""
         c, rows = self.config, buffers[0].shape[0]
         isa = cpu_quant_ops.best_isa()  # follows cpu_library.use_isa
-        group, pool = ctx.backend_state.decode, backend.pool
         table = backend.req_to_token.table
-        held = tuple(  # int64, held until the call returns
-            map(
-                cpu_quant_ops.int64,
-                (ctx.positions, ctx.out_slots, group.table_rows, group.seq_lens),
-            )
-        )
         args = StepArgs(
             *(t.data_ptr() for t in buffers),
             rows, c.hidden_size, c.q_size, c.kv_size, c.num_heads, c.num_kv_heads, c.head_dim,
             self.inter, cpu_quant_ops.ISAS.index(isa),
-            *(t.data_ptr() for t in held), table.data_ptr(), table.stride(0), backend.scale,
-            CACHE_KINDS[pool.k[0].dtype], self._kernel_codes(rows, isa),
+            *(t.data_ptr() for t in per_row), table.data_ptr(), table.stride(0), backend.scale,
+            CACHE_KINDS[backend.pool.k[0].dtype], self._kernel_codes(rows, isa),
         )  # fmt: skip
         if logits is not None:
             args.final_norm, args.final_eps, args.head_type, args.head, args.vocab = self.head_args
             args.logits = logits.data_ptr()
         self._point_at_caches(backend)
-        layers, count, parts = self.step_layers, len(self.step_layers), _row_parts
-        if parts > 1 and rows >= parts * MIN_PART_ROWS:
-            failed = self.lib.spruce_decode_layers_split(layers, count, ctypes.byref(args), parts)
-        else:
-            failed = self.lib.spruce_decode_layers(layers, count, ctypes.byref(args))
+        return args
+
+    @staticmethod
+    def _parts(rows: int) -> int:
+        """The row parts set_row_parts asks for at this many rows (0: the whole batch)."""
+        return _row_parts if _row_parts > 1 and rows >= _row_parts * MIN_PART_ROWS else 0
+
+    def _check_step(self, failed: int) -> None:
         if failed == 2:
-            raise _attention_refused(c)
+            raise _attention_refused(self.config)
         _check(failed)
 
     def _buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

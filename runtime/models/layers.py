@@ -370,6 +370,40 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens.as_linear if self.lm_head is None else self.lm_head
         return self.cap_logits(head(x))
 
+    def decode_steps(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        backend: AttentionBackend,
+        slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy decoding `slots.shape[1]` steps of a decode batch in one C call
+        (DecodePlan.decode_steps: the chosen ids and their logits, [steps, rows]), or None
+        where the plan does not serve the step (the caller steps through `forward`)."""
+        embedding = self._embedding_table()
+        if embedding is None:
+            return None
+        backend.prepare(ctx)
+        x = self.embed(input_ids)
+        plan = self._decode_plan(backend, ctx, x)
+        if plan is None or not plan.ends_with_head(ctx, None):
+            return None
+        return plan.decode_steps(x, ctx, backend, slots, embedding)
+
+    def _embedding_table(self) -> tuple[int, int] | None:
+        """(ggml type id, or -1 for float32 rows; pointer) of the embedding table, where the
+        model's own lookup is the plain one and its logits are not capped; else None."""
+        plain = type(self).embed is DecoderModel.embed
+        if not plain or type(self).cap_logits is not DecoderModel.cap_logits:
+            return None
+        table = self.embed_tokens
+        if type(table) is QuantizedEmbedding and table.dtype == torch.float32:
+            return cpu_quant_ops.QUANT_TYPES[table.qtype].ggml_id, table.blocks.data_ptr()
+        weight = table.weight if type(table) is Embedding else None
+        if weight is not None and weight.dtype == torch.float32 and weight.is_contiguous():
+            return -1, weight.data_ptr()
+        return None
+
     def _decode_plan(self, backend: AttentionBackend, ctx: ForwardContext, x: torch.Tensor):
         """The C-only decode path for this step (models/decode_plan.py), or None."""
         plan = self.__dict__.get("_plan")

@@ -31,21 +31,29 @@ class Sampled:
 class Scheduled:
     """A request that advances this step by `num_tokens` tokens, whose K/V go into `slots`
     (new KV slots, one per token). `draft`: drafted tokens computed after its last token
-    (the last `len(draft)` of `num_tokens`; speculative.py). `result` is filled by the step
-    that ran it."""
+    (the last `len(draft)` of `num_tokens`; speculative.py). `steps`: greedy decode steps
+    it runs this step (more than one: each chosen token is the next step's input, all in
+    one call; `num_tokens` == steps). `result` is filled by the step that ran it."""
 
     req: Req
     num_tokens: int
     slots: torch.Tensor
     draft: list[int] = field(default_factory=list)
+    steps: int = 1
     result: Sampled | None = None
+
+    @property
+    def ahead(self) -> int:
+        """Positions computed past the request's own tokens: its drafts, or the tokens its
+        further decode steps chose."""
+        return len(self.draft) + self.steps - 1
 
     @property
     def samples(self) -> bool:
         """True when the advance reaches the end of the request's tokens and it still wants
         a token: its next token is sampled after this step."""
         req = self.req
-        own = self.num_tokens - len(self.draft)
+        own = self.num_tokens - self.ahead
         return req.computed_len + own == req.total_len and req.wants_sample
 
 
@@ -56,10 +64,21 @@ class ScheduleOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
 
     def add(
-        self, req: Req, num_tokens: int, slots: torch.Tensor, draft: list[int] | None = None
+        self,
+        req: Req,
+        num_tokens: int,
+        slots: torch.Tensor,
+        draft: list[int] | None = None,
+        steps: int = 1,
     ) -> None:
         assert slots.numel() == num_tokens > 0
-        self.scheduled.append(Scheduled(req, num_tokens, slots, draft or []))
+        self.scheduled.append(Scheduled(req, num_tokens, slots, draft or [], steps))
+
+    @property
+    def steps(self) -> int:
+        """Greedy decode steps each request runs (more than one: a multi-step decode batch,
+        every request a decode of `steps` tokens)."""
+        return self.scheduled[0].steps if self.scheduled else 1
 
     def remove(self, req: Req) -> torch.Tensor | None:
         """Takes a request out again (retraction); returns its new slots to free, or None

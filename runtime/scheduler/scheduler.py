@@ -26,6 +26,7 @@ from spruce.constrained.core import errors as constrained_errors
 from spruce.runtime.config import ConstraintOptions, SchedulerOptions
 from spruce.runtime.core.request import FinishReason, PromptLogprob, Req, TokenLogprobs
 from spruce.runtime.errors import ConstraintError, constraint_error
+from spruce.runtime.executor.sampler import plain_argmax
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
@@ -36,6 +37,7 @@ from spruce.runtime.scheduler.speculative import Speculator
 from spruce.runtime.text.stop import StopChecker
 
 logger = logging.getLogger("spruce.scheduler")
+STEPS_SECONDS = 0.05  # a multi-step decode batch runs about this long at most
 
 
 @dataclass(slots=True)
@@ -74,6 +76,12 @@ class Scheduler:
         self._aborts: dict[str, str] = {}
         self.on_release = on_release  # optional callback(req) when a request leaves (sampler state)
         self.speculator = speculator  # drafts for decoding requests (None: no speculation)
+        # greedy decode steps a batch of decodes may run in one step (the engine sets 1
+        # where its runner gains nothing); the last decode step's seconds per forward pass
+        # and its batch size (set by the engine)
+        self.decode_steps = options.decode_steps
+        self.step_seconds: float | None = None
+        self.step_batch = 0
 
     # -- queue ------------------------------------------------------------------------
 
@@ -121,7 +129,9 @@ class Scheduler:
         continuing = [r for r in self.running if r.remaining > 1 and id(r) not in held]
         if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
             drafts = self.speculator.drafts(decoding) if self.speculator is not None else None
-            for req in self.decode.schedule(out, decoding, self.running, drafts):
+            alone = not (drafts or continuing or held or self.waiting)
+            steps = self._decode_steps(decoding) if alone else 1
+            for req in self.decode.schedule(out, decoding, self.running, drafts, steps):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
         budget = self.prefill.continue_running(out, continuing, budget)
@@ -130,6 +140,27 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
         return out
+
+    def _decode_steps(self, decoding: list[Req]) -> int:
+        """How many greedy decode steps a batch of decodes alone runs in one step: up to
+        `decode_steps`, as many as fit STEPS_SECONDS at the last decode step's pace (a
+        request that arrives meanwhile waits for them; one step until a step of at least
+        this many requests was timed), none past a request's max_new_tokens or the context;
+        1 unless every request picks its tokens by plain argmax with nothing to do between
+        them (Sampler.plain_argmax, and no thinking budget)."""
+        if self.decode_steps <= 1 or self.step_seconds is None:
+            return 1
+        if len(decoding) > self.step_batch:
+            return 1
+        if not all(plain_argmax(r) and r.thinking is None for r in decoding):
+            return 1
+        width = self.cache.table.table.shape[1]
+        room = min(
+            min(r.sampling.max_new_tokens - len(r.output_ids), width - r.total_len + 1)
+            for r in decoding
+        )
+        paced = int(STEPS_SECONDS / max(self.step_seconds, 1e-6))
+        return max(1, min(self.decode_steps, paced, room))
 
     def _schedule_suspect(self) -> ScheduleOutput:
         """After a failed forward pass: the next suspect alone (nothing else runs while
@@ -195,9 +226,9 @@ class Scheduler:
             req, result = item.req, item.result
             assert result is not None, "update() of a step that did not run"
             error = result.error
-            if item.draft and error is None:
+            if item.ahead and error is None:
                 error = self._update_drafted(item)
-            elif item.draft:  # its row failed: its last token is computed, the drafts go
+            elif item.ahead:  # its row failed: its last token is computed, the rest go
                 req.computed_len += 1
                 self._drop_draft_slots(item, 1)
             else:
@@ -230,11 +261,12 @@ class Scheduler:
         return None
 
     def _update_drafted(self, item: Scheduled) -> str | None:
-        """A drafting request's part of update(): its last token and the accepted drafts
-        become computed one by one as the verified tokens are appended (stop strings, the
-        grammar, jump-forward and the thinking budget act after each as in plain decoding);
-        appending stops where the request finishes or its output stops following the
-        drafts, and the slots past what is computed are freed at once."""
+        """A drafting (or multi-step) request's part of update(): its last token and the
+        accepted drafts (the tokens its steps chose) become computed one by one as the
+        tokens are appended (stop strings, the grammar, jump-forward and the thinking budget
+        act after each as in plain decoding); appending stops where the request finishes or
+        its output stops following them, and the slots past what is computed are freed at
+        once."""
         req, result = item.req, item.result
         start, counted = req.computed_len, 0
         tokens, logprobs = result.tokens, result.token_logprobs
@@ -256,7 +288,7 @@ class Scheduler:
             return "processing this request's output failed (see the server log)"
         finally:
             self._drop_draft_slots(item, counted)
-            if self.speculator is not None:
+            if self.speculator is not None and item.draft:
                 self.speculator.record(req, len(item.draft), len(tokens) - 1)
         return None
 

@@ -10,8 +10,10 @@
  * instruction set's norm, rotary, SiLU, attention and float GEMM; the quantized GEMV and
  * integer GEMM take the ISA as data (cpu_quant_ops.c). `spruce_decode_layers_split` runs the
  * same calls on parts of the rows, a part per thread (the thread governor's choice beside
- * another busy process: engine/threads.py). */
+ * another busy process: engine/threads.py). `spruce_decode_steps` runs several greedy decode
+ * steps in one call, each step's chosen tokens the next one's input. */
 #include <stddef.h>
+#include <string.h>
 #include <stdint.h>
 #include <sched.h>
 #if defined(_OPENMP)
@@ -32,6 +34,9 @@ int spruce_quant_linear(int64_t type, const uint8_t *w, int64_t n, int64_t k, co
                         const float *bias, float *y, int64_t isa);
 int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
                        const float *bias, float *y);
+void PER_ISA(spruce_argmax_rows)(const float *x, int64_t rows, int64_t n, int64_t *ids, float *values);
+void spruce_dequantize_rows(int64_t type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
+                            float *out);
 #define ATTENTION_ARGS(CACHE_T)                                                                                   \
     const float *q, int64_t q_stride, const float *k_new, const float *v_new, int64_t new_stride,                 \
         const int64_t *new_slots, CACHE_T *k_cache, CACHE_T *v_cache, float *k_scale, float *v_scale,             \
@@ -228,4 +233,43 @@ int PER_ISA(spruce_decode_layers_split)(const step_layer *layers, int64_t count,
         }
     }
     return failed;
+}
+
+/* One step, whole or (parts > 1) in parts of rows. */
+static int run_step(const step_layer *layers, int64_t count, const step_args *s, int64_t parts) {
+    return parts > 1 ? PER_ISA(spruce_decode_layers_split)(layers, count, s, parts)
+                     : PER_ISA(spruce_decode_layers)(layers, count, s);
+}
+
+/* The embedding rows of `ids` into s->residual: `type` blocks (ggml id) of vocab x hidden,
+ * or float32 rows where type < 0 (the model's own lookup, as models/layers.py makes it). */
+static void embed_rows(const step_args *s, int64_t type, const void *table, const int64_t *ids) {
+    if (type >= 0) {
+        spruce_dequantize_rows(type, (const uint8_t *)table, s->hidden, ids, s->rows, s->residual);
+        return;
+    }
+    for (int64_t r = 0; r < s->rows; r++)
+        memcpy(s->residual + r * s->hidden, (const float *)table + ids[r] * s->hidden, (size_t)s->hidden * sizeof(float));
+}
+
+/* `steps` greedy decode steps in one call (s with a head; s->residual holds the first
+ * step's embeddings). Step j reads its positions, new K/V slots and sequence lengths from
+ * row j of s->positions, s->slots and s->seq_lens (each [steps][rows]; the request-to-token
+ * table already points at every step's slots), runs the layers and the head (in `parts`
+ * parts of rows when parts > 1), and takes each row's first largest logit (the sampler's
+ * argmax, the same kernel): its id in ids[j][row], the logit in best[j][row] (not finite:
+ * the row cannot be sampled there; the caller drops what follows). The chosen ids, looked up
+ * in the embedding table, are the next step's input. Returns as spruce_decode_layers. */
+int PER_ISA(spruce_decode_steps)(const step_layer *layers, int64_t count, const step_args *s, int64_t parts,
+                                 int64_t steps, int64_t embed_type, const void *embed, int64_t *ids, float *best) {
+    step_args at = *s;
+    for (int64_t j = 0; j < steps; j++) {
+        int64_t first = j * s->rows;
+        at.positions = s->positions + first, at.slots = s->slots + first, at.seq_lens = s->seq_lens + first;
+        int failed = run_step(layers, count, &at, parts);
+        if (failed) return failed;
+        PER_ISA(spruce_argmax_rows)(s->logits, s->rows, s->vocab, ids + first, best + first);
+        if (j + 1 < steps) embed_rows(s, embed_type, embed, ids + first);
+    }
+    return 0;
 }

@@ -90,6 +90,8 @@ SIGNATURES = {
     "spruce_float_best_isa": [],
     "spruce_decode_layers": [_P, _I64, _P],  # layers, count, step (decode_plan.StepLayer, StepArgs)
     "spruce_decode_layers_split": [_P, _I64, _P, _I64],  # the same, parts
+    # layers, count, step, parts, steps, embedding type (-1: float32), table, ids, best
+    "spruce_decode_steps": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P],
 }
 # fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
@@ -103,6 +105,7 @@ PER_ISA_KERNELS = (
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_decode_layers_split", "spruce_argmax_rows")
+PER_ISA_KERNELS += ("spruce_decode_steps",)
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
@@ -116,6 +119,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_igemm": ctypes.c_int,
     "spruce_decode_layers": ctypes.c_int,
     "spruce_decode_layers_split": ctypes.c_int,
+    "spruce_decode_steps": ctypes.c_int,
 }
 
 _library: ctypes.CDLL | None = None

@@ -26,6 +26,7 @@ def test_the_parts_add_up_to_the_step_and_the_timers_come_off(tiny_llama_dir):
         < 1e-6 * max(1.0, result["timed_step_ms"]) + 1e-3
     )
     assert "step" not in core.__dict__ and "forward" not in core.runner.__dict__  # wrappers removed
+    assert core.scheduler.decode_steps == 8  # one step a call while timed, then back
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in core.runner.model.modules())
     engine.flush_cache()
     assert engine.generate(input_ids=[5, 6, 7], sampling_params=params)["output_ids"] == before

@@ -93,9 +93,9 @@ def test_requests_join_while_others_decode(engine):
     ]
     core = engine.core
     a = add_request(core, first, GREEDY)
-    for _ in range(5):
+    while len(a.output_ids) < 4:  # one step may decode several tokens (decode_steps)
         core.step()
-    assert len(a.output_ids) >= 4 and not a.finished
+    assert not a.finished
     b = add_request(core, second, GREEDY)
     while not (a.finished and b.finished):
         core.step()
