@@ -30,22 +30,22 @@ def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
 def run_llama_cpp(
     tools: tuple[str, str], model: str, threads: list[int], extra: str = ""
 ) -> dict[str, float]:
-    """tokens/s: prefill (pp512, at the largest thread count) and per parallel count the
-    decode phase and end to end (generated tokens over the whole run). The batch-1 rows
-    come from `llama_batch1`, in rounds beside Spruce's (bench/offline.py)."""
+    """tokens/s per parallel count, at the largest thread count: the decode phase and end to
+    end (generated tokens over the whole run). The batch-1 and prefill rows come from
+    `llama_singles`, in rounds beside Spruce's (bench/offline.py)."""
+    return llama_batched(tools[1], model, max(threads), PARALLEL, extra)
+
+
+def llama_singles(tool: str, model: str, threads: list[int], extra: str = "") -> dict[str, float]:
+    """tokens/s (llama-bench's means of 5) of batch-1 decode (tg128) at each thread count,
+    `tg128_t<N>`, and `tg128` at the largest, and of prefill (pp512) at the largest."""
     most = max(threads)
-    rows = llama_bench(tools[0], model, [most], ["-p", "512", "-n", "0"], extra)
-    pp512 = next(row["avg_ts"] for row in rows if row["n_prompt"] and row["n_threads"] == most)
-    return {"pp512": pp512} | llama_batched(tools[1], model, most, PARALLEL, extra)
-
-
-def llama_batch1(tool: str, model: str, threads: list[int], extra: str = "") -> dict[str, float]:
-    """tokens/s of batch-1 decode (tg128, llama-bench's mean of 5) at each thread count:
-    `tg128_t<N>`, and `tg128` at the largest."""
     rows = llama_bench(tool, model, threads, ["-p", "0", "-n", "128"], extra)
     out = {f"tg128_t{row['n_threads']}": row["avg_ts"] for row in rows if row["n_gen"]}
-    out["tg128"] = out[f"tg128_t{max(threads)}"]
-    return out
+    out["tg128"] = out[f"tg128_t{most}"]
+    rows = llama_bench(tool, model, [most], ["-p", "512", "-n", "0"], extra)
+    prefill = (row["avg_ts"] for row in rows if row["n_prompt"] and row["n_threads"] == most)
+    return out | {"pp512": next(prefill)}
 
 
 def llama_bench(tool: str, model: str, threads: list[int], test: list[str], extra: str) -> list:

@@ -9,8 +9,8 @@ requests through transformers' batched `generate` in the same process and prints
 `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
 GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
-use; the batch-1 rows are the median of `--compare-rounds` rounds that run both engines back
-to back (bench.alternating_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
+use; the batch-1 and prefill rows are the median of `--compare-rounds` rounds that run both
+engines back to back (bench.alternating_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
 skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--busy` times the batch-64 decode step
@@ -39,9 +39,9 @@ from spruce.runtime.bench.breakdown import (
 )
 from spruce.runtime.bench.llama_cpp import (
     PARALLEL,
-    llama_batch1,
     llama_batched,
     llama_cpp_tools,
+    llama_singles,
     run_llama_cpp,
     table_rows,
 )
@@ -132,8 +132,9 @@ def run_engine(engine, prompts: list[list[int]], params: dict) -> dict:
 DECODE_STEPS = 128  # the batch-1 probe's decode steps (llama-bench's tg128)
 
 
-def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
-    """Prefill tokens/s of one 512-token prompt and batch-1 decode tokens/s: each the mean
+def single_probes(engine, tokenizer, repetitions: int = 5, with_prefill: bool = True) -> dict:
+    """Prefill tokens/s of one 512-token prompt (unless not `with_prefill`) and batch-1
+    decode tokens/s: each the mean
     over `repetitions` runs after a warm-up, as llama-bench reports its pp512 / tg128 (one run
     alone moved by 30% on a busy host). Decode is 128 decode steps after a 16-token prompt,
     timed as generating 129 tokens less generating 1 (both from an empty cache), so the
@@ -154,11 +155,10 @@ def single_probes(engine, tokenizer, repetitions: int = 5) -> dict:
     def decode() -> float:
         return DECODE_STEPS / (generate(short, DECODE_STEPS + 1) - generate(short, 1))
 
-    rates = {}
-    for name, probe in (
-        ("prefill_512_tokens_per_s", prefill),
-        ("batch1_decode_tokens_per_s", decode),
-    ):
+    rates, probes = {}, [("batch1_decode_tokens_per_s", decode)]
+    if with_prefill:
+        probes.insert(0, ("prefill_512_tokens_per_s", prefill))
+    for name, probe in probes:
         probe()  # warm-up
         rates[name] = statistics.mean(probe() for _ in range(repetitions))
     return rates
@@ -330,8 +330,8 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
     return out
 
 
-def batch1_decode(engine, tokenizer, threads: int) -> float:
-    """Batch-1 decode tokens/s with torch (and the C kernels) on `threads` threads, fixed as
+def fixed_thread_probes(engine, tokenizer, threads: int, with_prefill: bool = True) -> dict:
+    """single_probes with torch (and the C kernels) on `threads` threads, fixed as
     llama-bench's -t fixes its own: the thread governor is set aside meanwhile (right after
     llama.cpp's run it could still count llama.cpp's threads, or take a 1-thread probe back
     to all threads once they were gone)."""
@@ -339,10 +339,22 @@ def batch1_decode(engine, tokenizer, threads: int) -> float:
     torch.set_num_threads(threads)
     engine.core.governor = None
     try:
-        return single_probes(engine, tokenizer)["batch1_decode_tokens_per_s"]
+        return single_probes(engine, tokenizer, with_prefill=with_prefill)
     finally:
         torch.set_num_threads(before)
         engine.core.governor = governor
+
+
+def spruce_singles(engine, tokenizer, threads: int) -> dict[str, float]:
+    """Spruce's side of a round against `llama_singles`: batch-1 decode at 1 and `threads`
+    threads, prefill at `threads`."""
+    one = fixed_thread_probes(engine, tokenizer, 1, with_prefill=False)
+    most = fixed_thread_probes(engine, tokenizer, threads)
+    return {
+        "tg128_t1": one["batch1_decode_tokens_per_s"],
+        "tg128": most["batch1_decode_tokens_per_s"],
+        "pp512": most["prefill_512_tokens_per_s"],
+    }
 
 
 def medians(runs: list[dict]) -> dict:
@@ -358,16 +370,12 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
         return
     threads, tokenizer = engine.config.num_threads, engine.tokenizer
     ours = spruce_parallel(engine, tokenizer)
-    probes = (result if "prefill_512_tokens_per_s" in result
-              else single_probes(engine, tokenizer))  # fmt: skip
-    ours["pp512"] = probes["prefill_512_tokens_per_s"]
     theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
     ours_runs, theirs_runs = alternating_rounds(
-        lambda: {"tg128_t1": batch1_decode(engine, tokenizer, 1),
-                 "tg128": batch1_decode(engine, tokenizer, threads)},
-        lambda: llama_batch1(tools[0], path, [1, threads], args.llama_cpp_args),
+        lambda: spruce_singles(engine, tokenizer, threads),
+        lambda: llama_singles(tools[0], path, [1, threads], args.llama_cpp_args),
         args.compare_rounds,
-    )  # fmt: skip
+    )
     ours, theirs = ours | medians(ours_runs), theirs | medians(theirs_runs)
     steps = engine.core.scheduler.decode_steps
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy(),
@@ -375,8 +383,11 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
     result["llama_cpp"]["batch1_rounds"] = {"spruce": ours_runs, "llama.cpp": theirs_runs}
     print(f"\nthread wait policy: {wait_policy()}")
     print(f"greedy decode steps per call, at most: {steps} (--decode-steps)")
-    print(f"batch-1 rows: the median of {args.compare_rounds} rounds, the engines back to back")
-    for key in ("tg128_t1", "tg128"):
+    print(
+        f"batch-1 and prefill rows: the median of {args.compare_rounds} rounds, the engines "
+        "back to back"
+    )
+    for key in ("tg128_t1", "tg128", "pp512"):
         rates = [", ".join(f"{run[key]:.1f}" for run in runs) for runs in (ours_runs, theirs_runs)]
         print(f"  {key} by round: Spruce {rates[0]}; llama.cpp {rates[1]}")
     print("| workload (same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")

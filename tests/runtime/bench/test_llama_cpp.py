@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spruce.runtime.bench import alternating_rounds, offline
+from spruce.runtime.bench import alternating_rounds, llama_cpp, offline
 from spruce.runtime.bench.llama_cpp import (
-    llama_batch1,
     llama_cpp_tools,
+    llama_singles,
     run_llama_cpp,
     table_rows,
     tool_args,
@@ -68,19 +68,22 @@ def test_thread_rows_and_extra_arguments(tmp_path):
     tool(tmp_path, "llama-batched-bench", "\n".join(json.dumps(r) for r in BATCHED))
     tools = llama_cpp_tools(str(tmp_path))
     out = run_llama_cpp(tools, "m.gguf", [1, 2], "-nr 1")
-    assert out["pp512"] == 190.0 and out["decode_64"] == 300.0
-    assert out["end_to_end_16"] == 16 * 128 / 20.0
+    assert out["decode_64"] == 300.0 and out["end_to_end_16"] == 16 * 128 / 20.0
+    batched_args = (tmp_path / "llama-batched-bench.args").read_text().split()
+    assert batched_args[-1] == "-nr" and "--repack" not in batched_args
+    calls = []
+    real = llama_cpp.llama_bench
+    llama_cpp.llama_bench = lambda *a: calls.append((a[2], a[3])) or real(*a)
+    try:
+        singles = llama_singles(tools[0], "m.gguf", [1, 2], "-nr")
+    finally:
+        llama_cpp.llama_bench = real
+    assert singles == {"tg128_t1": 40.0, "tg128_t2": 70.0, "tg128": 70.0, "pp512": 190.0}
+    assert calls == [([1, 2], ["-p", "0", "-n", "128"]), ([2], ["-p", "512", "-n", "0"])]
     bench_args = (tmp_path / "llama-bench.args").read_text().split()
     assert bench_args[bench_args.index("-t") + 1] == "2"  # prefill at the largest count
     assert bench_args[-2:] == ["--repack", "0"]  # llama-bench's spelling of no repacking
-    batched_args = (tmp_path / "llama-batched-bench.args").read_text().split()
-    assert batched_args[-1] == "-nr" and "--repack" not in batched_args
-    batch1 = llama_batch1(tools[0], "m.gguf", [1, 2], "-nr")
-    assert batch1 == {"tg128_t1": 40.0, "tg128_t2": 70.0, "tg128": 70.0}
-    bench_args = (tmp_path / "llama-bench.args").read_text().split()
-    assert bench_args[bench_args.index("-t") + 1] == "1,2"
-    assert bench_args[-2:] == ["--repack", "0"]
-    assert {key for key, _ in table_rows(2)} <= set(out) | set(batch1)
+    assert {key for key, _ in table_rows(2)} <= set(out) | set(singles)
     assert llama_cpp_tools(str(tmp_path / "none")) is None
 
 
@@ -135,7 +138,7 @@ def test_each_tool_gets_no_repack_in_its_own_spelling_and_failures_show_their_er
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     tool(tmp_path, "llama-batched-bench", "")
     with pytest.raises(RuntimeError, match="llama-bench failed .*invalid argument: -nr"):
-        run_llama_cpp(llama_cpp_tools(str(tmp_path)), "m.gguf", [2])
+        llama_singles(llama_cpp_tools(str(tmp_path))[0], "m.gguf", [2])
 
 
 # -- llama-server (bench spec's llama.cpp rows) -------------------------------------------------
@@ -209,18 +212,20 @@ def test_spec_rows_on_two_llama_servers(tmp_path):
 
 
 def test_fixed_thread_probes_set_the_governor_aside_and_restore_it(monkeypatch):
-    """tg128 at 1 and N threads runs at exactly that count: no governor acts meanwhile (it
-    could take the 1-thread probe back to all threads); afterwards both are as they were."""
+    """tg128 at 1 and N threads and pp512 at N run at exactly that count: no governor acts
+    meanwhile (it could take the 1-thread probe back to all threads); afterwards both are
+    as they were. The 1-thread round skips the prefill probe."""
     seen = []
     governor = object()
     engine = SimpleNamespace(core=SimpleNamespace(governor=governor))
 
-    def probe(engine_, tokenizer):
-        seen.append((torch.get_num_threads(), engine_.core.governor))
-        return {"batch1_decode_tokens_per_s": 1.0}
+    def probe(engine_, tokenizer, with_prefill):
+        seen.append((torch.get_num_threads(), engine_.core.governor, with_prefill))
+        rates = {"batch1_decode_tokens_per_s": float(torch.get_num_threads())}
+        return rates | ({"prefill_512_tokens_per_s": 9.0} if with_prefill else {})
 
     monkeypatch.setattr(offline, "single_probes", probe)
     before = torch.get_num_threads()
-    assert offline.batch1_decode(engine, None, 1) == 1.0
-    assert seen == [(1, None)]
+    assert offline.spruce_singles(engine, None, 2) == {"tg128_t1": 1.0, "tg128": 2.0, "pp512": 9.0}
+    assert seen == [(1, None, False), (2, None, True)]
     assert torch.get_num_threads() == before and engine.core.governor is governor
