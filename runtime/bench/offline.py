@@ -33,6 +33,7 @@ import torch
 from spruce.runtime.bench import alternating_rounds, busy, write_json
 from spruce.runtime.bench.breakdown import (
     bare_matmul_seconds,
+    one_step_a_call,
     print_breakdown,
     step_breakdown,
     step_over_matmuls,
@@ -347,13 +348,17 @@ def fixed_thread_probes(engine, tokenizer, threads: int, with_prefill: bool = Tr
 
 def spruce_singles(engine, tokenizer, threads: int) -> dict[str, float]:
     """Spruce's side of a round against `llama_singles`: batch-1 decode at 1 and `threads`
-    threads, prefill at `threads`."""
+    threads, prefill at `threads`; and batch-1 decode at `threads` with one decode step a
+    call (`tg128_one_step`: the same engine without multi-step decode calls)."""
     one = fixed_thread_probes(engine, tokenizer, 1, with_prefill=False)
     most = fixed_thread_probes(engine, tokenizer, threads)
+    with one_step_a_call(engine):
+        single = fixed_thread_probes(engine, tokenizer, threads, with_prefill=False)
     return {
         "tg128_t1": one["batch1_decode_tokens_per_s"],
         "tg128": most["batch1_decode_tokens_per_s"],
         "pp512": most["prefill_512_tokens_per_s"],
+        "tg128_one_step": single["batch1_decode_tokens_per_s"],
     }
 
 
@@ -382,7 +387,11 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
                            "decode_steps": steps}  # fmt: skip
     result["llama_cpp"]["batch1_rounds"] = {"spruce": ours_runs, "llama.cpp": theirs_runs}
     print(f"\nthread wait policy: {wait_policy()}")
-    print(f"greedy decode steps per call, at most: {steps} (--decode-steps)")
+    print(
+        f"greedy decode steps per call, at most: {steps} (--decode-steps); batch-1 at "
+        f"{threads} threads with one a call: {ours['tg128_one_step']:.1f} tokens/s, so "
+        f"{ours['tg128'] / ours['tg128_one_step']:.2f}x from the multi-step calls"
+    )
     print(
         f"batch-1 and prefill rows: the median of {args.compare_rounds} rounds, the engines "
         "back to back"

@@ -214,18 +214,32 @@ def test_spec_rows_on_two_llama_servers(tmp_path):
 def test_fixed_thread_probes_set_the_governor_aside_and_restore_it(monkeypatch):
     """tg128 at 1 and N threads and pp512 at N run at exactly that count: no governor acts
     meanwhile (it could take the 1-thread probe back to all threads); afterwards both are
-    as they were. The 1-thread round skips the prefill probe."""
+    as they were. The 1-thread round skips the prefill probe; a third probe decodes one
+    step a call (the same engine without multi-step calls), then decode_steps is back."""
     seen = []
     governor = object()
-    engine = SimpleNamespace(core=SimpleNamespace(governor=governor))
+    scheduler = SimpleNamespace(decode_steps=8)
+    engine = SimpleNamespace(core=SimpleNamespace(governor=governor, scheduler=scheduler))
 
     def probe(engine_, tokenizer, with_prefill):
-        seen.append((torch.get_num_threads(), engine_.core.governor, with_prefill))
-        rates = {"batch1_decode_tokens_per_s": float(torch.get_num_threads())}
+        core = engine_.core
+        seen.append(
+            (torch.get_num_threads(), core.governor, with_prefill, core.scheduler.decode_steps)
+        )
+        rates = {
+            "batch1_decode_tokens_per_s": 10.0 * torch.get_num_threads()
+            + core.scheduler.decode_steps
+        }
         return rates | ({"prefill_512_tokens_per_s": 9.0} if with_prefill else {})
 
     monkeypatch.setattr(offline, "single_probes", probe)
     before = torch.get_num_threads()
-    assert offline.spruce_singles(engine, None, 2) == {"tg128_t1": 1.0, "tg128": 2.0, "pp512": 9.0}
-    assert seen == [(1, None, False), (2, None, True)]
+    assert offline.spruce_singles(engine, None, 2) == {
+        "tg128_t1": 18.0,
+        "tg128": 28.0,
+        "pp512": 9.0,
+        "tg128_one_step": 21.0,
+    }
+    assert seen == [(1, None, False, 8), (2, None, True, 8), (2, None, False, 1)]
     assert torch.get_num_threads() == before and engine.core.governor is governor
+    assert scheduler.decode_steps == 8
