@@ -10,8 +10,9 @@ requests through transformers' batched `generate` in the same process and prints
 GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
 use; the batch-1 and prefill rows are the median of `--compare-rounds` rounds that run both
-engines back to back (bench.alternating_rounds). Without the binaries (on PATH or in --llama-cpp-bin) it says so and
-skips them.
+engines back to back (bench.alternating_rounds), and Spruce's batch-1 is also timed there
+with one decode step a call. Without the binaries (on PATH or in --llama-cpp-bin) it says
+so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--busy` times the batch-64 decode step
 alone and beside one busy process (bench/busy.py). `--plot FILE.png` draws output tokens/s
@@ -135,9 +136,8 @@ DECODE_STEPS = 128  # the batch-1 probe's decode steps (llama-bench's tg128)
 
 def single_probes(engine, tokenizer, repetitions: int = 5, with_prefill: bool = True) -> dict:
     """Prefill tokens/s of one 512-token prompt (unless not `with_prefill`) and batch-1
-    decode tokens/s: each the mean
-    over `repetitions` runs after a warm-up, as llama-bench reports its pp512 / tg128 (one run
-    alone moved by 30% on a busy host). Decode is 128 decode steps after a 16-token prompt,
+    decode tokens/s: each the mean over `repetitions` runs after a warm-up, as llama-bench
+    reports its pp512 / tg128 (one run alone moved by 30% on a busy host). Decode is 128 decode steps after a 16-token prompt,
     timed as generating 129 tokens less generating 1 (both from an empty cache), so the
     prompt's prefill and the request's setup fall out, as tg128 times decoding alone."""
     prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
