@@ -301,13 +301,19 @@ class EngineCore:
             )
             return changed + self.scheduler.step_failed(out, e)
         changed += self.scheduler.update(out)
-        seconds = (time.perf_counter() - start) / out.steps  # per forward pass
+        if self.scheduler.decode_steps > 1 or self.step_log is not None:
+            self._time_step(out, start)
+        return changed
+
+    def _time_step(self, out: ScheduleOutput, start: float) -> None:
+        """The step's seconds per forward pass: the pace of the next multi-step decode batch
+        (after a step of decodes only), and the step log's record."""
+        seconds = (time.perf_counter() - start) / out.steps
         all_decode = all(item.num_tokens == item.steps for item in out.scheduled)
-        if all_decode:  # the pace of the next multi-step decode batch
+        if all_decode:
             self.scheduler.step_seconds, self.scheduler.step_batch = seconds, len(out)
         if self.step_log is not None:
             self.step_log.append(StepInfo(seconds, len(out), out.num_tokens, all_decode, out.steps))
-        return changed
 
     @torch.inference_mode()  # the sampler changes the runner's (inference) logits in place
     def _run(self, out: ScheduleOutput) -> None:

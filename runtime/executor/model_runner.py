@@ -33,6 +33,11 @@ class ForwardItem:
     hidden: str = ""
 
 
+def _step_item(item: ForwardItem, j: int, new_ids: list[int]) -> ForwardItem:
+    """Step j of a multi-step decode item: `new_ids` at its position j, its slot j."""
+    return ForwardItem(item.row, item.prefix_len + j, new_ids, item.new_slots[j : j + 1])
+
+
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor  # [rows, vocab] float32
@@ -119,10 +124,9 @@ class ModelRunner:
         logits (one that is not finite: the row could not be sampled there). Exactly the
         tokens `steps` plain steps would sample by argmax: on the CPU in one call to the
         model's C decode plan where it serves the batch, else one forward pass a step."""
-        first = [ForwardItem(it.row, it.prefix_len, it.new_ids, it.new_slots[:1]) for it in items]
         decode_steps = getattr(self.model, "decode_steps", None)
         if self.tp is None and self.device.type == "cpu" and decode_steps is not None:
-            ctx, input_ids = self._build(first)
+            ctx, input_ids = self._build([_step_item(it, 0, it.new_ids) for it in items])
             slots = torch.stack([it.new_slots for it in items])  # [rows, steps]
             ahead = ctx.positions[:, None] + torch.arange(steps)
             table = self.req_to_token.table
@@ -131,19 +135,17 @@ class ModelRunner:
             if chosen is not None:
                 ids, best = chosen
                 return ids.t().tolist(), best.t().tolist()
-        return self._decode_steps_by_forward(items, first, steps)
+        return self._decode_steps_by_forward(items, steps)
 
-    def _decode_steps_by_forward(self, items, first, steps):
+    def _decode_steps_by_forward(self, items: list[ForwardItem], steps: int):
         """decode_steps as `steps` forward passes and argmax from Python."""
-        ids, best, step = [], [], first
+        ids, best, new_ids = [], [], [it.new_ids for it in items]
         for j in range(steps):
+            step = [_step_item(it, j, new) for it, new in zip(items, new_ids)]
             chosen, logits = Sampler.argmax(self.forward(step).logits)
             ids.append(chosen.tolist())
             best.append(logits.tolist())
-            step = [
-                ForwardItem(it.row, it.prefix_len + j + 1, [t], it.new_slots[j + 1 : j + 2])
-                for it, t in zip(items, ids[-1])
-            ]
+            new_ids = [[t] for t in ids[-1]]
         return [list(c) for c in zip(*ids)], [list(c) for c in zip(*best)]
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:

@@ -259,14 +259,19 @@ class DecodePlan:
         """`run`, then the final norm and the output projection in the same C call: the
         logits [rows, vocab]. Nothing but the logits leaves the step, so its buffers are
         kept for the next one with as many rows."""
-        rows, buffers = x.shape[0], self.step_buffers
-        if buffers and buffers[0].shape[0] == rows:
-            buffers[0].copy_(x)
-        else:
-            buffers = self.step_buffers = self._buffers(x)
-        out = torch.empty(rows, self.head[1].out_features)
+        buffers = self._kept_buffers(x)
+        out = torch.empty(x.shape[0], self.head[1].out_features)
         self._step(buffers, ctx, backend, out)
         return out
+
+    def _kept_buffers(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """_buffers(x), kept from the last step with as many rows (its residual set to x)."""
+        buffers = self.step_buffers
+        if buffers and buffers[0].shape[0] == x.shape[0]:
+            buffers[0].copy_(x)
+            return buffers
+        self.step_buffers = self._buffers(x)
+        return self.step_buffers
 
     def decode_steps(
         self, x: torch.Tensor, ctx, backend, slots: torch.Tensor, embedding: tuple[int, int]
@@ -278,7 +283,7 @@ class DecodePlan:
         the next step's input. Returns the chosen ids (int64) and their logits, both
         [steps, rows]; a logit that is not finite marks a row that could not be sampled."""
         rows, steps = slots.shape
-        buffers = self._buffers(x)
+        buffers = self._kept_buffers(x)
         logits = torch.empty(rows, self.head[1].out_features)
         ahead = torch.arange(steps, dtype=torch.int64)[:, None]
         group = ctx.backend_state.decode

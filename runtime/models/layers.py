@@ -352,9 +352,8 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         logits_rows: torch.Tensor | None,
     ) -> torch.Tensor:
-        backend.prepare(ctx)
-        x, residual = self.embed(input_ids), None
-        plan = self._decode_plan(backend, ctx, x)
+        x, plan = self._begin(input_ids, ctx, backend)
+        residual = None
         if plan is not None and plan.ends_with_head(ctx, logits_rows):
             return self.cap_logits(plan.logits(x, ctx, backend))
         if plan is not None:
@@ -383,12 +382,16 @@ class DecoderModel(nn.Module):
         embedding = self._embedding_table()
         if embedding is None:
             return None
-        backend.prepare(ctx)
-        x = self.embed(input_ids)
-        plan = self._decode_plan(backend, ctx, x)
+        x, plan = self._begin(input_ids, ctx, backend)
         if plan is None or not plan.ends_with_head(ctx, None):
             return None
         return plan.decode_steps(x, ctx, backend, slots, embedding)
+
+    def _begin(self, input_ids: torch.Tensor, ctx: ForwardContext, backend: AttentionBackend):
+        """A pass's start: the backend prepared, the embeddings, the step's decode plan."""
+        backend.prepare(ctx)
+        x = self.embed(input_ids)
+        return x, self._decode_plan(backend, ctx, x)
 
     def _embedding_table(self) -> tuple[int, int] | None:
         """(ggml type id, or -1 for float32 rows; pointer) of the embedding table, where the

@@ -148,9 +148,7 @@ class Scheduler:
         this many requests was timed), none past a request's max_new_tokens or the context;
         1 unless every request picks its tokens by plain argmax with nothing to do between
         them (Sampler.plain_argmax, and no thinking budget)."""
-        if self.decode_steps <= 1 or self.step_seconds is None:
-            return 1
-        if len(decoding) > self.step_batch:
+        if self.decode_steps <= 1 or self.step_seconds is None or len(decoding) > self.step_batch:
             return 1
         if not all(plain_argmax(r) and r.thinking is None for r in decoding):
             return 1

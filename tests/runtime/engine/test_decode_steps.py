@@ -55,14 +55,9 @@ def both_paths(loaded, prompts_, steps, monkeypatch, kv_dtype=torch.float32):
     in_c = runner.decode_steps(items(steps), steps)
     assert calls == [1]
     runner, items = prefilled(loaded, prompts_, kv_dtype)
-    first = items(steps)
-    by_forward = runner._decode_steps_by_forward(first, [_first(it) for it in first], steps)
+    by_forward = runner._decode_steps_by_forward(items(steps), steps)
     assert calls == [1]  # the forward passes' plan steps are single ones
     return in_c, by_forward
-
-
-def _first(it: ForwardItem) -> ForwardItem:
-    return ForwardItem(it.row, it.prefix_len, it.new_ids, it.new_slots[:1])
 
 
 @needs_c
