@@ -152,6 +152,7 @@ class StepArgs(ctypes.Structure):
         + [("kernel", ctypes.c_int8 * KERNEL_TYPES)]
         + [("final_norm", _P), ("final_eps", _F32), ("head_type", _I64), ("vocab", _I64)]
         + [("head", _P), ("logits", _P)]
+        + [("team", _P), ("slot", _I64)]  # set by the C code for a step run in parts
     )
 
 

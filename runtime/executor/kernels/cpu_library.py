@@ -43,13 +43,13 @@ PER_ISA_SOURCES = [
 ]
 PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c", _HERE / "cpu_decode_step.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
-ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c"]
+ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c", _HERE / "cpu_team.c"]
 HEADERS = [
     _HERE / "cpu_decode_attention_impl.h",
     _HERE / "cpu_vector.h",
     _HERE / "cpu_register_vector.h",
 ]
-HEADERS += [_HERE / "cpu_quant.h"]
+HEADERS += [_HERE / "cpu_quant.h", _HERE / "cpu_team.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
 _X86_FLAGS = {

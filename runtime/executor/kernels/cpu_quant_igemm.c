@@ -22,7 +22,9 @@
  *              NW int32 sums per group (16 steps of vpdpwssd), then acc += float(sum)
  *              dx dw + dx sx second.
  *   threads    torch's OpenMP threads take panels (x a part of the row groups when the
- *              panels are few) one at a time, as each is free (as the float GEMM does).
+ *              panels are few) one at a time, as each is free (as the float GEMM does); in
+ *              a step run in parts of rows, the part's thread and the idle threads of its
+ *              team (cpu_team.h).
  *
  * Sums: |w x| <= 128 * 32767 and 32 of them fit in int32 (one block's sum). */
 #include <stdlib.h>
@@ -31,13 +33,14 @@
 #endif
 
 #include "cpu_quant.h"
+#include "cpu_team.h"
 
 #define LANES 16 /* activation rows per vector */
 #define NW 8     /* weight rows per microkernel tile */
 #define PANEL 32 /* weight rows per task (a multiple of NW) */
 
 typedef struct {
-    int64_t type, n, k, nb, rows, groups, row_bytes;
+    int64_t type, n, k, nb, rows, groups, row_bytes, parts; /* parts: of the row groups, per panel */
     const uint8_t *w;
     const float *bias;
     float *y;
@@ -181,17 +184,28 @@ TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, i
         }
     }
 }
+
+/* Task `task` of the call: its panel, widened into `scratch`, against its part of the row
+ * groups. */
+TARGET_VNNI static void panel_task(const void *ctx, int64_t task, void *scratch) {
+    const igemm *g = ctx;
+    int16_t *w16 = scratch;
+    float *dw = (float *)(w16 + PANEL * g->k), *second = dw + PANEL * g->nb;
+    int64_t panel = task / g->parts, part = task % g->parts;
+    pack_panel(g, panel * PANEL, w16, dw, second);
+    multiply_panel(g, panel * PANEL, g->groups * part / g->parts, g->groups * (part + 1) / g->parts, w16, dw, second);
+}
 #endif
 
-/* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks. Returns 1
- * when the scratch memory cannot be had, 2 where this CPU (or build) has no AVX-512 VNNI. */
-int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                       const float *bias, float *y) {
+/* spruce_quant_igemm, its tasks shared with `team`'s idle threads (as owner of `slot`)
+ * where team is not NULL, else with torch's OpenMP threads. */
+int spruce_quant_igemm_team(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                            const float *bias, float *y, spruce_team *team, int64_t slot) {
 #if defined(__x86_64__)
     if (spruce_quant_best_isa() < ISA_AVX512VNNI || is_k_type(type)) return 2;
     int64_t nb = k / QK, groups = (rows + LANES - 1) / LANES, threads = 1;
 #if defined(_OPENMP)
-    threads = omp_get_max_threads();
+    if (team == NULL) threads = omp_get_max_threads();
 #endif
     size_t xp_bytes = (size_t)(groups * nb * 16 * LANES) * sizeof(int32_t);
     size_t front = xp_bytes + (size_t)(groups * nb * 2 * LANES) * sizeof(float);
@@ -202,10 +216,18 @@ int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     front = (front + 63) / 64 * 64;
     char *memory = aligned_alloc(64, front + share * (size_t)threads);
     if (memory == NULL) return 1;
-    igemm g = {type, n, k, nb, rows, groups, row_bytes(type, k), w, bias, y,
-               (const int32_t *)memory, (const float *)(memory + xp_bytes)};
     int64_t panels = (n + PANEL - 1) / PANEL, parts = 1;
     while (parts < groups && panels * parts < 4 * threads) parts++;
+    igemm g = {type, n, k, nb, rows, groups, row_bytes(type, k), parts, w, bias, y,
+               (const int32_t *)memory, (const float *)(memory + xp_bytes)};
+    if (team != NULL) {
+        int16_t *qx = (int16_t *)(memory + front);
+        for (int64_t group = 0; group < groups; group++)
+            pack_group(&g, x, group, qx, (float *)(qx + LANES * k), (float *)(qx + LANES * k) + LANES * nb);
+        spruce_team_run(team, slot, panels * parts, panel_task, &g, memory + front, panel_bytes);
+        free(memory);
+        return 0;
+    }
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = 0;
@@ -214,21 +236,23 @@ int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
 #endif
         char *own = memory + front + share * (size_t)t;
         int16_t *w16 = (int16_t *)own;
-        float *dw = (float *)(w16 + PANEL * k), *second = dw + PANEL * nb;
         float *dx = (float *)(w16 + LANES * k), *sx = dx + LANES * nb;
 #pragma omp for schedule(static)
         for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, w16, dx, sx);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < panels * parts; task++) {
-            int64_t panel = task / parts, part = task % parts;
-            pack_panel(&g, panel * PANEL, w16, dw, second);
-            multiply_panel(&g, panel * PANEL, groups * part / parts, groups * (part + 1) / parts, w16, dw, second);
-        }
+        for (int64_t task = 0; task < panels * parts; task++) panel_task(&g, task, own);
     }
     free(memory);
     return 0;
 #else
-    (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y;
+    (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y, (void)team, (void)slot;
     return 2;
 #endif
+}
+
+/* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks. Returns 1
+ * when the scratch memory cannot be had, 2 where this CPU (or build) has no AVX-512 VNNI. */
+int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                       const float *bias, float *y) {
+    return spruce_quant_igemm_team(type, w, n, k, x, rows, bias, y, NULL, 0);
 }

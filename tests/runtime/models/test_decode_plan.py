@@ -210,3 +210,35 @@ def test_row_parts_equal_the_whole_batch(tiny_qwen2_dir, monkeypatch, isa, qtype
         assert calls == [parts] * 4  # too few rows for the parts: whole
     finally:
         cpu_library.use_isa(previous)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])  # the integer GEMM (VNNI) or the float GEMM
+def test_idle_threads_help_a_parts_gemms(tiny_qwen2_dir, monkeypatch, isa):
+    """A thread of a step in parts with no part to take runs tasks of the GEMMs a part's
+    thread is running (cpu_team.c): here every step is one part on two threads, so one
+    thread only helps, many times a step; the logits stay the whole batch's bit for bit."""
+    import ctypes
+
+    from spruce.runtime.executor.kernels import cpu_library
+
+    if isa not in cpu_library.available_isas() or cpu_quant_ops.best_isa() == "scalar":
+        pytest.skip(f"this CPU or build has no {isa} kernels")
+    previous, threads = cpu_library.use_isa(isa), torch.get_num_threads()
+    try:
+        loaded = load_model(str(tiny_qwen2_dir), quantization="q4_1")
+        prompts = [[3 + i % 7, 40 + i, 77, 12 + 5 * i, 9, 21][: 2 + i % 5] for i in range(40)]
+        whole = decode(loaded, prompts, 6, torch.float32)
+        lib = cpu_library.load_library()
+        split, helped = (
+            lib.spruce_decode_layers_split,
+            ctypes.c_int64.in_dll(lib, "spruce_team_helped"),
+        )
+        monkeypatch.setattr(lib, "spruce_decode_layers", lambda *a: split(*a, 1))
+        torch.set_num_threads(2)
+        before = helped.value
+        for _ in range(5):  # the helpers' claims race the owner's: several rounds
+            assert torch.equal(decode(loaded, prompts, 6, torch.float32), whole)
+        assert helped.value > before
+    finally:
+        torch.set_num_threads(threads)
+        cpu_library.use_isa(previous)
