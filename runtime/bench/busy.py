@@ -3,7 +3,8 @@
 A batch of 64 sequences decodes once alone on the machine and once beside one busy process
 (a Python loop that never sleeps, started by the benchmark), with the engine's own thread
 policy: the wait policy and the governor that gives cores back while others want them and,
-with one core left, runs the batch in parts of rows, a thread each (engine/threads.py).
+with one core left, runs the batch in parts of rows, a thread each, the threads pinned to
+different CPUs and the one done first helping the other's GEMMs (engine/threads.py).
 Rounds alternate which goes first, so a host's slow minutes fall on both. The figure is the
 median over the rounds of the busy step over the quiet one, with the thread count (and row
 parts) the governor settled on beside the busy process.

@@ -32,17 +32,22 @@ two alternated runs each): quiet 81 ms; busy with this governor (one thread) 148
 what two threads gain over one on free cores; busy with two fixed threads 249 ms.
 
 With one core left (this governor's one thread), a step of 32 rows or more runs instead
-in two parts of rows on two threads, each part through the layers on its own
-(decode_plan.set_row_parts): a thread the busy process displaces then holds up its own part,
-not the other thread at the end of every kernel. The parts cost more work (the integer GEMM
-widens each weight panel once per call, so each part pays that again: on one thread 218 ms
-in two parts against 192 ms whole), but the two threads get 1.21-1.28 cores beside the busy
-process where the kernels' own two threads got 1.0 (the system kept them on one core).
-Measured on the 2-core Intel Xeon VM, 2026-12-04, the same 64 requests, three alternated
-rounds each, two runs: the busy step 152-167 ms with parts against 165-193 ms on one thread
-(the integer GEMM); forcing the AVX2 kernels (the float GEMM), 270-307 against 302-357 ms.
-Four parts of 16 rows cost more than they gained (307 ms on one thread), and so did
-three threads.
+in two parts of rows, each through the layers on a thread of its own
+(decode_plan.set_row_parts; cpu_decode_step.c): a thread the busy process displaces then
+holds up its own part, not the other thread at the end of every kernel. The parts cost more
+work (the integer GEMM widens each weight panel once per call, so each part pays that
+again: on one thread 218 ms in two parts against 192 ms whole). For the call the two
+threads are pinned to different CPUs: left free, the system often kept both on one core
+while the busy process had the other alone, and they got 1.21-1.28 cores; pinned apart,
+the busy process shares a core with one of them, and they get 1.39-1.41. The thread alone
+on its core finishes its part first and then takes weight panels of the GEMMs the other
+part's thread is running (cpu_team.c) rather than wait. Measured on the 2-core Intel Xeon
+VM, 2026-12-05, 64 requests of 128 prompt + 24 generated tokens, the median decode step
+beside the busy process, alternated runs of two rounds each: 136-152 ms (1.53-1.67x the
+quiet step) with the parts alone, 131-142 ms (1.49-1.50x) pinned, 127-138 ms (1.37-1.46x)
+pinned and helping. Not kept, as no difference showed: leaving a part between layers to a
+faster idle thread, and helping with the attention too. Four parts of 16 rows cost more
+than they gained (307 ms on one thread), and so did three threads.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ _row_parts = 0  # set_row_parts'
 
 def set_row_parts(parts: int) -> None:
     """Decode steps of at least `parts` x MIN_PART_ROWS rows run in `parts` parts of rows,
-    each through the layers on a thread of its own (cpu_decode_step.c's
+    each through the layers on a thread of its own, the threads pinned to different CPUs and
+    one done with its part helping another's GEMMs (cpu_decode_step.c's
     spruce_decode_layers_split), instead of on the kernels' threads; 0 or 1: off. The thread
     governor's setting beside another busy process (engine/threads.py); process-wide, like
     torch's thread count."""
