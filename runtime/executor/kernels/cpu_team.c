@@ -6,7 +6,7 @@
 
 #include "cpu_team.h"
 
-#define TASK_MASK 0xffffffffull
+#define TASK_MASK 0xffffffffull /* a job's tasks: far fewer (weight panels) */
 
 int64_t spruce_team_helped = 0; /* tasks helpers have run, for the tests */
 
@@ -39,7 +39,9 @@ void spruce_team_run(spruce_team *team, int64_t slot, int64_t count, team_task_f
     __atomic_store_n(&j->state, gen << 32, __ATOMIC_RELEASE);
     int64_t task, mine = 0;
     while ((task = claim(j, gen, count)) >= 0) fn(ctx, task, scratch), mine++;
-    /* every task is handed out; the helpers' last ones may still run */
+    /* every task is handed out; the helpers' last ones may still run. No sched_yield here:
+     * beside a busy process the owner gave its core's turn to it (busy step 1.52-1.56x the
+     * quiet one against 1.45-1.46x, alternated) */
     while (__atomic_load_n(&j->done, __ATOMIC_ACQUIRE) < count - mine) team_relax();
     /* closed before the next job's fields change: a helper that read the next job's count
      * cannot then claim "task `count`" of this one (help_claim's fence pairs with this) */
