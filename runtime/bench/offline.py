@@ -137,9 +137,10 @@ DECODE_STEPS = 128  # the batch-1 probe's decode steps (llama-bench's tg128)
 def single_probes(engine, tokenizer, repetitions: int = 5, with_prefill: bool = True) -> dict:
     """Prefill tokens/s of one 512-token prompt (unless not `with_prefill`) and batch-1
     decode tokens/s: each the mean over `repetitions` runs after a warm-up, as llama-bench
-    reports its pp512 / tg128 (one run alone moved by 30% on a busy host). Decode is 128 decode steps after a 16-token prompt,
-    timed as generating 129 tokens less generating 1 (both from an empty cache), so the
-    prompt's prefill and the request's setup fall out, as tg128 times decoding alone."""
+    reports its pp512 / tg128 (one run alone moved by 30% on a busy host). Decode is 128
+    decode steps after a 16-token prompt, timed as generating 129 tokens less generating 1
+    (both from an empty cache), so the prompt's prefill and the request's setup fall out, as
+    tg128 times decoding alone."""
     prompt = synthetic_prompts(tokenizer, 1, 512, 512, seed=123)[0]
     short = synthetic_prompts(tokenizer, 1, 16, 16, seed=7)[0]
 

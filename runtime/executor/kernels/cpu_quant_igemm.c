@@ -52,10 +52,12 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 #if defined(__x86_64__)
-/* Row group `group` of x [rows, k] -> its packed form (qx, dx, sx: the group's rows
- * through the GEMV's quantizer, in scratch, then regrouped). */
-static void pack_group(const igemm *g, const float *x, int64_t group, int16_t *qx, float *dx, float *sx) {
+/* Row group `group` of x [rows, k] -> its packed form (the group's rows through the GEMV's
+ * quantizer into the thread's `scratch` as qx, dx, sx, then regrouped). */
+static void pack_group(const igemm *g, const float *x, int64_t group, void *scratch) {
     int64_t k = g->k, nb = g->nb, first = group * LANES, count = min64(LANES, g->rows - first);
+    int16_t *qx = scratch;
+    float *dx = (float *)(qx + LANES * k), *sx = dx + LANES * nb;
     int32_t *xp = (int32_t *)g->xp + group * nb * 16 * LANES;
     float *dxp = (float *)g->dxp + group * nb * 2 * LANES;
     spruce_quantize_rows_q16(x + first * k, count, k, qx, dx, sx, ISA_AVX512VNNI);
@@ -221,9 +223,7 @@ int spruce_quant_igemm_team(int64_t type, const uint8_t *w, int64_t n, int64_t k
     igemm g = {type, n, k, nb, rows, groups, row_bytes(type, k), parts, w, bias, y,
                (const int32_t *)memory, (const float *)(memory + xp_bytes)};
     if (team != NULL) {
-        int16_t *qx = (int16_t *)(memory + front);
-        for (int64_t group = 0; group < groups; group++)
-            pack_group(&g, x, group, qx, (float *)(qx + LANES * k), (float *)(qx + LANES * k) + LANES * nb);
+        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, memory + front);
         spruce_team_run(team, slot, panels * parts, panel_task, &g, memory + front, panel_bytes);
         free(memory);
         return 0;
@@ -235,10 +235,8 @@ int spruce_quant_igemm_team(int64_t type, const uint8_t *w, int64_t n, int64_t k
         t = omp_get_thread_num();
 #endif
         char *own = memory + front + share * (size_t)t;
-        int16_t *w16 = (int16_t *)own;
-        float *dx = (float *)(w16 + LANES * k), *sx = dx + LANES * nb;
 #pragma omp for schedule(static)
-        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, w16, dx, sx);
+        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, own);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < panels * parts; task++) panel_task(&g, task, own);
     }
