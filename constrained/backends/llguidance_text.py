@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -344,12 +344,22 @@ _APPLICATORS = frozenset(
 class _How:
     """How _prepared writes a schema: `close` objects (but the definitions in `keep_open`);
     `share` bounded numbers as `$ref`s to one definition each (_SHARED_NUMBERS). `ids`:
-    the schemas with their own `$id` it met (the walk counts them)."""
+    the schemas with their own `$id` it met (the walk counts them); `shared`: the
+    definitions it referred to."""
 
     close: bool
     keep_open: frozenset[str]
     share: bool
     ids: int = 0
+    shared: set[str] = field(default_factory=set)
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """A copy of the schema whose numbers without bounds are bounded as `schema_grammar`
+    bounds them (INTEGER_BOUND, FRACTION_STEP), objects left as they are: for a schema that
+    llguidance compiles inside another grammar (a structural tag's `%json`, a tool call's
+    arguments), so it ends where the same schema given as `json_schema` ends."""
+    return _with_bounds(schema, False, frozenset())
 
 
 def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:
@@ -365,7 +375,9 @@ def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:
         return out
     if how.ids > _own_id(schema):  # a `#/$defs/...` inside would not reach the root: inline
         return _prepared(schema, _How(close, keep_open, False))
-    out["$defs"] = {**(out["$defs"] if isinstance(defs, dict) else {}), **_SHARED_NUMBERS}
+    if how.shared:
+        used = {name: _SHARED_NUMBERS[name] for name in sorted(how.shared)}
+        out["$defs"] = {**(out["$defs"] if isinstance(defs, dict) else {}), **used}
     return out
 
 
@@ -403,10 +415,10 @@ def _prepared(node: Any, how: _How, here: bool = True) -> Any:
     closes = how.close and here and not _APPLICATORS & node.keys()
     if closes and isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         out["additionalProperties"] = False
-    return _bounded(node, out, how.share)
+    return _bounded(node, out, how)
 
 
-def _bounded(node: dict, out: dict, share: bool) -> dict:
+def _bounded(node: dict, out: dict, how: _How) -> dict:
     """`out` with the bounds of a number without any: a `$ref` to the shared definition
     where the node is one numeric type with annotations only (llguidance builds a range's
     lexeme per occurrence, ~0.5 ms each; once per definition), else inline."""
@@ -417,11 +429,12 @@ def _bounded(node: dict, out: dict, share: bool) -> dict:
     if not any(t in ("integer", "number") for t in types) or any(b in node for b in _BOUNDS):
         return out
     if (
-        share
+        how.share
         and len(types) == 1
         and node.keys() - {"type"} <= _ANNOTATIONS
         and "multipleOf" not in node
     ):
+        how.shared.add(_SHARED_NAMES[types[0]])
         return {
             "$ref": f"#/$defs/{_SHARED_NAMES[types[0]]}",
             **{k: v for k, v in out.items() if k != "type"},
