@@ -69,6 +69,7 @@ class Req:
     prompt_ids: list[int]
     sampling: SamplingParams
     options: RequestOptions = field(default_factory=RequestOptions)
+    client: str = ""  # who sent it (the front end's client key): prefill is shared per client
     output_ids: list[int] = field(default_factory=list)
     # KV progress
     computed_len: int = 0  # tokens of prompt + output whose K/V are in the pool

@@ -301,14 +301,15 @@ class EngineCore:
             )
             return changed + self.scheduler.step_failed(out, e)
         changed += self.scheduler.update(out)
-        if self.scheduler.decode_steps > 1 or self.step_log is not None:
-            self._time_step(out, start)
+        self._time_step(out, start)
         return changed
 
     def _time_step(self, out: ScheduleOutput, start: float) -> None:
-        """The step's seconds per forward pass: the pace of the next multi-step decode batch
-        (after a step of decodes only), and the step log's record."""
+        """The step's seconds per forward pass: the scheduler's measure of its pace (a
+        mixed step's prefill budget, the next multi-step decode batch), and the step log's
+        record."""
         seconds = (time.perf_counter() - start) / out.steps
+        self.scheduler.record_step(out, seconds)
         all_decode = all(item.num_tokens == item.steps for item in out.scheduled)
         if all_decode:
             self.scheduler.step_seconds, self.scheduler.step_batch = seconds, len(out)

@@ -36,6 +36,7 @@ class NewRequest:
 
     rid: str
     request: ValidRequest
+    client: str = ""  # the front end's client key (scheduler/prefill.py shares prefill per client)
 
 
 @dataclass(slots=True)

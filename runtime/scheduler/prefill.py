@@ -1,4 +1,13 @@
-"""Prefill admission: the waiting queue, chunked prefill, admission under budgets."""
+"""Prefill admission: the waiting queue, chunked prefill, admission under budgets.
+
+Fairness: a step's prefill budget is split between the clients with prompt tokens to
+compute (running chunked prompts and waiting requests), max-min fair (`fair_split`): a
+client asking less than an equal share gets all it asks, the rest is shared equally by the
+others. One client's large batch (64 long embeddings inputs, many long prompts) is then
+computed piece by piece while another client's prompt is admitted at the next step. A share
+a client cannot use (its request waits for KV memory or a row) is not handed on that step.
+Requests carry their client in `Req.client` (the front end's client key; "" offline).
+"""
 
 from __future__ import annotations
 
@@ -24,26 +33,39 @@ class PrefillManager:
         self.waiting: list[Req] = []
         self._admitted = 0
 
-    def continue_running(self, out: ScheduleOutput, reqs: list[Req], budget: int) -> int:
+    def shares(self, continuing: list[Req], budget: int) -> dict[str, int]:
+        """The step's prefill budget split between clients (see the module doc)."""
+        demands: dict[str, int] = {}
+        for req in [*continuing, *self.waiting]:
+            demands[req.client] = demands.get(req.client, 0) + req.remaining
+        return fair_split(demands, budget)
+
+    def continue_running(
+        self, out: ScheduleOutput, reqs: list[Req], shares: dict[str, int]
+    ) -> None:
+        """Continues chunked prompts (or jump-forward text), each within its client's share."""
         for req in reqs:
-            if budget <= 0:
-                break
-            n = min(req.remaining, budget)
+            n = min(req.remaining, shares.get(req.client, 0))
+            if n <= 0:
+                continue
             slots = self.cache.alloc(n)
             if slots is None:
                 break
             out.add(req, n, slots)
-            budget -= n
-        return budget
+            shares[req.client] -= n
 
-    def admit(self, out: ScheduleOutput, running: list[Req], budget: int) -> list[Req]:
-        """Admits waiting requests into `out`; returns them (they join the running set)."""
-        if not self.waiting or budget <= 0:
+    def admit(self, out: ScheduleOutput, running: list[Req], shares: dict[str, int]) -> list[Req]:
+        """Admits waiting requests into `out`, each within its client's share of the step's
+        prefill budget; returns them (they join the running set)."""
+        if not self.waiting or sum(shares.values()) <= 0:
             return []
         admitted: list[Req] = []
         reserve = self._outstanding(running, out)
         for req in self.policy(self.waiting, self.cache.prefix_cache, self.options.lpm_max_queue):
-            if not self._has_room(running, admitted, budget):
+            budget = shares.get(req.client, 0)
+            if budget <= 0:
+                continue
+            if not self._has_room(running, admitted, sum(shares.values())):
                 break
             self.cache.admit(req)
             if self._shares_with_batch(req, admitted):
@@ -61,7 +83,7 @@ class PrefillManager:
             self.cache.count_admission(req)
             out.add(req, n, slots)
             admitted.append(req)
-            budget -= n
+            shares[req.client] -= n
         admitted_ids = {id(r) for r in admitted}
         self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
         return admitted
@@ -96,3 +118,14 @@ class PrefillManager:
     def _future_tokens(self, req: Req) -> int:
         left = req.sampling.max_new_tokens - len(req.output_ids)
         return int(self.options.decode_reserve_ratio * max(left, 0))
+
+
+def fair_split(demands: dict[str, int], budget: int) -> dict[str, int]:
+    """Max-min fair shares of `budget` tokens: smallest demands first, each gets at most an
+    equal share of what is left (all of it when it asks less)."""
+    shares: dict[str, int] = {}
+    order = sorted(demands, key=demands.get)
+    for i, client in enumerate(order):
+        shares[client] = min(demands[client], budget // (len(order) - i))
+        budget -= shares[client]
+    return shares

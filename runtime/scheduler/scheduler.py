@@ -30,8 +30,9 @@ from spruce.runtime.executor.sampler import plain_argmax
 from spruce.runtime.scheduler.cache import CacheManager
 from spruce.runtime.scheduler.decode import DecodeManager
 from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
-from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks
+from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks, refused_token
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
+from spruce.runtime.scheduler.pace import StepPace
 from spruce.runtime.scheduler.prefill import PrefillManager
 from spruce.runtime.scheduler.speculative import Speculator
 from spruce.runtime.text.stop import StopChecker
@@ -82,6 +83,7 @@ class Scheduler:
         self.decode_steps = options.decode_steps
         self.step_seconds: float | None = None
         self.step_batch = 0
+        self.pace = StepPace()  # measured step costs: a mixed step's prefill budget (pace.py)
 
     # -- queue ------------------------------------------------------------------------
 
@@ -124,7 +126,6 @@ class Scheduler:
                 return out
         out = ScheduleOutput()
         held = self._prepare_masks()  # requests whose next mask is not made yet sit this step out
-        budget = self.options.chunked_prefill_size
         decoding = [r for r in self.running if r.remaining == 1 and id(r) not in held]
         continuing = [r for r in self.running if r.remaining > 1 and id(r) not in held]
         if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
@@ -134,12 +135,26 @@ class Scheduler:
             for req in self.decode.schedule(out, decoding, self.running, drafts, steps):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
-        budget = self.prefill.continue_running(out, continuing, budget)
-        self.running.extend(self.prefill.admit(out, self.running, budget))
+        shares = self.prefill.shares(continuing, self._prefill_budget(out))
+        self.prefill.continue_running(out, continuing, shares)
+        self.running.extend(self.prefill.admit(out, self.running, shares))
         if not out and self.running and not held:  # every running request is starved of KV slots
             self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
         return out
+
+    def _prefill_budget(self, out: ScheduleOutput) -> int:
+        """Prefill tokens this step may carry: a whole chunk, or while requests decode in
+        it, as many as keep the step under --max-step-ms at the measured pace (pace.py)."""
+        chunk = self.options.chunked_prefill_size
+        if not out:
+            return chunk
+        return self.pace.prefill_budget(self.options.max_step_ms / 1000, chunk)
+
+    def record_step(self, out: ScheduleOutput, seconds: float) -> None:
+        """The engine's report of a step that ran: its seconds per forward pass."""
+        prefill = sum(item.num_tokens for item in out.scheduled if item.num_tokens > 1 + item.ahead)
+        self.pace.record(seconds, prefill)
 
     def _decode_steps(self, decoding: list[Req]) -> int:
         """How many greedy decode steps a batch of decodes alone runs in one step: up to
@@ -349,7 +364,8 @@ class Scheduler:
             req.logprobs.output_token_logprobs.append((logprobs.logprob, token))
             req.logprobs.output_top_logprobs.append(logprobs.top)
         if req.cursor is not None and not req.cursor.accept_token(token):  # EOS ends the cursor
-            self._finish(req, FinishReason("abort", message="the grammar refused a sampled token"))
+            req.error = refused_token(req, token)  # the client's constraint: a 400
+            self._finish(req, FinishReason("abort", message=str(req.error)))
             return
         reason = self.stops.check(req, 1)
         if reason is None and req.thinking is not None:

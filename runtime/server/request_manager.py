@@ -179,7 +179,8 @@ class RequestManager:
             try:
                 if self.dead:
                     raise SchedulerUnavailable(self.dead)
-                self.replicas.send(replica, NewRequests([NewRequest(s.rid, v) for s, v in group]))
+                news = [NewRequest(s.rid, v, s.client) for s, v in group]
+                self.replicas.send(replica, NewRequests(news))
             except SchedulerUnavailable as e:
                 for state, _ in group:
                     self._fail(state, str(e), 503)

@@ -183,6 +183,7 @@ class SchedulerLoop:
         for new in msg.requests:
             try:
                 req = self.core.add_request(new.request, rid=new.rid)
+                req.client = new.client  # its share of prefill (scheduler/prefill.py)
             except InvalidRequestError as e:
                 self._send(RequestFailed(new.rid, str(e), 400))
                 continue
