@@ -186,9 +186,7 @@ def schema_grammar(
     remote = frozenset(remote_refs(schema)) if lenient else frozenset()
     if remote:
         schema = _without_remote_refs(schema, remote)
-    close = not options.open_objects and not _intersects(schema)
-    keep_open = frozenset(_refs_beside_object_keys(schema)) if close else frozenset()
-    schema = _with_bounds(schema, close, keep_open)
+    schema = prepared_schema(schema, options)
     overrides: dict[str, Any] = {
         "item_separator": ",",
         "key_separator": ":",
@@ -354,12 +352,14 @@ class _How:
     shared: set[str] = field(default_factory=set)
 
 
-def bounded_numbers(schema: Any) -> Any:
-    """A copy of the schema whose numbers without bounds are bounded as `schema_grammar`
-    bounds them (INTEGER_BOUND, FRACTION_STEP), objects left as they are: for a schema that
-    llguidance compiles inside another grammar (a structural tag's `%json`, a tool call's
-    arguments), so it ends where the same schema given as `json_schema` ends."""
-    return _with_bounds(schema, False, frozenset())
+def prepared_schema(schema: Any, options: SchemaOptions) -> Any:
+    """A copy of the schema as the spruce converter writes JSON, for llguidance wherever a
+    schema goes (a `json_schema` constraint, a structural tag's `%json`, so tool calls too):
+    objects closed unless `options.open_objects` or the schema intersects object schemas
+    (_INTERSECTING), numbers without bounds bounded (INTEGER_BOUND, FRACTION_STEP)."""
+    close = not options.open_objects and not _intersects(schema)
+    keep_open = frozenset(_refs_beside_object_keys(schema)) if close else frozenset()
+    return _with_bounds(schema, close, keep_open)
 
 
 def _with_bounds(schema: Any, close: bool, keep_open: frozenset[str]) -> Any:

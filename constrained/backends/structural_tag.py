@@ -33,11 +33,11 @@ nothing but the enclosing end after the first tag.
 How it maps onto llguidance (docs/syntax.md of llguidance): free text up to a string is a
 *lazy* lexeme (`/(?s:.*)/` followed by the string, matched as soon as the string appears, so
 a trigger written in free text always starts its tag); JSON schemas are inline `%json`,
-grammars inline `%lark`, `excludes` a terminal `& ~/.*X.*/`. A schema's numbers without
-bounds are bounded as a `json_schema` constraint's are (llguidance_text.bounded_numbers). A
-string that is a special token of the vocabulary (`<|python_tag|>`, `[TOOL_CALLS]`) is
-matched as that token (`<[id]>`), never spelled out in ordinary tokens: pass the
-vocabulary's `special_tokens` (text -> id).
+grammars inline `%lark`, `excludes` a terminal `& ~/.*X.*/`. A schema is written as a
+`json_schema` constraint's is (llguidance_text.prepared_schema: objects closed, numbers
+bounded). A string that is a special token of the vocabulary (`<|python_tag|>`,
+`[TOOL_CALLS]`) is matched as that token (`<[id]>`), never spelled out in ordinary tokens:
+pass the vocabulary's `special_tokens` (text -> id).
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ from typing import Any
 import llguidance
 
 from spruce.constrained.backends.llguidance_text import (
-    bounded_numbers,
     check_grammar,
     ebnf_grammar,
     nested_lark,
+    prepared_schema,
 )
 from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.schema.schema_context import SchemaOptions
 
 # A tool list of OpenAI's 128 functions is ~400 formats (tag, content, schema); nesting past
 # a dozen levels is never a real format. Both bound the walk and the grammar's size (the
@@ -160,7 +161,7 @@ class _Writer:
         if isinstance(schema, str):
             schema = _loads(schema, path)
         _expect(isinstance(schema, (dict, bool)), path, "must be an object or a boolean")
-        schema = bounded_numbers(schema)  # numbers end as in a json_schema constraint
+        schema = prepared_schema(schema, SchemaOptions())  # as a json_schema constraint's
         if isinstance(schema, dict) and "x-guidance" not in schema:
             schema = {**schema, "x-guidance": JSON_OPTIONS}
         text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

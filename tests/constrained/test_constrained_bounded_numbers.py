@@ -2,7 +2,7 @@
 tag (both forms), a tool call's arguments under tool_choice "auto" (every format's strict
 tag), "required" and a named function take 16 integer digits and refuse 17, as a
 `json_schema` constraint does (test_constrained_llguidance_numbers.py), through the same
-compiler and cursor."""
+compiler and cursor; a tag's objects are closed as that constraint's are."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from support import first_refused
 from test_constrained_structural_tag import SPECIAL_CALL, XML_CALL
 
 from spruce.constrained import GrammarCompiler, make_spec
-from spruce.constrained.backends.llguidance_text import bounded_numbers, schema_grammar
+from spruce.constrained.backends.llguidance_text import prepared_schema, schema_grammar
 from spruce.constrained.convert import Conversion
 from spruce.constrained.schema.schema_context import SchemaOptions
 from spruce.runtime.server.openai.tool_parsers import TOOL_CALL_FORMATS
@@ -51,27 +51,35 @@ def check_bounded(compiler, tokenizer, spec, write) -> None:
     assert got == {number: number in PASSING for number in got}
 
 
-# -- the one bounding step ------------------------------------------------------------------
+# -- the one preparing step ----------------------------------------------------------------
 
 
-def test_a_nested_schema_is_bounded_as_a_direct_one():
-    """The structural tag's %json holds what schema_grammar gives llguidance, objects aside."""
+def test_a_nested_schema_is_written_as_a_direct_one():
+    """The structural tag's %json holds what schema_grammar gives llguidance."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"},
               "c": {"type": ["integer", "null"]}, "d": {"type": "integer", "maximum": 5}}}  # fmt: skip
-    direct = json.loads(schema_grammar(schema, SchemaOptions(open_objects=True), True, False)[0])
+    direct = json.loads(schema_grammar(schema, SchemaOptions(), True, False)[0])
     direct = direct["grammars"][0]["json_schema"]
     del direct["x-guidance"]  # separators and lenient mode: the direct path's options
-    assert bounded_numbers(schema) == direct
-    assert bounded_numbers(schema)["$defs"].keys() == {
-        "spruce_bounded_integer",
-        "spruce_bounded_number",
-    }
+    prepared = prepared_schema(schema, SchemaOptions())
+    assert prepared == direct and prepared["additionalProperties"] is False
+    assert prepared["$defs"].keys() == {"spruce_bounded_integer", "spruce_bounded_number"}
 
 
 def test_shared_definitions_only_where_used():
     strings = {"type": "object", "properties": {"s": {"type": "string"}}}
-    assert bounded_numbers(strings) == strings
-    assert list(bounded_numbers(one_number("integer"))["$defs"]) == ["spruce_bounded_integer"]
+    assert prepared_schema(strings, SchemaOptions(open_objects=True)) == strings
+    assert list(prepared_schema(one_number("integer"), SchemaOptions())["$defs"]) == [
+        "spruce_bounded_integer"
+    ]
+
+
+def test_a_tag_closes_its_objects(compiler, tiny_tokenizer):
+    """As a json_schema constraint does: a small model invents properties otherwise."""
+    fmt = {"type": "json_schema", "json_schema": one_number("integer")}
+    spec = make_spec(structural_tag={"type": "structural_tag", "format": fmt})
+    assert accepts(compiler, tiny_tokenizer, spec, '{"n": 1}')
+    assert not accepts(compiler, tiny_tokenizer, spec, '{"n": 1, "m": 2}')
 
 
 # -- structural tags, both forms -------------------------------------------------------------
