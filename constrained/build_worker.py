@@ -16,14 +16,19 @@ The same workers convert JSON schemas to regexes (`ConvertRequest`, see `convert
 front door's conversion of a pathological schema (thousands of properties, `$ref`s that
 unroll exponentially) is stopped at its deadline the same way, wherever the front end runs.
 
+The same workers check llguidance builds (`GrammarCheck`): the grammar compiled for the
+vocabulary and its first mask, where a grammar's cost shows (llguidance_build.py), under
+the deadline and the memory cap; the parent compiles only a grammar that passed.
+
 Protocol over two inherited pipes (multiprocessing.connection framing): the worker says
-"ready" once its imports are done, then answers each request with ("ok", NFA or
-ConstraintSpec), ("error", message) or ("crash", message).
+"ready" once its imports are done, then answers each request with ("ok", NFA,
+ConstraintSpec or None), ("error", message), ("refused", message: the backend cannot take
+it) or ("crash", message).
 
 Trust: pickle is used only on these two anonymous pipes (`os.pipe`, inherited by the one
 child this process spawned), never on a socket or a file. Both ends are this module; what
 crosses is objects our own code built (a regex, schema or grammar string, the NFA's lists of ints, a
-ConstraintSpec, whose grammar is llguidance's text), so a user's constraint (a schema, a
+ConstraintSpec, whose grammar is llguidance's text, the model's vocabulary as bytes), so a user's constraint (a schema, a
 regex, a grammar, a structural tag) is only ever pickled as a string, never unpickled
 from bytes they chose.
 """
@@ -38,10 +43,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
-from spruce.constrained.core.errors import ConstraintError
+from spruce.constrained.core.errors import ConstraintError, GrammarRefused
+
+if TYPE_CHECKING:
+    from spruce.constrained.backends.llguidance_build import TokenTable
 
 STARTUP_TIMEOUT_S = 60.0  # a fresh interpreter importing its modules on a loaded machine
 # A worker is replaced after this many jobs, or once its address space passes this share of
@@ -79,6 +88,26 @@ class ConvertRequest:
         return f"{self.kind} {_short(self.text)}"
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarCheck:
+    """An llguidance grammar to compile for the vocabulary, with its first mask: what can
+    take long or grow large in its build (llguidance_build.check_build). `table` is sent to
+    a worker once; after that the request carries its key alone (`table` None)."""
+
+    grammar: str  # llguidance's grammar text
+    kind: str  # the constraint's kind (lark, ebnf, json_schema, ...), for its messages
+    table_key: str
+    table: TokenTable | None = None
+
+    @property
+    def describe(self) -> str:
+        return f"{self.kind} {_short(self.grammar)}"
+
+
+Request = BuildRequest | ConvertRequest | GrammarCheck
+POLL_S = 0.05  # how often a waiting job looks at its stop event
+
+
 def dumps(obj: object) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -112,6 +141,7 @@ class BuildWorker:
         self.memory_mb = memory_mb
         self.ready = False  # the worker says when its imports are done
         self.jobs = 0  # requests sent
+        self.tables: set[str] = set()  # the keys of the vocabulary tables it was sent
 
     @property
     def worn(self) -> bool:
@@ -127,33 +157,49 @@ class BuildWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
-        """Raises WorkerGone if the worker was dead before the job started."""
+    def run(
+        self, request: Request, timeout_s: float, stop: threading.Event | None = None
+    ) -> object:
+        """Raises WorkerGone if the worker was dead before the job started. `stop`, once
+        set, ends the job as its deadline does (the worker is killed)."""
         self._wait_ready()
         start = time.monotonic()
         self.jobs += 1
         try:
-            self._send.send_bytes(dumps(request))
+            self._send.send_bytes(dumps(self._lighter(request)))
         except OSError:
             self.kill()
             raise WorkerGone from None
-        kind, payload = self._receive(request, start, timeout_s)
+        kind, payload = self._receive(request, start, timeout_s, stop)
         if kind == "error":
             raise ConstraintError(payload)
+        if kind == "refused":  # the backend cannot take it (auto may try the next one)
+            raise GrammarRefused(payload)
         if kind == "crash":  # a bug, not the request's fault: the caller logs it as such
             raise RuntimeError(f"the grammar worker failed: {payload}")
         return payload
 
+    def _lighter(self, request: Request) -> Request:
+        """The request as sent: a vocabulary table this worker has is sent as its key."""
+        if not isinstance(request, GrammarCheck) or request.table is None:
+            return request
+        if request.table_key in self.tables:
+            return replace(request, table=None)
+        self.tables.add(request.table_key)
+        return request
+
     def _receive(
-        self, request: BuildRequest | ConvertRequest, start: float, timeout_s: float
+        self, request: Request, start: float, timeout_s: float, stop: threading.Event | None
     ) -> tuple[str, object]:
-        """The worker's next message, within `timeout_s` of `start` (else it is killed)."""
-        if not self._recv.poll(max(0.0, start + timeout_s - time.monotonic())):
-            self.kill()
-            raise ConstraintError(
-                f"constraint not {_verb(request)} within {timeout_s:g} s (the work was stopped): "
-                f"{request.describe}"
-            )
+        """The worker's next message, within `timeout_s` of `start` and before `stop` is
+        set (else it is killed)."""
+        while not self._recv.poll(min(POLL_S, max(0.0, start + timeout_s - time.monotonic()))):
+            if (stop is not None and stop.is_set()) or time.monotonic() >= start + timeout_s:
+                self.kill()
+                raise ConstraintError(
+                    f"constraint not {_verb(request)} within {timeout_s:g} s (the work was "
+                    f"stopped): {request.describe}"
+                )
         try:
             return loads(self._recv.recv_bytes())
         except (EOFError, OSError):
@@ -200,11 +246,13 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def run(self, request: BuildRequest | ConvertRequest, timeout_s: float) -> object:
+    def run(
+        self, request: Request, timeout_s: float, stop: threading.Event | None = None
+    ) -> object:
         for _ in range(2):  # an idle worker may have died meanwhile: once more, fresh
             worker = self._take()
             try:
-                return worker.run(request, timeout_s)
+                return worker.run(request, timeout_s, stop)
             except WorkerGone:
                 continue
             finally:
@@ -261,7 +309,7 @@ def _short(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")
 
 
-def _verb(request: BuildRequest | ConvertRequest) -> str:
+def _verb(request: Request) -> str:
     return "converted" if isinstance(request, ConvertRequest) else "compiled"
 
 
@@ -286,8 +334,15 @@ def _serve(receive: Connection, send: Connection, memory_mb: int) -> None:
             request = loads(receive.recv_bytes())
         except EOFError:  # the parent is gone or closed us
             return
-        reply = _convert(request) if isinstance(request, ConvertRequest) else _build(request)
-        send.send_bytes(dumps(reply))
+        send.send_bytes(dumps(_answer(request)))
+
+
+def _answer(request: Request) -> tuple[str, object]:
+    if isinstance(request, ConvertRequest):
+        return _convert(request)
+    if isinstance(request, GrammarCheck):
+        return _check(request)
+    return _build(request)
 
 
 def _convert(request: ConvertRequest) -> tuple[str, object]:
@@ -332,6 +387,31 @@ def _build(request: BuildRequest) -> tuple[str, object]:
         return "error", "the grammar build ran out of its memory cap; simplify the constraint"
     except RecursionError:
         return "error", "the constraint's regex is nested too deeply"
+
+
+_tokenizers: dict[str, object] = {}  # table key -> llguidance's tokenizer (the last one kept)
+
+
+def _check(request: GrammarCheck) -> tuple[str, object]:
+    from spruce.constrained.backends.llguidance_build import check_build, tokenizer_of
+
+    try:
+        tokenizer = _tokenizers.get(request.table_key)
+        if tokenizer is None:
+            if request.table is None:
+                return "crash", "a grammar check without its vocabulary table"
+            _tokenizers.clear()
+            tokenizer = _tokenizers[request.table_key] = tokenizer_of(request.table)
+        check_build(request.grammar, tokenizer, request.kind)
+    except GrammarRefused as e:
+        return "refused", str(e)
+    except ConstraintError as e:
+        return "error", str(e)
+    except MemoryError:
+        return "error", "the grammar build ran out of its memory cap; simplify the constraint"
+    except Exception as e:  # noqa: BLE001 - a bug: reported, the worker lives on
+        return "crash", f"{type(e).__name__}: {e}"
+    return "ok", None
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -19,16 +19,22 @@ import numpy as np
 import torch
 
 from spruce.constrained.automaton.cursor import CursorBase
+from spruce.constrained.backends.llguidance_build import (
+    TokenTable,
+    first_mask,
+    matcher_error,
+    new_matcher,
+    token_table,
+    tokenizer_of,
+)
 from spruce.constrained.backends.llguidance_text import (
     lark_grammar,
-    limits,
-    readable_error,
     special_literals_as_tokens,
     unenforced_of,
 )
 from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 from spruce.constrained.core.bitmask import write_row
-from spruce.constrained.core.errors import ConstraintError, GrammarRefused
+from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.core.memory import Budgeted, SharedBudget
 
 if TYPE_CHECKING:
@@ -39,6 +45,7 @@ MATCHER_BYTES = 256 * 1024  # what a compiled matcher holds beyond its grammar t
 BYTES_PER_GRAMMAR_CHAR = 64  # the compiled grammar against its text (roughly, measured on schemas)
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def llg_tokenizer(vocab: TokenVocabulary) -> llguidance.LLTokenizer:
@@ -46,46 +53,37 @@ def llg_tokenizer(vocab: TokenVocabulary) -> llguidance.LLTokenizer:
     id's bytes, special tokens marked as such (a grammar names them as `<|im_end|>`)."""
     tokenizer = _tokenizers.get(vocab)
     if tokenizer is None:
-        wrapper = llguidance.TokenizerWrapper(_Tokens(vocab))
-        eos = sorted(vocab.eos_token_ids)
-        tokenizer = _tokenizers[vocab] = llguidance.LLTokenizer(
-            wrapper, n_vocab=vocab.vocab_size, eos_token=eos
-        )
+        tokenizer = _tokenizers[vocab] = tokenizer_of(vocab_table(vocab), vocab.encode)
     return tokenizer
 
 
-class _Tokens:
-    """The tokenizer interface llguidance.TokenizerWrapper reads."""
-
-    def __init__(self, vocab: TokenVocabulary) -> None:
-        self.tokens = list(vocab.token_bytes)
-        for token_id, data in vocab.special_bytes.items():
-            self.tokens[token_id] = data
-        self.special_token_ids = sorted(vocab.special_bytes)
-        self.eos_token_id = min(vocab.eos_token_ids)
-        self.bos_token_id = vocab.bos_token_id
-        self._encode = vocab.encode
-
-    def __call__(self, text: str) -> list[int]:
-        if self._encode is None:
-            raise ValueError("this vocabulary has no encoder")
-        return self._encode(text, add_special_tokens=False)
+def vocab_table(vocab: TokenVocabulary) -> TokenTable:
+    """The vocabulary as plain data (once per TokenVocabulary): what a build worker gets."""
+    table = _tables.get(vocab)
+    if table is None:
+        table = _tables[vocab] = token_table(vocab)
+    return table
 
 
 def compile_grammar(
     spec: ConstraintSpec, vocab: TokenVocabulary, max_bytes: int, shared: SharedBudget | None = None
 ) -> LLGuidanceGrammar:
-    """A structural tag is converted again here, where the vocabulary is known: a trigger
-    that is one of its special tokens matches that token (the front door checked the tag).
-    A Lark grammar's quoted special-token texts become references to those tokens."""
+    return LLGuidanceGrammar(prepared(spec, vocab), vocab, max_bytes, shared)
+
+
+def prepared(spec: ConstraintSpec, vocab: TokenVocabulary) -> ConstraintSpec:
+    """The spec whose grammar is the one compiled for this vocabulary. A structural tag is
+    converted again here, where the vocabulary is known: a trigger that is one of its
+    special tokens matches that token (the front door checked the tag). A Lark grammar's
+    quoted special-token texts become references to those tokens."""
     if spec.kind == "structural_tag":
         lark = structural_tag_to_lark(spec.value, special_tokens(vocab))
-        spec = replace(spec, grammar=lark_grammar(lark, "structural_tag"))
-    elif spec.kind == "lark":
+        return replace(spec, grammar=lark_grammar(lark, "structural_tag"))
+    if spec.kind == "lark":
         lark = special_literals_as_tokens(spec.value, special_tokens(vocab))
         if lark != spec.value:
-            spec = replace(spec, grammar=lark_grammar(lark))
-    return LLGuidanceGrammar(spec, vocab, max_bytes, shared)
+            return replace(spec, grammar=lark_grammar(lark))
+    return spec
 
 
 def special_tokens(vocab: TokenVocabulary) -> dict[str, int]:
@@ -115,13 +113,7 @@ class LLGuidanceGrammar(Budgeted):
         self.budget.charge(
             MATCHER_BYTES + BYTES_PER_GRAMMAR_CHAR * len(spec.grammar) + sys.getsizeof(spec.value)
         )
-        matcher = llguidance.LLMatcher(
-            llg_tokenizer(vocab), spec.grammar, log_level=0, limits=limits()
-        )
-        if matcher.is_error():
-            raise GrammarRefused(
-                f"cannot compile the {spec.kind} constraint: {readable_error(matcher.get_error())}"
-            )
+        matcher = new_matcher(llg_tokenizer(vocab), spec.grammar, spec.kind)
         if spec.fallback is not None:  # checked by this build: decided now
             self.spec = replace(
                 spec,
@@ -138,12 +130,7 @@ class LLGuidanceGrammar(Budgeted):
         """Computes the first mask once (it also builds the lexer's first states, which
         copies share) and keeps it: a new cursor starts with it instead of computing it."""
         if self.initial_row is None:  # on the compiled matcher itself: a mask takes no token
-            row = np.zeros(self.vocab.num_words, dtype=np.int32)
-            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            if self._matcher.is_error():
-                raise ConstraintError(
-                    f"the grammar failed: {readable_error(self._matcher.get_error())}"
-                )
+            row = first_mask(self._matcher, self.vocab.num_words)
             self.budget.charge(row.nbytes)
             self.initial_row = row
 
@@ -205,11 +192,14 @@ class LLGuidanceCursor(CursorBase):
             else:
                 self._matcher.unsafe_compute_mask_ptr(self._row_ptr, self._row.nbytes)
                 if self._matcher.is_error():
-                    raise ConstraintError(
-                        f"the grammar failed: {readable_error(self._matcher.get_error())}"
-                    )
+                    raise ConstraintError(f"the grammar failed: {matcher_error(self._matcher)}")
             self._ready = True
         return True
+
+    def failure(self) -> str | None:
+        """Why the matcher stopped taking tokens (its error state: a lexer or parser limit
+        passed on a token the mask allowed), as a plain sentence."""
+        return matcher_error(self._matcher) if self._matcher.is_error() else None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.prepare_mask()
