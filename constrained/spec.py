@@ -183,24 +183,22 @@ def _backend_schema(
 def _grammar_spec(kind: str, value: Any, backend: str) -> ConstraintSpec:
     backends.candidates(kind, backend)  # llguidance, or a ConstraintError naming the backend
     from spruce.constrained.backends import llguidance_text
+    from spruce.constrained.backends.lark_repeats import check_repeats
 
     if kind == STRUCTURAL_TAG:
         from spruce.constrained.backends.structural_tag import structural_tag_to_lark
 
         lark = structural_tag_to_lark(value)  # a dict or its JSON text; errors name the field
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return ConstraintSpec(
-            kind,
-            text,
-            "",
-            backend="llguidance",
-            grammar=llguidance_text.lark_grammar(lark, STRUCTURAL_TAG),
-        )
+        grammar = llguidance_text.lark_grammar(lark, STRUCTURAL_TAG)
+        check_repeats(grammar, STRUCTURAL_TAG)
+        return ConstraintSpec(kind, text, "", backend="llguidance", grammar=grammar)
     if not isinstance(value, str):
         raise ConstraintError(f"{kind} must be a grammar text (a string)")
     grammar = (
         llguidance_text.ebnf_grammar(value) if kind == EBNF else llguidance_text.lark_grammar(value)
     )
+    check_repeats(grammar, kind)  # llguidance's lexer would take them, then fail on a token
     return ConstraintSpec(kind, value, "", backend="llguidance", grammar=grammar)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.core import errors as constrained_errors
 
 # What a client is told of a failure that is not its doing (the server log has the details).
@@ -51,6 +52,15 @@ class FieldNames:
         return InvalidRequestError(f"{self(canonical)} {rest}", field=canonical)
 
 
-def constraint_error(error: constrained_errors.ConstraintError) -> ConstraintError:
-    """The runtime's ConstraintError for one raised by spruce.constrained."""
-    return error if isinstance(error, ConstraintError) else ConstraintError(str(error))
+def constraint_error(
+    error: constrained_errors.ConstraintError, field: str | None = None
+) -> ConstraintError:
+    """The runtime's ConstraintError for one raised by spruce.constrained, about constraint
+    field `field` when given (a grammar's message gets the field's name in front: `lark:
+    the grammar matches no string`; regex / schema / choices messages name theirs)."""
+    if isinstance(error, ConstraintError) and (field is None or error.field is not None):
+        return error
+    message = str(error)
+    if field in GRAMMAR_KINDS and not message.startswith(field):
+        message = f"{field}: {message}"
+    return ConstraintError(message, field=field)

@@ -29,6 +29,11 @@ class CursorBase:
 
     __slots__ = ()
 
+    def failure(self) -> str | None:
+        """Why the grammar took no more tokens, where its backend says (a limit it passed, as
+        a plain sentence); None otherwise."""
+        return None
+
     # -- jump-forward -----------------------------------------------------------------------
 
     def jump_forward_text(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from spruce.constrained.core.errors import ConstraintError
 from spruce.runtime.core.request import Req
+from spruce.runtime.errors import ConstraintError as RuntimeConstraintError
 from spruce.runtime.errors import constraint_error
 
 # ~16 ms of automaton mask work a step at 86 us a state on the Python path (SmolLM2's
@@ -46,7 +47,7 @@ class GrammarQueue:
                 req.cursor = future.result().cursor()
                 ready.append(req)
             except ConstraintError as e:
-                req.error = constraint_error(e)
+                req.error = constraint_error(e, constraint_field(req))
                 failed.append(req)
         self.pending = still
         return ready, failed
@@ -67,10 +68,25 @@ def prepare_masks(running: list[Req], budget: int | None = None) -> tuple[list[R
         try:
             ready = req.cursor.prepare_mask(max(budget, 0))
         except ConstraintError as e:
-            req.error = constraint_error(e)
+            req.error = constraint_error(e, constraint_field(req))
             failed.append(req)
             continue
         budget -= grammar.work - before
         if not ready:
             held.append(req)
     return held, failed
+
+
+def refused_token(req: Req, token: int) -> RuntimeConstraintError:
+    """The error of a request whose grammar refused the token it sampled: the client's
+    constraint (llguidance's mask can allow a token its matcher then refuses past a lexer
+    or parser limit), so a 400-class error naming the field, never a server fault."""
+    reason = req.cursor.failure() if req.cursor is not None else None
+    message = reason or f"the grammar refused token {token}, which its mask allowed"
+    return constraint_error(ConstraintError(message), constraint_field(req))
+
+
+def constraint_field(req: Req) -> str | None:
+    """The request's constraint field (regex, json_schema, lark, ...)."""
+    names = req.sampling.constraint_names
+    return names[0] if names else None
