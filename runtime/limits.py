@@ -34,12 +34,17 @@ class RequestLimits:
     max_tokenize_chars: int = 1_000_000  # characters of all prompts of one /tokenize call
     max_detokenize_ids: int = 1_000_000  # token ids of one /detokenize call
     max_logprob_entries: int = 2_000_000  # logprobs a call returns: positions x (1 + top), summed
+    max_prompt_bytes: int | None = None  # bytes of one prompt's text; None: 32 per context token
+    max_tools: int = 512  # entries of tools (chat, Anthropic, Responses)
+    max_tools_bytes: int = 2**20  # bytes of the tools with their schemas, as JSON
 
 
 @dataclass(frozen=True)
 class ServingLimits:
     max_waiting_requests: int = 1024  # beyond --max-running-requests; then 503 + Retry-After
     max_requests_per_client: int = 512  # in flight per HTTP address / ZeroMQ identity; then 429
+    # prompt tokens in flight per client; then 429 (a client with nothing in flight may exceed it)
+    max_tokens_per_client: int = 262_144
     max_stream_backlog: int = 2048  # unread events per streamed request; beyond: aborted
     request_timeout_s: float | None = None  # a request's default timeout_s; None: no deadline
     scheduler_timeout_s: float = (

@@ -22,13 +22,16 @@ from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.core.options import RequestOptions
 from spruce.runtime.core.sampling_params import CANONICAL, CONSTRAINT_FIELDS, SamplingParams
-from spruce.runtime.core.values import is_int, is_number
+from spruce.runtime.core.values import TokenBound, is_int, is_number, utf8_length
 from spruce.runtime.errors import (
     ConstraintError,
     FieldNames,
     InvalidRequestError,
 )
 from spruce.runtime.limits import INT64_MAX, RequestLimits
+
+# --max-prompt-bytes' default, per token of the model's context (English text runs ~4 a token)
+PROMPT_BYTES_PER_TOKEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,13 @@ class ModelLimits:
         default_factory=Conversion
     )  # JSON whitespace; a schema's deadline
     hidden_size: int = 0  # the model's: the length of an embedding (0: unknown)
+    token_bound: TokenBound | None = None  # the tokenizer's (None: no bound known)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Bytes of one prompt's text (--max-prompt-bytes; by default 32 a context token)."""
+        given = self.request.max_prompt_bytes
+        return PROMPT_BYTES_PER_TOKEN * self.context_length if given is None else given
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +123,9 @@ def validate_call(
     check_batch_size(len(prompts) * n, request)
     params = sampling_list(draft.sampling, len(prompts), names)
     check_options(draft.options, request, names)
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            check_prompt_size(prompt, limits, names("text") + ("" if single else f"[{i}]"))
     ids = [_ids(prompt, tokenize) for prompt in prompts]
     pairs = [(i, _sample(p, j)) for i, p in zip(ids, params) for j in range(n)]
     check_response_size(pairs, draft.options, request, names)
@@ -121,6 +134,34 @@ def validate_call(
         _check_dimensions(draft.dimensions, limits.hidden_size, names)
         valid = [_embedding(v, names) for v in valid]
     return ValidCall(valid, single and n == 1)
+
+
+def check_prompt_size(text: str, limits: ModelLimits, name: str, field: str = "text") -> None:
+    """A prompt text refused before it is tokenized (InvalidRequestError naming `field`; the
+    message calls the text `name`): past --max-prompt-bytes, or, by the tokenizer's bound,
+    surely more tokens than the context holds (`validate_request` counts the real tokens).
+    Tokenizing is the slow part of a long prompt, and its ids the big part."""
+    check_prompt_bytes(utf8_length(text), limits, name, field)
+    bound, context = limits.token_bound, limits.context_length
+    least = 0 if bound is None else bound.least_tokens(text)
+    if least >= context:
+        raise InvalidRequestError(
+            f"{name} has at least {least} tokens ({utf8_length(text)} bytes, at most "
+            f"{bound.max_bytes} a token); the model's context is {context} tokens",
+            field=field,
+        )
+
+
+def check_prompt_bytes(size: int, limits: ModelLimits, name: str, field: str = "text") -> None:
+    """A prompt text of `size` bytes against --max-prompt-bytes (`check_prompt_size`)."""
+    most = limits.max_prompt_bytes
+    if size > most:
+        why, context = "", limits.context_length
+        if limits.request.max_prompt_bytes is None:
+            why = f"; by default {PROMPT_BYTES_PER_TOKEN} a token of the model's context, {context}"
+        raise InvalidRequestError(
+            f"{name} has {size} bytes; at most {most} (--max-prompt-bytes{why})", field=field
+        )
 
 
 def _check_dimensions(dimensions: Any, hidden_size: int, names: FieldNames) -> None:

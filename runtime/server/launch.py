@@ -252,7 +252,7 @@ class Launcher:
                                 c["grammar_memory_mb"], c["grammar_backend"])  # fmt: skip
         limits = ModelLimits(
             ready.vocab_size, ready.context_length, self.options.request_limits, conversion,
-            ready.hidden_size,
+            ready.hidden_size, tokenizer.token_bound,
         )  # fmt: skip
         pools = FrontPools(self.options.serving_limits.retry_after_s)
         model = self.model = ModelContext(tokenizer, name, ready.model_path, limits, pools)

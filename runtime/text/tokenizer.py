@@ -8,11 +8,12 @@ from a GGUF file's metadata (byte-level BPE from `tokenizer.ggml.*`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, ClassVar
 
 import jinja2
@@ -22,12 +23,18 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from spruce.runtime.core.values import TokenBound
 from spruce.runtime.errors import ModelLoadError
 
 # llama.cpp pre-tokenizer names whose regex splits every digit on its own before the
 # GPT-2 split (llama-vocab.cpp groups "smollm" with starcoder, refact, codeshell...).
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+# How many bytes of text a normalizer may turn into one: NFC composes at most 3 bytes into 1
+# (Hangul jamo L + V + T, 9 bytes, into one 3-byte syllable); none for no normalizer.
+_NORMALIZER_SHRINK = {None: 1, "NFC": 3}
+_NEVER_UTF8 = {0xC0, 0xC1, *range(0xF5, 0x100)}  # bytes that no UTF-8 text holds
+_KEEPS_EVERY_BYTE = {"ByteLevel", "Digits", "Split", "Sequence"}  # pre-tokenizers that drop nothing
 
 
 @lru_cache(maxsize=1)
@@ -133,7 +140,11 @@ class Tokenizer:
     # -- encode / decode ------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """The text's token ids (with the BOS token first where the model adds one). The
+        library's batch call tokenizes without holding the GIL (its `encode` holds it for the
+        whole call: seconds for megabytes, every other thread of the process stopped), and
+        keeps no offsets; its ids are `encode`'s."""
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
@@ -156,6 +167,37 @@ class Tokenizer:
             else:
                 out.append(self._piece_bytes(piece))
         return out
+
+    @cached_property
+    def token_bound(self) -> TokenBound | None:
+        """What any text's token count is at least, known from its bytes (None where this
+        tokenizer gives no bound): a prompt that cannot fit the context is refused before it
+        is tokenized. Byte-level BPE keeps every byte of the (normalized) text in some token
+        but the bytes without a token of their own (the bundled model has none for six ASCII
+        control characters, and for the lead bytes of unassigned planes): a token stands for
+        at most its longest token's bytes (an added token's text included) times what the
+        normalizer may shrink. Other tokenizers may drop text (a whitespace pre-tokenizer, an
+        added token that strips the spaces beside it) or stand one unknown token for a long
+        word."""
+        spec = json.loads(self.backend.to_str())
+        shrink = _normalizer_shrink(spec.get("normalizer"))
+        added = self.backend.get_added_tokens_decoder().values()
+        if not (
+            self._byte_level
+            and (spec.get("model") or {}).get("type") == "BPE"
+            and shrink is not None
+            and _keeps_every_byte(spec.get("pre_tokenizer"))
+            and not any(t.lstrip or t.rstrip for t in added)
+        ):
+            return None
+        dropped = _bytes_without_token(self.backend)
+        longest = max(
+            max(map(len, self.token_bytes()), default=1),
+            max((len(t.content.encode()) for t in added), default=1),
+        )
+        ascii_dropped = "".join(chr(b) for b in dropped if b < 0x80)
+        wide_dropped = any(b >= 0x80 and b not in _NEVER_UTF8 for b in dropped)
+        return TokenBound(longest * shrink, ascii_dropped, ascii_only=wide_dropped)
 
     def _piece_bytes(self, piece: str) -> bytes:
         if self._byte_level:
@@ -274,6 +316,31 @@ def _gguf_byte_level_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
     ]
     backend.add_tokens(added)
     return backend
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    """How many bytes of text the normalizer may turn into one (None: no bound known)."""
+    if normalizer is not None and normalizer.get("type") == "Sequence":
+        factors = [_normalizer_shrink(n) for n in normalizer.get("normalizers", [])]
+        return None if None in factors else math.prod(factors)
+    return _NORMALIZER_SHRINK.get(None if normalizer is None else normalizer.get("type"))
+
+
+def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
+    """Whether the pre-tokenizer splits text without dropping any of it."""
+    if pre_tokenizer is None:
+        return True
+    if (
+        pre_tokenizer.get("type") not in _KEEPS_EVERY_BYTE
+        or pre_tokenizer.get("behavior") == "Removed"
+    ):
+        return False
+    return all(_keeps_every_byte(p) for p in pre_tokenizer.get("pretokenizers", []))
+
+
+def _bytes_without_token(backend: tokenizers.Tokenizer) -> list[int]:
+    """The bytes that have no token of their own (a byte-level BPE drops them)."""
+    return [b for c, b in _byte_level_alphabet().items() if backend.token_to_id(c) is None]
 
 
 def _is_byte_level(backend: tokenizers.Tokenizer) -> bool:

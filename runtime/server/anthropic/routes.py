@@ -21,7 +21,7 @@ from spruce.runtime.server.http.common import (
     server_of,
     stream_response,
 )  # fmt: skip
-from spruce.runtime.server.openai.chat_prompt import ToolPlan, chat_prompt, server_formats
+from spruce.runtime.server.openai.chat_prompt import chat_prompt, tool_plan
 from spruce.runtime.server.openai.mapping import check_model
 from spruce.runtime.server.openai.routes import chat_results, submit_chat
 from spruce.runtime.server.openai.schemas import ChatRequest, parse
@@ -62,7 +62,7 @@ async def _count_tokens(request: Request) -> Response:
 
 
 def prompt_tokens(req: ChatRequest, server: ServerState) -> int:
-    tools = ToolPlan.of(req, server_formats(server)[1], server.model.limits.conversion)
+    tools = tool_plan(req, server)
     return len(chat_prompt(req, tools, server).ids)
 
 

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import jinja2
+import orjson
 
 from spruce.constrained.backends.llguidance_text import nested_lark
 from spruce.constrained.convert import Conversion
@@ -18,7 +20,15 @@ from spruce.constrained.report import schema_report
 from spruce.constrained.spec import ConstraintSpec
 from spruce.runtime.config import ServerOptions
 from spruce.runtime.core.sampling_params import CONSTRAINT_FIELDS, SamplingParams
-from spruce.runtime.core.validation import constraint_spec, named_error
+from spruce.runtime.core.validation import (
+    check_prompt_bytes,
+    check_prompt_size,
+    constraint_spec,
+    named_error,
+)
+from spruce.runtime.core.values import utf8_length
+from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.limits import RequestLimits
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
 from spruce.runtime.server.openai.custom_tools import (
@@ -92,12 +102,14 @@ class ToolPlan:
         req: ChatRequest,
         fmt: ToolCallFormat | None = None,
         conversion: Conversion | None = None,
+        limits: RequestLimits | None = None,
     ) -> ToolPlan:
         """The plan; required / named calls convert their schemas with `conversion` (the
-        server's whitespace and deadline; default Conversion())."""
+        server's whitespace and deadline; default Conversion()). The tools are checked
+        against `limits` (default RequestLimits()) before anything else reads them."""
         conversion = conversion or Conversion()
         fmt = fmt or TOOL_CALL_FORMATS["json"]
-        given = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        given = checked_tools(req, limits or RequestLimits())
         tools = [t for t in given if t["type"] == "function"]
         choice = req.tool_choice
         if choice is not None and not given and choice != "none":
@@ -157,6 +169,37 @@ class ToolPlan:
         if self.custom is not None:
             return CustomCallStream(self.custom)
         return ToolCallStream(self.format, self.names) if self.parses_calls else None
+
+
+def tool_plan(req: ChatRequest, server: ServerState) -> ToolPlan:
+    """The request's ToolPlan in the server's tool-call format, with its limits."""
+    limits = server.model.limits
+    return ToolPlan.of(req, server_formats(server)[1], limits.conversion, limits.request)
+
+
+LEGACY_TOOL_FIELDS = ("functions", "function_call")  # OpenAI's older names for tools
+
+
+def checked_tools(req: ChatRequest, limits: RequestLimits) -> list[dict]:
+    """The request's tools as dicts, once their count (--max-tools) and their bytes as JSON,
+    schemas included (--max-tools-bytes), are within the limits: a long list costs its
+    rendering into the prompt, its format's binding and its constraint, all before the
+    prompt's length is known. OpenAI's legacy `functions` is refused here too."""
+    legacy = [name for name in LEGACY_TOOL_FIELDS if name in (req.model_extra or {})]
+    if legacy:
+        message = f"{legacy[0]} (OpenAI's legacy form of tools) is not supported; send tools"
+        raise ApiError(400, message, param=legacy[0])
+    tools = req.tools or []
+    if len(tools) > limits.max_tools:
+        message = f"tools has {len(tools)} entries; at most {limits.max_tools} (--max-tools)"
+        raise ApiError(400, message, param="tools")
+    given = [t.model_dump(exclude_none=True) for t in tools]
+    size = len(orjson.dumps(given)) if given else 0
+    if size > limits.max_tools_bytes:
+        message = (f"tools has {size} bytes as JSON, schemas included; at most "
+                   f"{limits.max_tools_bytes} (--max-tools-bytes)")  # fmt: skip
+        raise ApiError(400, message, param="tools")
+    return given
 
 
 def _constraint(
@@ -245,7 +288,16 @@ def answer_report(spec: ConstraintSpec | None, answer: str) -> dict[str, Any]:
 
 
 def chat_prompt(req: ChatRequest, tools: ToolPlan, server: ServerState) -> ChatPrompt:
+    """The prompt rendered and tokenized; its messages' text is checked against
+    --max-prompt-bytes before it is rendered, and the rendered text as any prompt text is
+    (`check_prompt_size`) before it is tokenized."""
+    limits = server.model.limits
+    with _as_messages_error():
+        check_prompt_bytes(sum(map(message_bytes, req.messages)), limits, "messages")
     text = render(req, tools, server)
+    with _as_messages_error():
+        name = "messages (rendered by the chat template, with the tools)"
+        check_prompt_size(text, limits, name if tools.tools else "messages (rendered)")
     reasoning = server_formats(server)[0]
     if reasoning is not None and reasoning.closed_in_prompt(text):
         reasoning = None  # no reasoning to separate, none to allow before a constrained answer
@@ -291,6 +343,24 @@ def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
         message = f"chat_template_kwargs cannot set {', '.join(taken)} (the server sets them)"
         raise ApiError(400, message, param="chat_template_kwargs")
     return dict(kwargs or {})
+
+
+@contextmanager
+def _as_messages_error() -> Iterator[None]:
+    """A prompt size error as the chat path's 400 about `messages`."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
+def message_bytes(m: ChatMessage) -> int:
+    """The bytes of a message's text: content, reasoning, tool calls' arguments."""
+    content = m.content if isinstance(m.content, list) else [m.content]
+    texts = [c if isinstance(c, str) else getattr(c, "text", None) for c in content]
+    texts += [m.reasoning_content]
+    texts += [c.function.arguments for c in m.tool_calls or ()]
+    return sum(utf8_length(t) for t in texts if isinstance(t, str))
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from spruce.runtime.server.openai.chat_prompt import (
     ChatPrompt,
     ToolPlan,
     chat_prompt,
-    server_formats,
+    tool_plan,
 )
 from spruce.runtime.server.openai.mapping import (
     chat_requests,
@@ -105,7 +105,7 @@ def _chat_request(
 ) -> tuple[ToolPlan, ChatPrompt, SamplingParams, Any]:
     """(the tool plan, the rendered prompt, the sampling, the answer's own constraint spec)."""
     conversion = server.model.limits.conversion
-    tools = ToolPlan.of(req, server_formats(server)[1], conversion)
+    tools = tool_plan(req, server)
     prompt = chat_prompt(req, tools, server)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
