@@ -55,6 +55,9 @@ DEEP = {"type": "object", "properties": {"a": {}}}
 for _ in range(300):
     DEEP = {"type": "object", "properties": {"a": DEEP}}
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BIG_TOOL = {"type": "function", "function": {"name": "f", "description": "x" * 70_000}}
+
 CASES = [
     # -- native /generate
     Case("generate", gen(temperature=1e-40), 400, "temperature"),  # the issue's reproduction
@@ -86,6 +89,7 @@ CASES = [
     Case("generate", {"input_ids": [[1, 2]] * 300}, 400, "--max-batch-size"),
     Case("generate", {"input_ids": [1, 2**64]}, 400, "input_ids"),
     Case("generate", {"text": "word " * 5000}, 400, "context"),
+    Case("generate", {"text": "word " * 100_000}, 400, "--max-prompt-bytes"),  # issue 51
     Case(
         "generate", {"input_ids": [[1, 2]] * 100}, 429, "--max-requests-per-client"
     ),  # 100 > 64 per client
@@ -124,6 +128,7 @@ CASES = [
     Case("completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),
     Case("completions", {"prompt": "hi", "stop": ["a"] * 50}, 400, "stop"),
     Case("completions", {"prompt": "hi", "timeout_s": 0}, 400, "timeout_s"),
+    Case("completions", {"prompt": ["hi", "word " * 100_000]}, 400, "prompt[1] has"),
     Case("chat", {"temperature": 1e-40}, 400, "temperature"),
     Case("chat", {"top_p": -0.5}, 400, "top_p"),
     Case("chat", {"messages": []}, 400, "messages"),
@@ -131,6 +136,15 @@ CASES = [
     Case("chat", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     Case("chat", {"max_tokens": 2**64}, 400, "max_tokens"),
     Case("chat", {"n": 0}, 400, "n must be"),
+    Case(
+        "chat",
+        {"messages": [{"role": "user", "content": "word " * 100_000}]},
+        400,
+        "--max-prompt-bytes",
+    ),
+    Case("chat", {"tools": [TOOL] * 100, "tool_choice": "auto"}, 400, "--max-tools"),
+    Case("chat", {"tools": [BIG_TOOL]}, 400, "--max-tools-bytes"),
+    Case("chat", {"functions": [TOOL["function"]] * 100}, 400, "functions"),
     Case(
         "chat",
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}},
@@ -212,6 +226,7 @@ CASES = [
     ),
     Case("engine", {"prompt": None, "input_ids": [[1, "a"]]}, 400, "input_ids"),
     Case("engine", {"prompt": ["x"] * 300}, 400, "--max-batch-size"),
+    Case("engine", {"prompt": "word " * 100_000}, 400, "--max-prompt-bytes"),
 ]
 
 
@@ -227,7 +242,8 @@ def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("bad-inputs") / "server.log"
     extra = (
         "--api-key", API_KEY, "--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-requests-per-client", "64",
-        "--max-waiting-requests", "0", "--allowed-origins", ORIGIN,
+        "--max-waiting-requests", "0", "--allowed-origins", ORIGIN, "--max-tools", "64",
+        "--max-tools-bytes", "65536",
     )  # fmt: skip
     srv = start_server(tiny_llama_dir, log_path, *extra)
     yield srv
