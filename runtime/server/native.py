@@ -65,10 +65,11 @@ class ModelContext:
 
     async def validate(self, draft: Draft, names: FieldNames) -> ValidCall:
         """`check` of a call, on a thread of the front end's bounded pools (work_pool.py)
-        when it is constrained or has long prompt texts: tokenizing megabytes of text takes
-        a while, and a JSON schema converts in a worker process (stopped at the grammar
-        timeout) that the thread waits for; the event loop keeps serving every other client
-        meanwhile and never runs a conversion itself."""
+        when it is constrained or has long prompt texts: tokenizing a long text takes a while
+        (without the GIL, Tokenizer.encode; a text too long for the context is refused before,
+        validation.check_prompt_size), and a JSON schema converts in a worker process
+        (stopped at the grammar timeout) that the thread waits for; the event loop keeps
+        serving every other client meanwhile and never runs a conversion itself."""
         if draft.has_constraint():
             return await self.pools.convert.run(self.check, draft, names)
         if draft.prompt_chars() > LONG_TEXT_CHARS:
