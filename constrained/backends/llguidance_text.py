@@ -16,6 +16,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
+from spruce.constrained.backends.llguidance_errors import plain_error
 from spruce.constrained.core.errors import ConstraintError
 from spruce.constrained.schema.schema_context import SchemaOptions
 from spruce.constrained.schema.schema_refs import remote_refs
@@ -38,14 +39,8 @@ def check_grammar(grammar: str, what: str) -> list[str]:
         grammar, None, limits=limits()
     )
     if is_error:
-        raise ConstraintError(f"{what}: {readable_error(messages[0])}")
+        raise ConstraintError(f"{what}: {plain_error(messages[0])}")
     return messages
-
-
-def readable_error(message: str) -> str:
-    """llguidance writes a position as `at 2(6):` or `2(6):`; say line 2, column 6."""
-    message = re.sub(r"^(?:at )?(\d+)\((\d+)\):\s*", r"line \1, column \2: ", message.strip())
-    return message if len(message) <= 600 else message[:600] + " ..."
 
 
 def lark_grammar(text: str, what: str = "lark") -> str:

@@ -16,9 +16,9 @@ from spruce.constrained.backends.lark_repeats import MAX_REPEAT_PRODUCT, check_r
 from spruce.constrained.backends.llguidance_build import (
     TokenTable,
     first_mask,
-    plain_error,
     tokenizer_of,
 )
+from spruce.constrained.backends.llguidance_errors import plain_error
 from spruce.constrained.backends.llguidance_text import lark_grammar
 from spruce.runtime import ConstraintError as RuntimeConstraintError
 from spruce.runtime import Engine
