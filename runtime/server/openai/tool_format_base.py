@@ -1,6 +1,8 @@
 """What every tool-call format shares (`tool_parsers` lists the formats): the scan of an
-output into content and calls that only grow as text arrives (`Scan`, `PartialCall`), the
-format's interface (`ToolCallFormat`) and the JSON call objects several formats write."""
+output into content and calls that only grow as text arrives (`Scan`, `PartialCall`), where
+a scan of the text grown may begin again (`Resume`: a stream scans from there, so its work
+is linear in the output), the format's interface (`ToolCallFormat`) and the JSON call
+objects several formats write."""
 
 from __future__ import annotations
 
@@ -27,10 +29,31 @@ class PartialCall:
 
 
 @dataclass(slots=True)
+class Resume:
+    """Where the scan of this text, grown, may begin again: at index `at`, read by `reader`
+    (None: the same format). The first `calls` calls lie before `at` and are whole. While
+    `content`, the content is the text before `at` then what the scan from `at` finds; else
+    the content is all known (nothing after `at` adds to it before the output is whole)."""
+
+    at: int
+    calls: int = 0
+    content: bool = True
+    reader: ToolCallFormat | None = None
+
+
+@dataclass(slots=True)
 class Scan:
     content: str
     calls: list[PartialCall] = field(default_factory=list)
     broken: bool = False  # final scans only: a call that does not parse
+    resume: Resume | None = None  # streamed scans: None, scan the whole text again
+
+
+def text_until(text: str, marker: str, reader: ToolCallFormat | None = None) -> Scan:
+    """Text without `marker` (a streamed scan): content but a tail that may start it, and
+    the scan goes on from that tail."""
+    at = len(text) - stop_prefix_len(text, (marker,))
+    return Scan(text[:at], resume=Resume(at, reader=reader))
 
 
 class ToolCallFormat:
@@ -51,6 +74,9 @@ class ToolCallFormat:
         return self
 
     def scan(self, text: str, final: bool) -> Scan:
+        """The content and calls of `text` (`final`: the whole output). A streamed scan may
+        say where the next one can begin (`Scan.resume`); without it the stream scans the
+        whole text again."""
         raise NotImplementedError
 
     def constraint(
@@ -207,9 +233,8 @@ class BlockFormat(ToolCallFormat):
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(self.open_tag)
         if first < 0:
-            hold = 0 if final else stop_prefix_len(text, (self.open_tag,))
-            return Scan(text[: len(text) - hold])
-        scan, outside, start = Scan(text[:first]), [text[:first]], first
+            return Scan(text) if final else text_until(text, self.open_tag)
+        scan, outside, start = Scan(text[:first], resume=Resume(first)), [text[:first]], first
         while True:
             calls, end, broken = self.read_block(text, start)
             scan.calls += calls
@@ -217,9 +242,33 @@ class BlockFormat(ToolCallFormat):
                 scan.broken = broken or final
                 break
             start = text.find(self.open_tag, end)
+            scan.resume = after_block(text, end, start, self.open_tag, len(scan.calls))
             outside.append(text[end : len(text) if start < 0 else start])
             if start < 0:
                 break
         if final:
             scan.content = "".join(outside).strip()
         return scan
+
+
+def after_block(text: str, end: int, following: int, open_tag: str, calls: int) -> Resume:
+    """Where a scan of blocks in text begins again after a block closed at `end` (the next
+    one opens at `following`, -1: none yet): there, or past the text after it that cannot
+    start a block."""
+    if following >= 0:
+        return Resume(end, calls, content=False)
+    at = max(end, len(text) - stop_prefix_len(text, (open_tag,)))
+    return Resume(at, calls, content=False)
+
+
+class PlainText(ToolCallFormat):
+    """The reader of an output that a format has found to be text, no calls: all of it is
+    content (a stream's reader from there on)."""
+
+    name = "plain text"
+
+    def scan(self, text: str, final: bool) -> Scan:
+        return Scan(text, resume=Resume(len(text)))
+
+
+PLAIN_TEXT = PlainText()

@@ -49,14 +49,18 @@ from spruce.constrained.convert import Conversion
 from spruce.constrained.core.patterns import escape_literal
 from spruce.runtime.server.openai.json_prefix import skip_space
 from spruce.runtime.server.openai.tool_format_base import (
+    PLAIN_TEXT,
     PartialCall,
+    Resume,
     Scan,
     ToolCallFormat,
+    after_block,
     any_call_schema,
     call_schema,
     json_calls,
     repeated,
     required_schema,
+    text_until,
 )
 from spruce.runtime.server.openai.tool_format_harmony import HarmonyToolFormat
 from spruce.runtime.server.openai.tool_formats_special import (
@@ -75,7 +79,6 @@ from spruce.runtime.server.openai.tool_tags import (
     calls_or_text,
     structural,
 )
-from spruce.runtime.text.stop import stop_prefix_len
 
 # Read by the other modules from here (the formats' common part lives in tool_format_base).
 __all__ = ["TOOL_CALL_FORMATS", "PartialCall", "Scan", "ToolCallFormat", "required_schema",
@@ -95,9 +98,8 @@ class HermesFormat(ToolCallFormat):
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(self.open_tag)
         if first < 0:
-            hold = 0 if final else stop_prefix_len(text, (self.open_tag,))
-            return Scan(text[: len(text) - hold])
-        scan = Scan(text[:first])
+            return Scan(text) if final else text_until(text, self.open_tag)
+        scan = Scan(text[:first], resume=Resume(first))
         outside = [text[:first]]
         i = first
         while i >= 0:
@@ -111,6 +113,7 @@ class HermesFormat(ToolCallFormat):
                 break
             after = close + len(self.close_tag)
             i = text.find(self.open_tag, after)
+            scan.resume = after_block(text, after, i, self.open_tag, len(scan.calls))
             outside.append(text[after : len(text) if i < 0 else i])
         if final:
             scan.content = "".join(outside).strip()
@@ -130,6 +133,9 @@ class HermesFormat(ToolCallFormat):
                            "stop_after_first": not parallel})  # fmt: skip
 
 
+HERMES_BLOCKS = HermesFormat()  # JsonFormat's reader once its output is text with blocks
+
+
 class JsonFormat(HermesFormat):
     """auto + strict: the Hermes blocks its instructions ask for, in free text (the
     structural tag it inherits); an output that is a bare JSON call stays unconstrained
@@ -144,7 +150,12 @@ class JsonFormat(HermesFormat):
             return json_calls(text, start + 1, final, close="]")
         if start < len(text) and text[start] == "{":
             return json_calls(text, start, final)
-        return super().scan(text, final)
+        scan = super().scan(text, final)
+        if start == len(text):
+            scan.resume = None  # white space so far: a JSON call may follow
+        elif scan.resume is not None:
+            scan.resume.reader = HERMES_BLOCKS
+        return scan
 
     def constraint(
         self, calls: list[dict], single: bool, parallel: bool, conversion: Conversion
@@ -172,8 +183,10 @@ class Llama3JsonFormat(ToolCallFormat):
             start = skip_space(text, start + len(self.python_tag))
         if not final and self.python_tag.startswith(text[start:]) and start < len(text):
             return Scan("")
-        if start >= len(text) or text[start] != "{":
-            return Scan(text if start < len(text) or final else "")
+        if start < len(text) and text[start] != "{":
+            return Scan(text, resume=Resume(len(text), reader=PLAIN_TEXT))
+        if start >= len(text):
+            return Scan(text if final else "")
         return json_calls(text, start, final, separator=";")
 
     def constraint(
@@ -209,14 +222,21 @@ class MistralFormat(ToolCallFormat):
     def scan(self, text: str, final: bool) -> Scan:
         found = text.find(self.marker)
         if found >= 0:
-            array = skip_space(text, found + len(self.marker))
-            content = text[:found]
-        else:
-            array = skip_space(text, 0)
-            if array >= len(text) or text[array] != "[":
-                hold = 0 if final else stop_prefix_len(text, (self.marker,))
-                return Scan(text[: len(text) - hold])
-            content = ""
+            return self.after_marker(text, found, final)
+        array = skip_space(text, 0)
+        if array < len(text) and text[array] == "[":
+            return self.array(text, array, "", final)
+        if final or array == len(text):
+            return Scan(text)
+        return text_until(text, self.marker, MISTRAL_IN_TEXT)
+
+    def after_marker(self, text: str, found: int, final: bool) -> Scan:
+        scan = self.array(text, skip_space(text, found + len(self.marker)), text[:found], final)
+        scan.resume = Resume(found, reader=MISTRAL_IN_TEXT)  # the content is the text before
+        return scan
+
+    def array(self, text: str, array: int, content: str, final: bool) -> Scan:
+        """The calls of the array at `array`, after `content`."""
         if array >= len(text):
             return Scan(content, broken=final)
         if text[array] != "[":
@@ -239,6 +259,19 @@ class MistralFormat(ToolCallFormat):
         return calls_or_text(array, "[", self.marker)
 
 
+class MistralInText(MistralFormat):
+    """Mistral's reader once its output is text: calls only after `[TOOL_CALLS]`."""
+
+    def scan(self, text: str, final: bool) -> Scan:
+        found = text.find(self.marker)
+        if found < 0:
+            return Scan(text) if final else text_until(text, self.marker)
+        return self.after_marker(text, found, final)
+
+
+MISTRAL_IN_TEXT = MistralInText()
+
+
 class PythonicFormat(ToolCallFormat):
     """Calls are whole only once the list closes: they are sent then (arguments at once).
     auto + strict: `scan` reads an output that starts with `[` as the call list, so the
@@ -254,7 +287,8 @@ class PythonicFormat(ToolCallFormat):
     def scan(self, text: str, final: bool) -> Scan:
         stripped = text.strip()
         if not stripped.startswith("["):
-            return Scan(text)
+            resume = Resume(len(text), reader=PLAIN_TEXT) if stripped else None
+            return Scan(text, resume=resume)
         if not final:
             return Scan("")
         calls = self._parse(stripped)
