@@ -209,7 +209,7 @@ class ServerOptions:
     served_model_name: str | None = (
         None  # the name clients send as "model"; default: the model's file name
     )
-    health_timeout_s: float = 5.0  # /health: how long to wait for the scheduler's ping reply
+    health_timeout_s: float = 5.0  # how long the throughput log waits for the scheduler's stats
     shutdown_timeout_s: float = (
         10.0  # on SIGTERM: time for in-flight requests before they are aborted
     )

@@ -18,7 +18,10 @@ the machine, and a thread would pay more in GIL and loop hand-offs than the work
 Bounded queues (`limits.ServingLimits`): `submit` refuses a call that would put more than
 --max-running-requests + --max-waiting-requests requests in flight (503, retry later) or
 give one client more than --max-requests-per-client (429), counting every request of the
-call (prompts x n), and a request id already in flight (400); nothing is registered then.
+call (prompts x n), or more than --max-tokens-per-client prompt tokens in flight (429; a
+client with nothing in flight may send one call of any size the other limits allow, so a
+legitimate large batch is never refused forever), and a request id already in flight
+(400); nothing is registered then.
 A streamed call whose reader leaves more than --max-stream-backlog events per request
 unread is aborted with an error (memory stays bounded however slowly a client reads). A
 request past its deadline (options.timeout_s, or --request-timeout-s) is aborted: its
@@ -29,7 +32,9 @@ its request alone with a message naming no internals, and its slot, client count
 tracking entry are released (the entry last). The scheduler's loop sends a heartbeat every
 0.5 s; one silent past --scheduler-timeout-s (a stuck step) is stalled: its requests and
 round trips fail (503), new requests are refused (503) and /health fails, until it is
-heard from again.
+heard from again. `liveness()` (/health) reads the age of the latest heartbeat, with no
+round trip that would wait behind a long step; `readiness()` (/ready) says whether a new
+request would be taken now.
 
 With `--dp N` (replicas.py) each request goes to the replica the router picks; aborts go
 where the request runs; control commands go to every live replica (stats are summed, with
@@ -129,6 +134,9 @@ class RequestManager:
         self.limits = limits or ServingLimits()
         self.capacity = max_running + self.limits.max_waiting_requests  # requests in flight at most
         self.per_client: dict[str, int] = {}  # requests in flight by client (address / identity)
+        self.client_tokens: dict[str, int] = {}  # their prompt tokens
+        self.prompt_tokens: dict[str, int] = {}  # by rid, while in flight
+        self.clock = time.monotonic  # heartbeat ages (tests set a fake clock)
         self.replicas = Replicas(sender if isinstance(sender, list) else [sender], router)
         self.receiver = receiver  # PULL
         self.tokenizer = tokenizer
@@ -156,7 +164,8 @@ class RequestManager:
         """Registers and sends the requests; their events arrive on the returned Call.
         Raises Refused (nothing registered) when the call does not fit (see the module doc)."""
         rids = rids or [uuid.uuid4().hex for _ in items]
-        self._admit(rids, client)
+        tokens = [len(v.input_ids) for v in items]
+        self._admit(rids, client, sum(tokens))
         call = Call(self, self.tokenizer, len(items))
         client_rids = client_rids or rids
         replicas = self.replicas.assign([v.input_ids for v in items])
@@ -165,7 +174,9 @@ class RequestManager:
             state.replica = replicas[i]
             call.states.append(state)
             self.states[rid] = state
+            self.prompt_tokens[rid] = tokens[i]
         self.per_client[client] = self.per_client.get(client, 0) + len(items)
+        self.client_tokens[client] = self.client_tokens.get(client, 0) + sum(tokens)
         self._send_new(call.states, items)
         self._set_deadline(call, items)
         return call
@@ -185,7 +196,7 @@ class RequestManager:
                 for state, _ in group:
                     self._fail(state, str(e), 503)
 
-    def _admit(self, rids: list[str], client: str) -> None:
+    def _admit(self, rids: list[str], client: str, tokens: int) -> None:
         busy = [r for r in rids if r in self.states]
         if busy or len(set(rids)) != len(rids):
             raise Refused(
@@ -209,6 +220,18 @@ class RequestManager:
                 "(--max-requests-per-client; prompts x n count each)"
             )
             raise Refused(429, message, retry)
+        self._check_tokens(client, tokens)
+
+    def _check_tokens(self, client: str, tokens: int) -> None:
+        """--max-tokens-per-client: prompt tokens in flight; a client with nothing in flight
+        may send one call past it (it then waits for that call to end)."""
+        mine, most = self.client_tokens.get(client, 0), self.limits.max_tokens_per_client
+        if mine and mine + tokens > most:
+            message = (
+                f"this client has {mine} prompt tokens in flight and asked for {tokens} more; at "
+                f"most {most} (--max-tokens-per-client); retry when its requests have finished"
+            )
+            raise Refused(429, message, self.limits.retry_after_s)
 
     def _set_deadline(self, call: Call, items: list[ValidRequest]) -> None:
         timeouts = [v.options.timeout_s for v in items if v.options.timeout_s is not None]
@@ -345,7 +368,7 @@ class RequestManager:
 
     def _heard(self, index: int) -> None:
         replica = self.replicas.all[index]
-        replica.heard_at = time.monotonic()
+        replica.heard_at = self.clock()
         if replica.stalled is not None:
             logger.warning("%s answers again", self._who(index))
             replica.stalled = None
@@ -355,7 +378,7 @@ class RequestManager:
         a heartbeat every HEARTBEAT_S) is stalled: its requests and round trips fail (503),
         new requests are refused, /health fails; until it is heard from again."""
         timeout = self.limits.scheduler_timeout_s
-        now = time.monotonic()
+        now = self.clock()
         for replica in self.replicas.live():
             if replica.stalled is None and now - replica.heard_at > timeout:
                 self._stall(replica.index, f"{self._who(replica.index)} stopped answering (silent for more than "
@@ -367,6 +390,40 @@ class RequestManager:
         self.abort(mine, reason)  # reaches it once it runs again: frees their slots
         self.replicas.all[index].stalled = reason
         self._fail_replica(index, reason)
+
+    # -- liveness and readiness ----------------------------------------------------------------
+
+    def liveness(self) -> tuple[str | None, dict]:
+        """(why the server is not live, or None; its heartbeat ages). Live while some live
+        scheduler replica was heard from within --scheduler-timeout-s, whatever its work:
+        a long step delays heartbeats, a stuck one stops them."""
+        live, limit = self.replicas.live(), self.limits.scheduler_timeout_s
+        ages = [round(self.clock() - r.heard_at, 3) for r in live]
+        body = {"heartbeat_age_s": min(ages, default=None), "scheduler_timeout_s": limit}
+        if len(self.replicas) > 1:
+            body["replica_heartbeat_age_s"] = {r.index: age for r, age in zip(live, ages)}
+        if self.dead or not live:
+            return self.dead or "no scheduler replica is alive", body
+        if all(r.stalled or age > limit for r, age in zip(live, ages)):
+            who = "the scheduler" if len(live) == 1 else "every live scheduler replica"
+            heard = f"{who} stopped answering (its last heartbeat {min(ages):g} s ago; --scheduler-timeout-s {limit:g})"
+            return live[0].stalled or heard, body
+        return None, body
+
+    def readiness(self) -> tuple[str | None, dict]:
+        """(why a new request would be refused now, or None; the queue's numbers): the
+        server is saturated when its queue is full (--max-running-requests +
+        --max-waiting-requests in flight)."""
+        live = self.replicas.live()
+        body = {
+            "in_flight_requests": len(self.states), "max_in_flight_requests": self.capacity,
+            "running_requests": sum(r.running for r in live), "waiting_requests": sum(r.waiting for r in live),
+            "clients_in_flight": len(self.per_client),
+        }  # fmt: skip
+        problem, _ = self.liveness()
+        if problem is None and len(self.states) >= self.capacity:
+            problem = f"the server is full ({len(self.states)} requests in flight, at most {self.capacity})"
+        return problem, body
 
     def _who(self, index: int) -> str:
         return "the scheduler" if len(self.replicas) == 1 else f"scheduler replica {index}"
@@ -387,11 +444,8 @@ class RequestManager:
         if self.states.get(state.rid) is not state:
             return
         self.replicas.finished(state.replica)
-        left = self.per_client.get(state.client, 0) - 1
-        if left > 0:
-            self.per_client[state.client] = left
-        else:
-            self.per_client.pop(state.client, None)
+        _take(self.per_client, state.client, 1)
+        _take(self.client_tokens, state.client, self.prompt_tokens.pop(state.rid))
         del self.states[state.rid]
 
     def _fail(self, state: RequestState, message: str, status: int) -> None:
@@ -426,3 +480,12 @@ class RequestManager:
     def close(self) -> None:
         self.replicas.close()
         self.receiver.close(linger=0)
+
+
+def _take(counts: dict[str, int], key: str, n: int) -> None:
+    """Counts down a client's count; the entry goes at zero."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -1,5 +1,11 @@
 """The native HTTP routes: /generate, /model_info, /server_info, /flush_cache,
-/abort_request, /health, /metrics."""
+/abort_request, /health, /ready, /metrics.
+
+/health is liveness: 200 while the scheduler's loop turns (its latest heartbeat is younger
+than --scheduler-timeout-s), however busy; read from the front end's own record, with no
+round trip that would wait behind a long step. /ready is readiness: 503 while the server
+would refuse a new request (its queue is full), or is not live. Both bodies carry the
+numbers (heartbeat age, requests in flight)."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -17,6 +24,7 @@ from spruce.runtime.server.http.common import (
     ServerState,
     all_results,
     client_key,
+    error_body,
     error_response,
     json_body,
     json_response,
@@ -49,11 +57,17 @@ def native_routes() -> APIRouter:
         problem = server.launcher.supervisor.problem()
         if problem is not None:
             return error_response(503, problem)
-        try:
-            await server.manager.control("ping", server.options.health_timeout_s)
-        except SchedulerUnavailable as e:
-            return error_response(503, str(e))
-        return json_response({"status": "ok"})
+        problem, body = server.manager.liveness()
+        saturated, _ = server.manager.readiness()
+        return _probe(problem, dict(body, ready=saturated is None))
+
+    @router.get("/ready")
+    async def ready(request: Request) -> Response:
+        server = server_of(request)
+        problem, body = server.manager.readiness()
+        if server.draining:
+            problem = "the server is shutting down"
+        return _probe(problem, body)
 
     @router.get("/model_info")
     async def model_info(request: Request) -> Response:
@@ -125,6 +139,13 @@ def native_routes() -> APIRouter:
         return json_response(results[0] if single else results)
 
     return router
+
+
+def _probe(problem: str | None, body: dict) -> Response:
+    """200 with the numbers, or 503 saying why, with the numbers."""
+    if problem is None:
+        return json_response({"status": "ok", **body})
+    return json_response({**orjson.loads(error_body(503, problem)), **body}, 503)
 
 
 def _replicas(server: ServerState) -> list[dict]:
