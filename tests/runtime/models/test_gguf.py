@@ -4,7 +4,6 @@ the Hugging Face view of llama / qwen2 files, and one-line errors for bad files.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import gguf
@@ -434,11 +433,9 @@ def bundled():
 
 
 @pytest.mark.slow
-def test_bundled_file_opens_fast_and_matches_gguf(bundled):
+def test_bundled_file_opens_and_matches_gguf(bundled):
     path, reader = bundled
-    start = time.perf_counter()
     f = read_gguf(path)
-    assert time.perf_counter() - start < 1.0
     assert len(f.tensor_names) == 272 == len(reader.tensors)
     for key, field in reader.fields.items():
         if not key.startswith("GGUF."):

