@@ -223,8 +223,9 @@ class EngineCore:
         )
         hidden = self.loaded.config.hidden_size
         return ModelLimits(
-            self.vocab_size, self.context_len, conversion=conversion, hidden_size=hidden
-        )
+            self.vocab_size, self.context_len, conversion=conversion, hidden_size=hidden,
+            token_bound=self.tokenizer.token_bound,
+        )  # fmt: skip
 
     def add_request(self, valid: ValidRequest, rid: str | None = None) -> Req:
         """Queues a validated request (see core.validation: the scheduler trusts it); a

@@ -311,3 +311,16 @@ def test_the_bound_is_known_only_where_it_holds():
 def test_utf8_length_counts_bytes_without_failing_on_surrogates():
     assert utf8_length("abc") == 3 and utf8_length("é日🙂") == 2 + 3 + 4
     assert utf8_length("\ud800") == 3  # a lone surrogate, as JSON may carry one
+
+
+def test_the_offline_engine_refuses_by_the_bound_before_tokenizing(tiny_llama_dir):
+    from spruce.runtime import Engine
+
+    limits = {"max_prompt_bytes": 10**9}
+    with Engine(str(tiny_llama_dir), num_threads=1, kv_memory_gb=0.02, request_limits=limits) as e:
+        bound, context = e.core.tokenizer.token_bound, e.core.context_len
+        text = "x" * (bound.max_bytes * (context + 1))
+        with pytest.raises(
+            InvalidRequestError, match=rf"at least \d+ tokens .* context is {context}"
+        ):
+            e.generate(text, {"max_new_tokens": 1})
