@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from spruce.constrained.backends import GRAMMAR_KINDS
 from spruce.constrained.convert import Conversion
 from spruce.constrained.core import errors as constrained_errors
 from spruce.constrained.spec import ConstraintSpec
@@ -27,6 +26,7 @@ from spruce.runtime.errors import (
     ConstraintError,
     FieldNames,
     InvalidRequestError,
+    constraint_error,
 )
 from spruce.runtime.limits import INT64_MAX, RequestLimits
 
@@ -294,19 +294,10 @@ def _constraint(
     try:
         return constraint_spec(sampling, limits.conversion)
     except constrained_errors.ConstraintError as e:
-        raise named_error(e, name) from None
+        raise constraint_error(e, name) from None
     except RecursionError:  # a schema nested deeper than the JSON parser's recursion allows
         message = f"{names(name)} is nested too deeply; flatten it or use $defs"
         raise ConstraintError(message, field=name) from None
-
-
-def named_error(error: constrained_errors.ConstraintError, name: str) -> ConstraintError:
-    """The runtime's ConstraintError about constraint field `name` (`lark: line 1, column
-    15: ...`); regex / schema / choices messages name theirs already."""
-    message = str(error)
-    if name in GRAMMAR_KINDS and not message.startswith(name):
-        message = f"{name}: {message}"
-    return ConstraintError(message, field=name)
 
 
 def constraint_spec(

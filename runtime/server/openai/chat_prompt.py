@@ -24,10 +24,9 @@ from spruce.runtime.core.validation import (
     check_prompt_bytes,
     check_prompt_size,
     constraint_spec,
-    named_error,
 )
 from spruce.runtime.core.values import utf8_length
-from spruce.runtime.errors import InvalidRequestError
+from spruce.runtime.errors import InvalidRequestError, constraint_error
 from spruce.runtime.limits import RequestLimits
 from spruce.runtime.server.http.common import ApiError, ServerState
 from spruce.runtime.server.openai import tool_calls
@@ -269,7 +268,7 @@ class ChatPrompt:
         try:
             spec = constraint_spec(sampling, conversion, check=True)  # its grammar is embedded
         except ConstraintError as e:
-            raise named_error(e, sampling.constraint_names[0]) from None
+            raise constraint_error(e, sampling.constraint_names[0]) from None
         cleared = dict.fromkeys(CONSTRAINT_FIELDS)
         if spec.regex and spec.backend != "llguidance":
             regex = self.reasoning.constraint_regex(spec.regex, self.thinking)
