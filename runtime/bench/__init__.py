@@ -12,6 +12,7 @@ BENCHMARKS = {
     "grammar": "spruce.runtime.bench.grammar_bench",
     "spec": "spruce.runtime.bench.spec",
     "kernels": "spruce.runtime.bench.kernels",
+    "fairness": "spruce.runtime.bench.fairness",
 }
 
 

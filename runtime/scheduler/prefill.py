@@ -33,12 +33,13 @@ class PrefillManager:
         self.waiting: list[Req] = []
         self._admitted = 0
 
-    def shares(self, continuing: list[Req], budget: int) -> dict[str, int]:
-        """The step's prefill budget split between clients (see the module doc)."""
+    def demands(self, continuing: list[Req]) -> dict[str, int]:
+        """Prompt tokens each client has left to compute (running chunked prompts, waiting
+        requests): `fair_split` turns them into the step's shares."""
         demands: dict[str, int] = {}
         for req in [*continuing, *self.waiting]:
             demands[req.client] = demands.get(req.client, 0) + req.remaining
-        return fair_split(demands, budget)
+        return demands
 
     def continue_running(
         self, out: ScheduleOutput, reqs: list[Req], shares: dict[str, int]

@@ -33,7 +33,7 @@ from spruce.runtime.scheduler.faults import FaultTracker, RequestFault
 from spruce.runtime.scheduler.grammar_queue import GrammarQueue, prepare_masks, refused_token
 from spruce.runtime.scheduler.output import Sampled, Scheduled, ScheduleOutput
 from spruce.runtime.scheduler.pace import StepPace
-from spruce.runtime.scheduler.prefill import PrefillManager
+from spruce.runtime.scheduler.prefill import PrefillManager, fair_split
 from spruce.runtime.scheduler.speculative import Speculator
 from spruce.runtime.text.stop import StopChecker
 
@@ -135,7 +135,8 @@ class Scheduler:
             for req in self.decode.schedule(out, decoding, self.running, drafts, steps):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
-        shares = self.prefill.shares(continuing, self._prefill_budget(out))
+        demands = self.prefill.demands(continuing)
+        shares = fair_split(demands, self._prefill_budget(out, len(demands)))
         self.prefill.continue_running(out, continuing, shares)
         self.running.extend(self.prefill.admit(out, self.running, shares))
         if not out and self.running and not held:  # every running request is starved of KV slots
@@ -143,11 +144,12 @@ class Scheduler:
         self.stats.steps += bool(out)
         return out
 
-    def _prefill_budget(self, out: ScheduleOutput) -> int:
-        """Prefill tokens this step may carry: a whole chunk, or while requests decode in
-        it, as many as keep the step under --max-step-ms at the measured pace (pace.py)."""
+    def _prefill_budget(self, out: ScheduleOutput, clients: int) -> int:
+        """Prefill tokens this step may carry: a whole chunk, or while requests decode in it
+        or several clients wait for prefill (one's first token should not wait for another's
+        whole chunk), as many as keep the step under --max-step-ms at the measured pace."""
         chunk = self.options.chunked_prefill_size
-        if not out:
+        if not out and clients < 2:
             return chunk
         return self.pace.prefill_budget(self.options.max_step_ms / 1000, chunk)
 

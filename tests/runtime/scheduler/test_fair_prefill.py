@@ -141,3 +141,19 @@ def test_one_client_alone_gets_the_whole_budget():
     for _ in range(4):
         scheduler.add(client_req("heavy", 200))
     assert step(scheduler).num_tokens == 128
+
+
+def test_a_second_clients_prompt_bounds_the_step_by_time_too():
+    scheduler = make_scheduler(num_slots=8192, max_requests=16, chunked_prefill_size=200)
+    scheduler.pace.record(0.02, 0)
+    scheduler.pace.record(0.02 + 0.2, 100)  # 2 ms a prefill token: 40 ms allow 10
+    scheduler.add(client_req("heavy", [1000 + t for t in range(240)]))
+    assert prefill_tokens(scheduler.schedule()) == 200  # one client alone: a whole chunk
+    scheduler = make_scheduler(num_slots=8192, max_requests=16, chunked_prefill_size=200)
+    scheduler.pace.record(0.02, 0)
+    scheduler.pace.record(0.02 + 0.2, 100)
+    scheduler.add(client_req("heavy", [1000 + t for t in range(240)]))
+    scheduler.add(client_req("light", [50] * 8, max_new_tokens=4))
+    out = scheduler.schedule()
+    assert prefill_tokens(out) == 10  # its first token does not wait for a whole chunk
+    assert {s.req.client: s.num_tokens for s in out.scheduled} == {"heavy": 5, "light": 5}
