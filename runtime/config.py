@@ -92,7 +92,7 @@ class SpeculativeOptions:
     speculative_ngram_max_match_window_size: int = 8  # longest suffix tried first
     speculative_max_batch_size: int = 16  # decoding requests above it: no drafts that step
     # one more row's cost as a share of a one-row step, for choosing draft lengths
-    # (speculative.best_length); None: measured defaults for the CPU and for a GPU
+    # (speculative.best_length); None: measured as steps run (step_costs.py)
     speculative_row_cost: float | None = None
 
     def __post_init__(self) -> None:

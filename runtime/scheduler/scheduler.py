@@ -129,8 +129,9 @@ class Scheduler:
         decoding = [r for r in self.running if r.remaining == 1 and id(r) not in held]
         continuing = [r for r in self.running if r.remaining > 1 and id(r) not in held]
         if decoding and not (self.options.prefill_first and (continuing or self.waiting)):
-            drafts = self.speculator.drafts(decoding) if self.speculator is not None else None
-            alone = not (drafts or continuing or held or self.waiting)
+            others = bool(continuing or held or self.waiting)
+            drafts = self.speculator.drafts(decoding, not others) if self.speculator else None
+            alone = not (drafts or others)
             steps = self._decode_steps(decoding) if alone else 1
             for req in self.decode.schedule(out, decoding, self.running, drafts, steps):
                 self._retract(req)
