@@ -43,6 +43,7 @@ class StepCosts:
         self.one_pass: dict[int, list[float]] = {}  # rows -> [seconds, steps timed]
         self.plain: dict[int, list[float]] = {}  # batch -> [seconds, tokens, steps timed]
         self._open: _Step | None = None
+        self._fitted: tuple[float, float] | bool | None = False  # the line (False: not fitted)
 
     def begin(self, decoding: list[Req], draft_rows: int, alone: bool, start: float) -> None:
         """A step of `decoding` (with `draft_rows` drafted tokens) starts, scheduled at
@@ -58,6 +59,7 @@ class StepCosts:
 
     def _add(self, batch: int, draft_rows: int, tokens: int, seconds: float) -> None:
         if draft_rows or tokens == batch:  # one forward pass
+            self._fitted = False
             _average(self.one_pass, batch + draft_rows, seconds)
         if not draft_rows:  # averaged per token: a multi-step call weighs as its tokens
             pace = self.plain.setdefault(batch, [seconds, tokens, 0])
@@ -68,6 +70,11 @@ class StepCosts:
     def _line(self) -> tuple[float, float] | None:
         """(seconds of a one-row step, seconds per further row), once two row counts are
         measured."""
+        if self._fitted is False:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> tuple[float, float] | None:
         points = [(x, y) for x, (y, n) in self.one_pass.items() if n >= MIN_STEPS]
         if len(points) < 2:
             return None
