@@ -41,7 +41,7 @@ class _Extend:
     start: int
     length: int
     prefix_len: int
-    slots: torch.Tensor | None  # [prefix + length] slots, None when prefix_len == 0
+    slots: torch.Tensor  # [prefix + length] slots
     masks: dict  # window -> [length, prefix + length] mask, or None for plain causal
 
 
@@ -121,8 +121,6 @@ class NativeAttentionBackend(AttentionBackend):
         prefix, length = ctx.prefix_lens_cpu[b], ctx.extend_lens_cpu[b]
         device = ctx.positions.device
         masks = {w: _extend_mask(prefix, length, w, device) for w in self.distinct_windows}
-        if prefix == 0:
-            return _Extend(start, length, 0, None, masks)
         row = int(ctx.req_pool_indices[b])
         slots = self.req_to_token.table[row, : prefix + length].to(torch.int64)
         return _Extend(start, length, prefix, slots, masks)
@@ -175,7 +173,9 @@ class NativeAttentionBackend(AttentionBackend):
         return o[:, :, 0, :]
 
     def _attend_extend(self, q, k, v, layer: int, window, ext: _Extend) -> torch.Tensor:
-        if ext.slots is not None:
+        if ext.prefix_len or not self._stores_exactly(q.dtype):
+            # the K/V as the pool holds them, as every later step reads them: a prompt's
+            # rows come out the same whether its prefix was cached or computed with it
             k, v = self.pool.read(layer, ext.slots, q.dtype)
         if self.cpu_prefill and q.dtype == torch.float32:
             o = prefill_attention(q, k, v, ext.prefix_len, self.scale, window)
@@ -190,6 +190,10 @@ class NativeAttentionBackend(AttentionBackend):
             mask is None,
         )
         return o[0].transpose(0, 1)
+
+    def _stores_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether the pool gives back K/V of `dtype` exactly as computed."""
+        return not self.pool.quantized and self.pool.shape.dtype == dtype
 
     def _attention(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
         """q [B, H, Lq, D], k/v [B, KH, Lk, D]; mask True = attend."""
