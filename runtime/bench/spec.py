@@ -5,7 +5,9 @@ and a JSON object of spans of it, under a JSON schema), chat (plain questions, n
 constraint) and code (a snippet to repeat with one change). Each at batch 1 (one request
 at a time) and batch N (--batch, that many running at once). Both engines share one copy of
 the weights and run in the same process, in the order off, on, on, off per row, each warmed
-up first; the outputs must be identical token for token (the benchmark fails otherwise).
+up first; the outputs must be identical token for token. Where one differs in a batch, it is
+decoded again alone on both engines: a difference there fails the benchmark, one only in the
+batch is a numerics near-tie (`check_alone`), counted in the row's `diverged`.
 The engine's --speculative-* flags (the row cost, the n-gram windows) reach the drafting one.
 Reported: output tokens per second off and on, their ratio, and the share of drafted tokens
 accepted.
@@ -164,9 +166,11 @@ def compare(off, on, prompts: list[list[int]], params: list[dict], batch: int) -
     for engine in (off, on, on, off):
         took, outputs[id(engine)] = timed(engine, prompts, params, batch)
         seconds[id(engine)] += took
-    for a, b in zip(outputs[id(off)], outputs[id(on)]):
-        if a["output_ids"] != b["output_ids"]:
-            raise SystemExit("speculative decoding changed a greedy output: a bug")
+    differ = [
+        i for i, (a, b) in enumerate(zip(outputs[id(off)], outputs[id(on)]))
+        if a["output_ids"] != b["output_ids"]
+    ]  # fmt: skip
+    check_alone(off, on, prompts, params, differ)
     tokens = 2 * sum(len(o["output_ids"]) for o in outputs[id(on)])
     after = on.stats()
     drafted = after["spec_draft_tokens_total"] - before["spec_draft_tokens_total"]
@@ -175,7 +179,28 @@ def compare(off, on, prompts: list[list[int]], params: list[dict], batch: int) -
     return {
         "tokens": tokens // 2, "off_tok_s": tokens / off_s, "on_tok_s": tokens / on_s,
         "ratio": off_s / on_s, "acceptance": accepted / drafted if drafted else 0.0,
+        "diverged": len(differ),
     }  # fmt: skip
+
+
+def check_alone(off, on, prompts: list[list[int]], params: list[dict], differ: list[int]) -> None:
+    """Outputs that differed in a batch are decoded again one at a time on both engines,
+    their prefix caches flushed: a difference there is a bug (exit). One that holds only in
+    the batch is a near-tie of the logits that fell the other way: a CPU row's logits depend
+    on its step's row count (cpu_quant_ops.kernel: the integer GEMV up to its row limit, the
+    float GEMM past it) and a prompt's last token computed alone takes the decode attention
+    kernel, not the prefill one; drafts change both. Printed and counted (`diverged`)."""
+    if not differ:
+        return
+    for engine in (off, on):
+        engine.flush_cache()
+    for i in differ:
+        a, b = (e.generate(input_ids=prompts[i], sampling_params=params[i]) for e in (off, on))
+        if a["output_ids"] != b["output_ids"]:
+            raise SystemExit(f"speculative decoding changed the greedy output of request {i} "
+                             "decoded alone: a bug")  # fmt: skip
+    print(f"  {len(differ)} greedy output(s) differed in the batch but not alone (requests "
+          f"{differ}): a near-tie decided by the step's row count, not by verification")  # fmt: skip
 
 
 def timed(engine, prompts, params, batch: int) -> tuple[float, list[dict]]:
