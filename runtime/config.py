@@ -50,9 +50,9 @@ class SchedulerOptions:
     lpm_max_queue: int = 128  # lpm and dfs-weight fall back to fcfs beyond this queue length
     # greedy decode steps a batch of plain decodes runs in one call on the CPU (1: off)
     decode_steps: int = 8
-    # while requests decode, a step's prefill is sized from the measured pace so the step
-    # stays under this (scheduler/pace.py; 0: off, a whole chunk every step)
-    max_step_ms: float = 40.0
+    # a step's prefill is sized from the measured pace so the step stays under this, and
+    # beside decodes gets half the time (scheduler/pace.py; 0: off, a whole chunk every step)
+    max_step_ms: float = 250.0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ traffic's TTFT and inter-token gaps (p50 / p99 / max) loaded and quiet, their ra
 /health's answers during the loaded runs (it should stay 200). `--quick` shrinks the call
 (16 x 500) and the soak (15 s).
 
-    spruce bench fairness --num-threads 2 [--max-step-ms 40] [--quick]
+    spruce bench fairness --num-threads 2 [--max-step-ms 250] [--quick]
 """
 
 from __future__ import annotations

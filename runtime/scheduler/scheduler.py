@@ -136,28 +136,38 @@ class Scheduler:
             for req in self.decode.schedule(out, decoding, self.running, drafts, steps):
                 self._retract(req)
             continuing = [r for r in continuing if r in self.running]
-        demands = self.prefill.demands(continuing)
-        shares = fair_split(demands, self._prefill_budget(out, len(demands)))
-        self.prefill.continue_running(out, continuing, shares)
-        self.running.extend(self.prefill.admit(out, self.running, shares))
+        if not (out and self._decodes_turn()):
+            self._schedule_prefill(out, continuing)
         if not out and self.running and not held:  # every running request is starved of KV slots
             self._retract(max(self.running, key=lambda r: r.admit_order))
         self.stats.steps += bool(out)
         return out
 
-    def _prefill_budget(self, out: ScheduleOutput, clients: int) -> int:
-        """Prefill tokens this step may carry: a whole chunk, or while requests decode in it
-        or several clients wait for prefill (one's first token should not wait for another's
-        whole chunk), as many as keep the step under --max-step-ms at the measured pace."""
-        chunk = self.options.chunked_prefill_size
-        if not out and clients < 2:
-            return chunk
-        return self.pace.prefill_budget(self.options.max_step_ms / 1000, chunk)
+    def _schedule_prefill(self, out: ScheduleOutput, continuing: list[Req]) -> None:
+        """Adds prompt chunks to `out`: as many tokens as keep the step under --max-step-ms
+        at the measured pace (pace.py), shared fairly between clients (prefill.py)."""
+        budget = self.pace.prefill_budget(
+            self.options.max_step_ms / 1000, self.options.chunked_prefill_size
+        )
+        shares = fair_split(self.prefill.demands(continuing), budget)
+        self.prefill.continue_running(out, continuing, shares)
+        self.running.extend(self.prefill.admit(out, self.running, shares))
+
+    def _decodes_turn(self) -> bool:
+        """After a step with prefill beside other clients' decodes, those decodes get their
+        share of the time alone (pace.py)."""
+        return self.options.max_step_ms > 0 and self.pace.decode_owed > 0
 
     def record_step(self, out: ScheduleOutput, seconds: float) -> None:
         """The engine's report of a step that ran: its seconds per forward pass."""
-        prefill = sum(item.num_tokens for item in out.scheduled if item.num_tokens > 1 + item.ahead)
-        self.pace.record(seconds, prefill)
+        prefill, prefilled, decoded = 0, set(), set()
+        for item in out.scheduled:
+            if item.num_tokens > 1 + item.ahead:
+                prefill += item.num_tokens
+                prefilled.add(item.req.client)
+            else:
+                decoded.add(item.req.client)
+        self.pace.record(seconds, prefill, (len(prefilled), len(decoded - prefilled)), out.steps)
 
     def _decode_steps(self, decoding: list[Req]) -> int:
         """How many greedy decode steps a batch of decodes alone runs in one step: up to

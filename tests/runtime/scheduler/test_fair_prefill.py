@@ -1,6 +1,7 @@
-"""Fair scheduling without a model (issue 51): while requests decode, a step's prefill is
-sized from the measured pace to fit --max-step-ms (never below the floor), and one client's
-large batch shares each step's prefill budget with the other clients' prompts. The step
+"""Fair scheduling without a model (issue 51): a step's prefill is sized from the measured
+pace to fit --max-step-ms (never below the floor); beside other clients' decodes, steps
+that carry prefill get their clients' share of the time; and one client's large batch
+shares each step's prefill budget with the other clients' prompts. The step
 seconds are given, never measured: nothing here depends on the machine's speed."""
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def prefill_tokens(out) -> int:
 def test_a_mixed_steps_prefill_shrinks_to_fit_max_step_ms():
     scheduler = make_scheduler(num_slots=4096, chunked_prefill_size=200, max_step_ms=100)
     cost = linear_cost(decode_s=0.02, token_s=0.004)  # 100 ms: 20 prefill tokens beside a decode
-    stream = make_req(8, max_new_tokens=200)
+    stream = make_req(8, max_new_tokens=400)
     scheduler.add(stream)
     for _ in range(3):
         timed_step(scheduler, cost)  # its prompt, then decodes
@@ -52,13 +53,58 @@ def test_a_mixed_steps_prefill_shrinks_to_fit_max_step_ms():
         scheduler.add(make_req([1000 * (i + 1) + t for t in range(240)], max_new_tokens=0))
     steps = [timed_step(scheduler, cost) for _ in range(30)]
     assert all(any(s.req is stream for s in out.scheduled) for out in steps)
-    sizes = [prefill_tokens(out) for out in steps]
+    mixed = [out for out in steps if prefill_tokens(out)]
+    sizes = [prefill_tokens(out) for out in mixed]
     assert all(PREFILL_FLOOR <= size < 200 for size in sizes)  # never a whole chunk
     assert all(18 <= size <= 20 for size in sizes[10:])  # then each step fits 100 ms
-    assert all(cost(out) <= 0.1 + 1e-9 for out in steps[10:])
+    assert all(cost(out) <= 0.1 + 1e-9 for out in mixed)
 
 
-def test_a_mixed_steps_prefill_never_goes_below_the_floor():
+def prefill_share(streams: int, heavy_clients: int) -> tuple[float, str]:
+    """(the share of time steps with prefill took, their pattern: p prefill, d decodes
+    alone) with `streams` streams beside `heavy_clients` clients' long prompts."""
+    scheduler = make_scheduler(num_slots=8192, chunked_prefill_size=200, max_step_ms=100)
+    cost = linear_cost(decode_s=0.02, token_s=0.004)
+    for i in range(streams):
+        scheduler.add(client_req(f"stream{i}", [10 + i] * 8, max_new_tokens=400))
+    for _ in range(3):
+        timed_step(scheduler, cost)
+    for i in range(3 * heavy_clients):
+        prompt = [1000 * (i + 1) + t for t in range(240)]
+        scheduler.add(client_req(f"heavy{i % heavy_clients}", prompt))
+    steps = [timed_step(scheduler, cost) for _ in range(120)]
+    prefill_s = sum(cost(out) for out in steps if prefill_tokens(out))
+    decode_s = sum(cost(out) for out in steps if not prefill_tokens(out))
+    kinds = "".join("p" if prefill_tokens(out) else "d" for out in steps[10:])
+    return prefill_s / (prefill_s + decode_s), kinds
+
+
+def test_beside_another_clients_stream_a_prefill_step_is_followed_by_as_long_of_decodes():
+    share, kinds = prefill_share(streams=1, heavy_clients=1)
+    assert 0.4 <= share <= 0.6
+    assert "pp" not in kinds and "ddddd" in kinds
+
+
+def test_the_time_is_shared_by_clients_prefilling_and_decoding():
+    one_of_three, _ = prefill_share(streams=2, heavy_clients=1)  # prefill owes 2 shares
+    two_of_three, kinds = prefill_share(streams=1, heavy_clients=2)  # prefill owes half one
+    assert 0.25 <= one_of_three <= 0.42 and 0.58 <= two_of_three <= 0.75
+    assert "pp" not in kinds
+
+
+def test_a_clients_own_decodes_do_not_hold_its_prefill_back():
+    scheduler = make_scheduler(num_slots=8192, chunked_prefill_size=200, max_step_ms=100)
+    cost = linear_cost(decode_s=0.02, token_s=0.004)
+    scheduler.add(make_req(8, max_new_tokens=400))  # the same client ("") as the prompts
+    for _ in range(3):
+        timed_step(scheduler, cost)
+    for i in range(3):
+        scheduler.add(make_req([1000 * (i + 1) + t for t in range(240)], max_new_tokens=0))
+    steps = [timed_step(scheduler, cost) for _ in range(20)]
+    assert all(prefill_tokens(out) for out in steps)
+
+
+def test_a_steps_prefill_never_goes_below_the_floor():
     scheduler = make_scheduler(num_slots=4096, chunked_prefill_size=512, max_step_ms=10)
     cost = linear_cost(decode_s=0.05, token_s=0.01)  # a decode alone is past 10 ms
     stream = make_req(8, max_new_tokens=200)
@@ -71,18 +117,15 @@ def test_a_mixed_steps_prefill_never_goes_below_the_floor():
     assert big.computed_len > 0 and stream.output_ids  # both progress
 
 
-def test_without_decodes_a_step_takes_a_whole_chunk_and_max_step_ms_0_is_off():
-    for max_step_ms, decoding in ((100, False), (0, True)):
+def test_without_decodes_the_step_is_bounded_too_and_max_step_ms_0_is_off():
+    for max_step_ms, expected in ((100, 8), (0, 200)):
         scheduler = make_scheduler(
             num_slots=4096, chunked_prefill_size=200, max_step_ms=max_step_ms
         )
         scheduler.pace.record(0.02, 0)
-        scheduler.pace.record(1.0, 100)  # 10 ms a token: 100 ms would allow 8
-        if decoding:
-            scheduler.add(make_req(8, max_new_tokens=50))
-            step(scheduler)
+        scheduler.pace.record(1.0, 100)  # 10 ms a token: 100 ms allow 8
         scheduler.add(make_req(240, max_new_tokens=0))
-        assert prefill_tokens(scheduler.schedule()) == 200
+        assert prefill_tokens(scheduler.schedule()) == expected
 
 
 def test_the_pace_follows_recent_steps_and_ignores_tiny_samples():
@@ -143,17 +186,12 @@ def test_one_client_alone_gets_the_whole_budget():
     assert step(scheduler).num_tokens == 128
 
 
-def test_a_second_clients_prompt_bounds_the_step_by_time_too():
+def test_clients_share_the_time_bounded_budget():
     scheduler = make_scheduler(num_slots=8192, max_requests=16, chunked_prefill_size=200)
     scheduler.pace.record(0.02, 0)
-    scheduler.pace.record(0.02 + 0.2, 100)  # 2 ms a prefill token: 40 ms allow 10
-    scheduler.add(client_req("heavy", [1000 + t for t in range(240)]))
-    assert prefill_tokens(scheduler.schedule()) == 200  # one client alone: a whole chunk
-    scheduler = make_scheduler(num_slots=8192, max_requests=16, chunked_prefill_size=200)
-    scheduler.pace.record(0.02, 0)
-    scheduler.pace.record(0.02 + 0.2, 100)
+    scheduler.pace.record(0.02 + 0.2, 100)  # 2 ms a prefill token: 250 ms allow 115
     scheduler.add(client_req("heavy", [1000 + t for t in range(240)]))
     scheduler.add(client_req("light", [50] * 8, max_new_tokens=4))
     out = scheduler.schedule()
-    assert prefill_tokens(out) == 10  # its first token does not wait for a whole chunk
-    assert {s.req.client: s.num_tokens for s in out.scheduled} == {"heavy": 5, "light": 5}
+    assert prefill_tokens(out) == 115  # the light prompt does not wait for a whole chunk
+    assert {s.req.client: s.num_tokens for s in out.scheduled} == {"heavy": 107, "light": 8}
