@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 
 from spruce.runtime.bench import write_json
 from spruce.runtime.bench.serving import percentiles
+from spruce.runtime.executor.distributed import free_port
 
 USES_ENGINE = True  # the engine flags go to the server
 
@@ -98,7 +98,7 @@ async def _workloads(args: argparse.Namespace, url: str) -> dict:
 
 @contextlib.contextmanager
 def server(engine_options: dict) -> Iterator[str]:
-    port, zmq_port = _free_port(), _free_port()
+    port, zmq_port = free_port(), free_port()
     flags = []
     for name, value in engine_options.items():
         flag = "--" + name.replace("_", "-")
@@ -127,12 +127,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 600) -> Non
                 return
         time.sleep(0.5)
     raise RuntimeError("the server did not start")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client(url: str, address: int):

@@ -77,14 +77,17 @@ def fail_step(scheduler: Scheduler, error: Exception) -> list[Req]:
     return scheduler.step_failed(out, error)
 
 
-def step(scheduler: Scheduler) -> ScheduleOutput:
-    """One schedule + update with the fake model; checks the pool accounting after it."""
+def step(scheduler: Scheduler, seconds_of=None) -> ScheduleOutput:
+    """One schedule + update with the fake model; checks the pool accounting after it.
+    `seconds_of(out)`: the step's seconds, reported to the scheduler (its measured pace)."""
     out = scheduler.schedule()
     scheduler.pop_finished_outside_step()
     if out:
         fake_forward(scheduler, out)
         fake_sample(out)
         scheduler.update(out)
+        if seconds_of is not None:
+            scheduler.record_step(out, seconds_of(out))
     scheduler.check_integrity()
     return out
 

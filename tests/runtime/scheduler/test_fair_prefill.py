@@ -6,23 +6,10 @@ seconds are given, never measured: nothing here depends on the machine's speed."
 
 from __future__ import annotations
 
-from scheduler_fakes import fake_forward, fake_sample, make_req, make_scheduler, step
+from scheduler_fakes import make_req, make_scheduler, step
 
 from spruce.runtime.scheduler.pace import PREFILL_FLOOR, StepPace
 from spruce.runtime.scheduler.prefill import fair_split
-
-
-def timed_step(scheduler, seconds_of):
-    """One step with the fake model, reported to the scheduler as taking `seconds_of(out)`."""
-    out = scheduler.schedule()
-    scheduler.pop_finished_outside_step()
-    if out:
-        fake_forward(scheduler, out)
-        fake_sample(out)
-        scheduler.update(out)
-        scheduler.record_step(out, seconds_of(out))
-    scheduler.check_integrity()
-    return out
 
 
 def linear_cost(decode_s: float, token_s: float):
@@ -48,10 +35,10 @@ def test_a_mixed_steps_prefill_shrinks_to_fit_max_step_ms():
     stream = make_req(8, max_new_tokens=400)
     scheduler.add(stream)
     for _ in range(3):
-        timed_step(scheduler, cost)  # its prompt, then decodes
+        step(scheduler, cost)  # its prompt, then decodes
     for i in range(3):
         scheduler.add(make_req([1000 * (i + 1) + t for t in range(240)], max_new_tokens=0))
-    steps = [timed_step(scheduler, cost) for _ in range(30)]
+    steps = [step(scheduler, cost) for _ in range(30)]
     assert all(any(s.req is stream for s in out.scheduled) for out in steps)
     mixed = [out for out in steps if prefill_tokens(out)]
     sizes = [prefill_tokens(out) for out in mixed]
@@ -68,11 +55,11 @@ def prefill_share(streams: int, heavy_clients: int) -> tuple[float, str]:
     for i in range(streams):
         scheduler.add(client_req(f"stream{i}", [10 + i] * 8, max_new_tokens=400))
     for _ in range(3):
-        timed_step(scheduler, cost)
+        step(scheduler, cost)
     for i in range(3 * heavy_clients):
         prompt = [1000 * (i + 1) + t for t in range(240)]
         scheduler.add(client_req(f"heavy{i % heavy_clients}", prompt))
-    steps = [timed_step(scheduler, cost) for _ in range(120)]
+    steps = [step(scheduler, cost) for _ in range(120)]
     prefill_s = sum(cost(out) for out in steps if prefill_tokens(out))
     decode_s = sum(cost(out) for out in steps if not prefill_tokens(out))
     kinds = "".join("p" if prefill_tokens(out) else "d" for out in steps[10:])
@@ -97,10 +84,10 @@ def test_a_clients_own_decodes_do_not_hold_its_prefill_back():
     cost = linear_cost(decode_s=0.02, token_s=0.004)
     scheduler.add(make_req(8, max_new_tokens=400))  # the same client ("") as the prompts
     for _ in range(3):
-        timed_step(scheduler, cost)
+        step(scheduler, cost)
     for i in range(3):
         scheduler.add(make_req([1000 * (i + 1) + t for t in range(240)], max_new_tokens=0))
-    steps = [timed_step(scheduler, cost) for _ in range(20)]
+    steps = [step(scheduler, cost) for _ in range(20)]
     assert all(prefill_tokens(out) for out in steps)
 
 
@@ -109,10 +96,10 @@ def test_a_steps_prefill_never_goes_below_the_floor():
     cost = linear_cost(decode_s=0.05, token_s=0.01)  # a decode alone is past 10 ms
     stream = make_req(8, max_new_tokens=200)
     scheduler.add(stream)
-    timed_step(scheduler, cost)
+    step(scheduler, cost)
     big = make_req(200, max_new_tokens=0)
     scheduler.add(big)
-    sizes = [prefill_tokens(timed_step(scheduler, cost)) for _ in range(6)]
+    sizes = [prefill_tokens(step(scheduler, cost)) for _ in range(6)]
     assert all(size == PREFILL_FLOOR for size in sizes[2:])
     assert big.computed_len > 0 and stream.output_ids  # both progress
 
