@@ -401,7 +401,7 @@ class RequestManager:
         ages = [round(self.clock() - r.heard_at, 3) for r in live]
         body = {"heartbeat_age_s": min(ages, default=None), "scheduler_timeout_s": limit}
         if len(self.replicas) > 1:
-            body["replica_heartbeat_age_s"] = {r.index: age for r, age in zip(live, ages)}
+            body["replica_heartbeat_age_s"] = {str(r.index): age for r, age in zip(live, ages)}
         if self.dead or not live:
             return self.dead or "no scheduler replica is alive", body
         if all(r.stalled or age > limit for r, age in zip(live, ages)):

@@ -98,7 +98,9 @@ def test_cache_aware_routing_keeps_the_hit_rate(dp_server, tiny_llama_dir, tmp_p
 def test_health_flush_metrics_and_info_cover_both_replicas(dp_server):
     url = dp_server.url
     assert generate(url, "Task 9: warm both caches.").status_code == 200
-    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    health = httpx.get(url + "/health", timeout=30)
+    assert health.status_code == 200
+    assert sorted(health.json()["replica_heartbeat_age_s"]) == ["0", "1"]
     info = server_info(url)
     assert [r["replica"] for r in info["replicas"]] == [0, 1]
     assert all(r["alive"] and r["pid"] > 0 for r in info["replicas"])
