@@ -66,12 +66,14 @@ def outputs(fmt: str) -> list[str]:
 
 
 def splittings(text: str) -> list[list[str]]:
+    """Whole, one character at a time (short texts: the whole-text reference is quadratic),
+    and three random splittings (at most 200 pieces)."""
     rng = random.Random(len(text))
     chunks = []
     for _ in range(3):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, len(text) // 5)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, len(text) // 5, 199)))
         chunks.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    return [[text], list(text), *chunks]
+    return [[text], *([list(text)] if len(text) <= 1000 else []), *chunks]
 
 
 class WholeText(ToolCallFormat):
