@@ -135,7 +135,6 @@ class RequestManager:
         self.capacity = max_running + self.limits.max_waiting_requests  # requests in flight at most
         self.per_client: dict[str, int] = {}  # requests in flight by client (address / identity)
         self.client_tokens: dict[str, int] = {}  # their prompt tokens
-        self.prompt_tokens: dict[str, int] = {}  # by rid, while in flight
         self.clock = time.monotonic  # heartbeat ages (tests set a fake clock)
         self.replicas = Replicas(sender if isinstance(sender, list) else [sender], router)
         self.receiver = receiver  # PULL
@@ -164,8 +163,8 @@ class RequestManager:
         """Registers and sends the requests; their events arrive on the returned Call.
         Raises Refused (nothing registered) when the call does not fit (see the module doc)."""
         rids = rids or [uuid.uuid4().hex for _ in items]
-        tokens = [len(v.input_ids) for v in items]
-        self._admit(rids, client, sum(tokens))
+        tokens = sum(len(v.input_ids) for v in items)
+        self._admit(rids, client, tokens)
         call = Call(self, self.tokenizer, len(items))
         client_rids = client_rids or rids
         replicas = self.replicas.assign([v.input_ids for v in items])
@@ -174,9 +173,8 @@ class RequestManager:
             state.replica = replicas[i]
             call.states.append(state)
             self.states[rid] = state
-            self.prompt_tokens[rid] = tokens[i]
         self.per_client[client] = self.per_client.get(client, 0) + len(items)
-        self.client_tokens[client] = self.client_tokens.get(client, 0) + sum(tokens)
+        self.client_tokens[client] = self.client_tokens.get(client, 0) + tokens
         self._send_new(call.states, items)
         self._set_deadline(call, items)
         return call
@@ -445,7 +443,7 @@ class RequestManager:
             return
         self.replicas.finished(state.replica)
         _take(self.per_client, state.client, 1)
-        _take(self.client_tokens, state.client, self.prompt_tokens.pop(state.rid))
+        _take(self.client_tokens, state.client, state.prompt_tokens)
         del self.states[state.rid]
 
     def _fail(self, state: RequestState, message: str, status: int) -> None:

@@ -35,7 +35,7 @@ class RequestState:
 
     __slots__ = (
         "aborted", "call", "client", "client_rid", "done", "error", "index", "output",
-        "replica", "rid", "stream",
+        "prompt_tokens", "replica", "rid", "stream",
     )  # fmt: skip
 
     def __init__(
@@ -44,6 +44,7 @@ class RequestState:
     ) -> None:  # fmt: skip
         self.rid, self.client_rid, self.index, self.call = rid, client_rid, index, call
         self.client = client
+        self.prompt_tokens = len(valid.input_ids)  # counted against --max-tokens-per-client
         self.output = RequestOutput(call.tokenizer, valid, client_rid)
         self.stream = valid.options.stream
         self.replica = 0  # the scheduler replica it runs on

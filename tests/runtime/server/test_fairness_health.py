@@ -78,7 +78,7 @@ def test_the_token_budget_refuses_with_429_and_is_released(tiny_tokenizer):
     manager.submit([prompt(6)], ["f"], client="x")
     for rid in ("d", "e", "f"):
         manager._on_step(finish(rid))
-    assert manager.client_tokens == {} and manager.prompt_tokens == {}
+    assert manager.client_tokens == {} and manager.states == {}
 
 
 def test_a_call_past_the_budget_runs_when_its_client_has_nothing_else_in_flight(tiny_tokenizer):
