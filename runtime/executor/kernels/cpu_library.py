@@ -49,7 +49,7 @@ HEADERS = [
     _HERE / "cpu_vector.h",
     _HERE / "cpu_register_vector.h",
 ]
-HEADERS += [_HERE / "cpu_quant.h", _HERE / "cpu_team.h"]
+HEADERS += [_HERE / "cpu_quant.h", _HERE / "cpu_team.h", _HERE / "cpu_parallel.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
 _X86_FLAGS = {

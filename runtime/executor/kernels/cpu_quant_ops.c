@@ -24,9 +24,9 @@
  *   ISA_AVX2        AVX2 vpmaddwd
  *   ISA_AVX512VNNI  vpdpwssd (AVX512-VNNI on 256-bit registers)
  */
-#include <omp.h>
 #include <stdlib.h>
 
+#include "cpu_parallel.h"
 #include "cpu_quant.h"
 
 /* ---- activations: rows x k floats -> qx int16 [rows, k], dx, sx float [rows, k / 32] ---- */
@@ -372,37 +372,20 @@ static void gemv_rows(const gemv_call *g, int64_t first_row, int64_t end) {
     }
 }
 
-/* A thread's share of a call's tiles, [front, back) packed in one word (front in the low 32
- * bits) and alone on its cache line: the owner takes from the front, others from the back. */
-typedef struct {
-    _Alignas(64) uint64_t span;
-} tile_share;
-
-/* Takes a quarter (owner) or half (another thread) of what is left of `share`, at least one
- * tile: [*first, *first + *count). Returns 0 when nothing is left. */
-static int take_tiles(tile_share *share, int owner, int64_t *first, int64_t *count) {
-    uint64_t old = __atomic_load_n(&share->span, __ATOMIC_RELAXED), want;
-    do {
-        uint64_t front = old & 0xffffffffu, back = old >> 32;
-        if (front >= back) return 0;
-        uint64_t n = (back - front) / (owner ? 4 : 2);
-        n = n > 0 ? n : 1;
-        *first = (int64_t)(owner ? front : back - n), *count = (int64_t)n;
-        want = owner ? (front + n) | (back << 32) : front | ((back - n) << 32);
-    } while (!__atomic_compare_exchange_n(&share->span, &old, want, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    return 1;
+/* Task [first, end) of a GEMV: those tiles of TILE weight rows. */
+static void gemv_task(const void *ctx, int64_t first, int64_t end, int thread) {
+    const gemv_call *g = ctx;
+    (void)thread;
+    gemv_rows(g, first * TILE, end * TILE < g->n ? end * TILE : g->n);
 }
+
+#define TASKS_PER_THREAD 8 /* tasks of contiguous tiles per thread: streams long enough to prefetch */
 
 /* y[m, i] = sum_j W[i, j] x[m, j] (+ bias[i]) for every activation row m < rows; W is n
  * rows of k / 32 blocks of `type` (k / 256 for the K formats); the activations are already
- * quantized (spruce_quantize_rows_q16). y has row stride y_stride.
- * The tiles are spread over torch's OpenMP threads in contiguous shares, each read front to
- * back as one stream (the prefetches ahead stay useful; libgomp's dynamic schedule
- * interleaved the threads' tiles: batch 1 about 20% slower); a thread done with its share
- * takes tiles from the back of another's. A static split waited on the slower core (a
- * 2-core Zen 4 VM's vCPUs ran a spin loop up to 30% apart): against it the batch-1 pass over
- * SmolLM2's linear layers took 0.92-0.98x the time at 2 threads, medians of alternated
- * passes. */
+ * quantized (spruce_quantize_rows_q16). y has row stride y_stride. The tiles go to the
+ * threads in tasks of contiguous tiles (cpu_parallel.h), each read front to back as one
+ * stream. */
 void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, const int16_t *qx, const float *dx,
                        const float *sx, int64_t rows, const float *bias, float *y, int64_t y_stride, int64_t isa) {
     int k_type = is_k_type(type);
@@ -412,28 +395,9 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     if (isa == ISA_AVX512VNNI) g.row = k_type ? kquant_row_vnni : row_vnni, g.tile4 = k_type ? NULL : tile4_vnni;
 #endif
     int64_t tiles = (n + TILE - 1) / TILE;
-    int threads = omp_get_max_threads();
-    threads = threads < tiles ? threads : (int)tiles;
-    if (threads <= 1) {
-        gemv_rows(&g, 0, n);
-        return;
-    }
-    tile_share shares[threads];
-    for (int t = 0; t < threads; t++)
-        shares[t].span = (uint64_t)(tiles * t / threads) | ((uint64_t)(tiles * (t + 1) / threads) << 32);
-#pragma omp parallel num_threads(threads)
-    {
-        /* a thread the team did not get leaves its share to the others */
-        int me = omp_get_thread_num();
-        int64_t first, count;
-        for (int v = 0; v < threads; v++) {
-            tile_share *share = &shares[(me + v) % threads];
-            while (take_tiles(share, v == 0, &first, &count)) {
-                int64_t end = (first + count) * TILE;
-                gemv_rows(&g, first * TILE, end < n ? end : n);
-            }
-        }
-    }
+    int threads = task_threads();
+    int64_t grain = tiles / ((int64_t)threads * TASKS_PER_THREAD);
+    share_tasks(tiles, grain > 0 ? grain : 1, threads, gemv_task, &g);
 }
 
 /* The whole linear layer in one call (one ctypes call per layer at decode): the activation
