@@ -14,8 +14,7 @@ engines back to back (bench.alternating_rounds), and Spruce's batch-1 is also ti
 with one decode step a call. Without the binaries (on PATH or in --llama-cpp-bin) it says
 so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
-model ops, the runner, sampling, the scheduler). `--busy` times the batch-64 decode step
-alone and beside one busy process (bench/busy.py). `--plot FILE.png` draws output tokens/s
+model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
 (llama-batched-bench, when found) and transformers.
 """
@@ -31,7 +30,7 @@ import time
 
 import torch
 
-from spruce.runtime.bench import alternating_rounds, busy, write_json
+from spruce.runtime.bench import alternating_rounds, write_json
 from spruce.runtime.bench.breakdown import (
     bare_matmul_seconds,
     one_step_a_call,
@@ -79,8 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="time the parts of a batch-1 decode step"
     )
-    parser.add_argument("--busy", action="store_true",
-        help="the batch-64 decode step quiet and beside one busy process (bench/busy.py)")  # fmt: skip
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences"
     )
@@ -265,9 +262,6 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
         compare_llama_cpp(engine, args, result)
     if args.breakdown:
         result["breakdown"] = measure_breakdown(engine, tokenizer)
-    if args.busy:
-        prompts = synthetic_prompts(tokenizer, busy.SEQUENCES, 128, 128, seed=busy.SEQUENCES)
-        result["busy"] = busy.busy_probe(engine, prompts, run_engine)
     if args.plot:
         result["scaling"] = scaling_curves(engine, args)
         title = f"{os.path.basename(loaded.path)}, {engine.config.num_threads} threads"
@@ -304,8 +298,6 @@ def print_report(r: dict) -> None:
         print(f"prefill (512 tokens)  {r['prefill_512_tokens_per_s']:.1f} tokens/s")
     if "breakdown" in r:
         print_breakdown(r["breakdown"])
-    if "busy" in r:
-        busy.print_busy(r["busy"])
     if "scaling" in r:
         print("output tokens/s by parallel sequences (128 + 128 tokens each):")
         for name, curve in r["scaling"].items():
@@ -333,18 +325,14 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
 
 
 def fixed_thread_probes(engine, tokenizer, threads: int, with_prefill: bool = True) -> dict:
-    """single_probes with torch (and the C kernels) on `threads` threads, fixed as
-    llama-bench's -t fixes its own: the thread governor is set aside meanwhile (right after
-    llama.cpp's run it could still count llama.cpp's threads, or take a 1-thread probe back
-    to all threads once they were gone)."""
-    before, governor = torch.get_num_threads(), engine.core.governor
+    """single_probes with torch (and the C kernels) on `threads` threads, as llama-bench's
+    -t sets its own."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    engine.core.governor = None
     try:
         return single_probes(engine, tokenizer, with_prefill=with_prefill)
     finally:
         torch.set_num_threads(before)
-        engine.core.governor = governor
 
 
 def spruce_singles(engine, tokenizer, threads: int) -> dict[str, float]:

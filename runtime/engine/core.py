@@ -25,7 +25,6 @@ from spruce.runtime.core.validation import ModelLimits, ValidRequest
 from spruce.runtime.engine import tp_worker
 from spruce.runtime.engine.draft_model import DraftModelDrafter
 from spruce.runtime.engine.pooling import pool, pooled_rows, resolve_pooling
-from spruce.runtime.engine.threads import ThreadGovernor
 from spruce.runtime.engine.verify import sample_rows
 from spruce.runtime.errors import InvalidRequestError, SpruceError
 from spruce.runtime.executor.attention import resolve_backend
@@ -60,11 +59,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = config.resolved_device
-        self.governor = None  # fewer threads while other processes want the cores (threads.py)
         if device == "cpu":
             torch.set_num_threads(config.num_threads)
-            if config.parallel.tp_size == 1:  # tp ranks share the machine by design
-                self.governor = ThreadGovernor(config.num_threads)
         torch.manual_seed(config.seed)
         self.tp, self.followers = None, []
         self.rank_lost: str | None = (
@@ -278,8 +274,6 @@ class EngineCore:
         (see scheduler/faults.py). What escapes is a bug in the bookkeeping itself."""
         start = time.perf_counter()
         self.check_ranks()
-        if self.governor is not None:
-            self.governor.check()
         out = self.scheduler.schedule()
         changed = self.scheduler.pop_finished_outside_step()
         if not out:
