@@ -19,7 +19,6 @@ sees the module path). Anything else goes through the modules as before.
 The layer loop itself runs in C (cpu_decode_step.c: one ctypes call a step instead of nine
 a layer), except where rows share a request (speculative drafts), whose K/V the pool must
 hold before the kernel attends: there the same calls are made from Python (`run_calls`).
-`set_row_parts` has many-row steps run in parts of rows, a thread each (same results).
 """
 
 from __future__ import annotations
@@ -110,21 +109,6 @@ def _linear_args(m: nn.Module) -> tuple:
     )
 
 
-MIN_PART_ROWS = 16  # rows of a part at least (the integer GEMM's row group)
-_row_parts = 0  # set_row_parts'
-
-
-def set_row_parts(parts: int) -> None:
-    """Decode steps of at least `parts` x MIN_PART_ROWS rows run in `parts` parts of rows,
-    each through the layers on a thread of its own, the threads pinned to different CPUs and
-    one done with its part helping another's GEMMs (cpu_decode_step.c's
-    spruce_decode_layers_split), instead of on the kernels' threads; 0 or 1: off. The thread
-    governor's setting beside another busy process (engine/threads.py); process-wide, like
-    torch's thread count."""
-    global _row_parts
-    _row_parts = parts
-
-
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 KERNEL_TYPES = 32  # the C side's table of kernels by ggml type id
 KERNEL_CODES = {"integer": 0, "igemm": 1, "gemm": 2}
@@ -153,7 +137,6 @@ class StepArgs(ctypes.Structure):
         + [("kernel", ctypes.c_int8 * KERNEL_TYPES)]
         + [("final_norm", _P), ("final_eps", _F32), ("head_type", _I64), ("vocab", _I64)]
         + [("head", _P), ("logits", _P)]
-        + [("team", _P), ("slot", _I64)]  # set by the C code for a step run in parts
     )
 
 
@@ -298,26 +281,21 @@ class DecodePlan:
         args = self._args(buffers, backend, logits, per_step)
         ids, best = torch.empty(steps, rows, dtype=torch.int64), torch.empty(steps, rows)
         failed = self.lib.spruce_decode_steps(
-            self.step_layers, len(self.step_layers), ctypes.byref(args), self._parts(rows),
-            steps, *embedding, ids.data_ptr(), best.data_ptr(),
+            self.step_layers, len(self.step_layers), ctypes.byref(args), steps, *embedding,
+            ids.data_ptr(), best.data_ptr(),
         )  # fmt: skip
         self._check_step(failed)
         return ids, best
 
     def _step(self, buffers: tuple, ctx, backend, logits: torch.Tensor | None) -> None:
-        """One spruce_decode_layers call on `buffers` (_buffers' order), or its split form
-        where set_row_parts asks for parts; with `logits`, the head's too."""
+        """One spruce_decode_layers call on `buffers` (_buffers' order); with `logits`, the
+        head's too."""
         group = ctx.backend_state.decode
         per_row = (ctx.positions, ctx.out_slots, group.table_rows, group.seq_lens)
         per_row = tuple(map(cpu_quant_ops.int64, per_row))  # held until the call returns
         args = self._args(buffers, backend, logits, per_row)
         layers, count = self.step_layers, len(self.step_layers)
-        parts = self._parts(buffers[0].shape[0])
-        if parts > 1:
-            failed = self.lib.spruce_decode_layers_split(layers, count, ctypes.byref(args), parts)
-        else:
-            failed = self.lib.spruce_decode_layers(layers, count, ctypes.byref(args))
-        self._check_step(failed)
+        self._check_step(self.lib.spruce_decode_layers(layers, count, ctypes.byref(args)))
 
     def _args(
         self, buffers: tuple, backend, logits: torch.Tensor | None, per_row: tuple
@@ -339,11 +317,6 @@ class DecodePlan:
             args.logits = logits.data_ptr()
         self._point_at_caches(backend)
         return args
-
-    @staticmethod
-    def _parts(rows: int) -> int:
-        """The row parts set_row_parts asks for at this many rows (0: the whole batch)."""
-        return _row_parts if _row_parts > 1 and rows >= _row_parts * MIN_PART_ROWS else 0
 
     def _check_step(self, failed: int) -> None:
         if failed == 2:

@@ -43,13 +43,13 @@ PER_ISA_SOURCES = [
 ]
 PER_ISA_SOURCES += [_HERE / "cpu_quant_gemm.c", _HERE / "cpu_decode_step.c"]
 ONCE_SOURCES = [_HERE / "cpu_quant_ops.c", _HERE / "cpu_kquant_ops.c", _HERE / "cpu_features.c"]
-ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c", _HERE / "cpu_team.c"]
+ONCE_SOURCES += [_HERE / "cpu_quant_igemm.c"]
 HEADERS = [
     _HERE / "cpu_decode_attention_impl.h",
     _HERE / "cpu_vector.h",
     _HERE / "cpu_register_vector.h",
 ]
-HEADERS += [_HERE / "cpu_quant.h", _HERE / "cpu_team.h", _HERE / "cpu_parallel.h"]
+HEADERS += [_HERE / "cpu_quant.h", _HERE / "cpu_parallel.h"]
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fPIC", "-Wno-psabi"]
 FLOAT_ISAS = ("portable", "avx2", "avx512")  # index = spruce_float_best_isa()
 _X86_FLAGS = {
@@ -89,9 +89,8 @@ SIGNATURES = {
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],
     "spruce_decode_layers": [_P, _I64, _P],  # layers, count, step (decode_plan.StepLayer, StepArgs)
-    "spruce_decode_layers_split": [_P, _I64, _P, _I64],  # the same, parts
-    # layers, count, step, parts, steps, embedding type (-1: float32), table, ids, best
-    "spruce_decode_steps": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P],
+    # layers, count, step, steps, embedding type (-1: float32), table, ids, best
+    "spruce_decode_steps": [_P, _I64, _P, _I64, _I64, _P, _P, _P],
 }
 # fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
@@ -104,7 +103,7 @@ PER_ISA_KERNELS = (
 )
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
-PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_decode_layers_split", "spruce_argmax_rows")
+PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_argmax_rows")
 PER_ISA_KERNELS += ("spruce_decode_steps",)
 
 _RESULT_TYPES = {  # the rest return nothing
@@ -118,7 +117,6 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_gemm": ctypes.c_int,
     "spruce_quant_igemm": ctypes.c_int,
     "spruce_decode_layers": ctypes.c_int,
-    "spruce_decode_layers_split": ctypes.c_int,
     "spruce_decode_steps": ctypes.c_int,
 }
 

@@ -21,23 +21,16 @@
  *              L2) meets it; KC splits k into equal blocks of at most KC_MAX, whole
  *              quantization blocks. Rows go in blocks of MC_SLIVERS slivers so the packed
  *              rows of one k block stay in L2 for prefill.
- *   threads    torch's OpenMP threads take the weight panels (NCP groups of NR rows; each
- *              weight dequantized once) one at a time, as each is free: on a busy host a
- *              descheduled thread holds up only its current panel, where an even static
- *              split made the call wait for its whole share; when there are few groups for
+ *   threads    the threads take the weight panels (NCP groups of NR rows; each weight
+ *              dequantized once) as tasks (cpu_parallel.h); when there are few groups for
  *              the threads (small n, many threads) a task is a panel x a part of the rows.
- *              In a step run in parts of rows: the part's thread and the idle threads of
- *              its team (cpu_team.h).
  *
  * Compiled once per instruction set (cpu_library.py: portable, AVX2, AVX-512) with GCC
  * vector extensions of the variant's native width; the loader binds the best one. */
 #include <stdlib.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
+#include "cpu_parallel.h"
 #include "cpu_quant.h"
-#include "cpu_team.h"
 #include "cpu_vector.h"
 
 /* Floats per vector and rows per tile; -DVW=16 -DMR=12 builds the AVX-512 variant's tile
@@ -70,8 +63,11 @@ typedef struct {
     const uint8_t *w;
     const float *bias;
     float *y;
-    const float *packed_x;
+    float *packed_x;
     int64_t groups, slivers, parts; /* NR-row weight groups, MR-row slivers, row parts per panel */
+    const float *x;                 /* the activation rows */
+    float *scratch;                 /* a share per thread, `share` floats each */
+    size_t share;
 } gemm;
 
 /* ---- packing ---- */
@@ -291,58 +287,40 @@ static int64_t k_block(int64_t k, int64_t block) {
     return (blocks + parts - 1) / parts * block;
 }
 
-/* Task `task` of the call: a panel of NCP weight groups x its part of the row slivers, in
- * `scratch` (a dequantized group, then the packed panel). */
-static void panel_task(const void *ctx, int64_t task, void *scratch) {
+/* Tasks [first, end) of the call: each a panel of NCP weight groups x its part of the row
+ * slivers, in the thread's scratch (a dequantized group, then the packed panel). */
+static void panel_tasks(const void *ctx, int64_t first, int64_t end, int thread) {
     const gemm *g = ctx;
-    int64_t first = task / g->parts * NCP, part = task % g->parts;
-    float *rows_scratch = scratch, *panel = rows_scratch + NR * g->kc;
-    multiply_task(g, first, min64(NCP, g->groups - first), g->slivers * part / g->parts,
-                  g->slivers * (part + 1) / g->parts, rows_scratch, panel);
+    float *rows_scratch = g->scratch + g->share * (size_t)thread, *panel = rows_scratch + NR * g->kc;
+    for (int64_t task = first; task < end; task++) {
+        int64_t group = task / g->parts * NCP, part = task % g->parts;
+        multiply_task(g, group, min64(NCP, g->groups - group), g->slivers * part / g->parts,
+                      g->slivers * (part + 1) / g->parts, rows_scratch, panel);
+    }
 }
 
-/* spruce_quant_gemm, its tasks shared with `team`'s idle threads (as owner of `slot`) where
- * team is not NULL, else with torch's OpenMP threads. */
-int PER_ISA(spruce_quant_gemm_team)(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x,
-                                    int64_t rows, const float *bias, float *y, spruce_team *team, int64_t slot) {
-    int64_t slivers = (rows + MR - 1) / MR, groups = (n + NR - 1) / NR, threads = 1;
-#if defined(_OPENMP)
-    if (team == NULL) threads = omp_get_max_threads();
-#endif
-    gemm g = {type, n, k, rows, row_bytes(type, k), k_block(k, is_k_type(type) ? QK_K : QK), w, bias, y, NULL,
-              groups, slivers, row_parts(threads, groups, slivers)};
-    size_t x_floats = round16((size_t)(slivers * MR * k)), share = round16((size_t)((NCP + 1) * NR * g.kc));
-    float *memory = aligned_alloc(64, (x_floats + share * (size_t)threads) * sizeof(float));
-    if (memory == NULL) return 1;
-    g.packed_x = memory;
-    /* tasks: a panel of NCP weight groups x a part of the rows, taken by whichever thread is
-     * free (on a busy host a descheduled thread then holds up less than its static share) */
-    int64_t tasks = (groups + NCP - 1) / NCP * g.parts;
-    if (team != NULL) {
-        for (int64_t s = 0; s < slivers; s++) pack_rows(x, rows, k, s, memory + s * MR * k);
-        spruce_team_run(team, slot, tasks, panel_task, &g, memory + x_floats, share * sizeof(float));
-        free(memory);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t t = 0;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-#endif
-        float *scratch = memory + x_floats + share * (size_t)t;
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < slivers; s++) pack_rows(x, rows, k, s, memory + s * MR * k);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) panel_task(&g, task, scratch);
-    }
-    free(memory);
-    return 0;
+/* Slivers [first, end) of the activation rows, packed. */
+static void pack_tasks(const void *ctx, int64_t first, int64_t end, int thread) {
+    const gemm *g = ctx;
+    (void)thread;
+    for (int64_t s = first; s < end; s++) pack_rows(g->x, g->rows, g->k, s, g->packed_x + s * MR * g->k);
 }
 
 /* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of `type` blocks. Returns 1 when the
  * scratch memory cannot be had. */
 int PER_ISA(spruce_quant_gemm)(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
                                const float *bias, float *y) {
-    return PER_ISA(spruce_quant_gemm_team)(type, w, n, k, x, rows, bias, y, NULL, 0);
+    int64_t slivers = (rows + MR - 1) / MR, groups = (n + NR - 1) / NR;
+    int threads = task_threads();
+    gemm g = {type, n, k, rows, row_bytes(type, k), k_block(k, is_k_type(type) ? QK_K : QK), w, bias, y, NULL,
+              groups, slivers, row_parts(threads, groups, slivers), x, NULL, 0};
+    size_t x_floats = round16((size_t)(slivers * MR * k));
+    g.share = round16((size_t)((NCP + 1) * NR * g.kc));
+    float *memory = aligned_alloc(64, (x_floats + g.share * (size_t)threads) * sizeof(float));
+    if (memory == NULL) return 1;
+    g.packed_x = memory, g.scratch = memory + x_floats;
+    share_tasks(slivers, 1, threads, pack_tasks, &g);
+    share_tasks((groups + NCP - 1) / NCP * g.parts, 1, threads, panel_tasks, &g);
+    free(memory);
+    return 0;
 }

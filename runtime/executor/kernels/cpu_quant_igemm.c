@@ -21,19 +21,14 @@
  *   microkernel  NW weight rows x 16 activation rows of one or two row groups: per block
  *              NW int32 sums per group (16 steps of vpdpwssd), then acc += float(sum)
  *              dx dw + dx sx second.
- *   threads    torch's OpenMP threads take panels (x a part of the row groups when the
- *              panels are few) one at a time, as each is free (as the float GEMM does); in
- *              a step run in parts of rows, the part's thread and the idle threads of its
- *              team (cpu_team.h).
+ *   threads    the threads take panels (x a part of the row groups when the panels are
+ *              few) as tasks (cpu_parallel.h), as the float GEMM does.
  *
  * Sums: |w x| <= 128 * 32767 and 32 of them fit in int32 (one block's sum). */
 #include <stdlib.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
+#include "cpu_parallel.h"
 #include "cpu_quant.h"
-#include "cpu_team.h"
 
 #define LANES 16 /* activation rows per vector */
 #define NW 8     /* weight rows per microkernel tile */
@@ -46,6 +41,9 @@ typedef struct {
     float *y;
     const int32_t *xp; /* [groups][nb][16 pairs][LANES] */
     const float *dxp;  /* [groups][nb][2][LANES]: dx, then dx sx */
+    const float *x;    /* the activation rows */
+    char *scratch;     /* a share per thread, `share` bytes each */
+    size_t share;
 } igemm;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -187,28 +185,36 @@ TARGET_VNNI static void multiply_panel(const igemm *g, int64_t j0, int64_t g0, i
     }
 }
 
-/* Task `task` of the call: its panel, widened into `scratch`, against its part of the row
- * groups. */
-TARGET_VNNI static void panel_task(const void *ctx, int64_t task, void *scratch) {
+/* Tasks [first, end) of the call: each a panel, widened into the thread's scratch, against
+ * its part of the row groups. */
+TARGET_VNNI static void panel_tasks(const void *ctx, int64_t first, int64_t end, int thread) {
     const igemm *g = ctx;
-    int16_t *w16 = scratch;
+    int16_t *w16 = (int16_t *)(g->scratch + g->share * (size_t)thread);
     float *dw = (float *)(w16 + PANEL * g->k), *second = dw + PANEL * g->nb;
-    int64_t panel = task / g->parts, part = task % g->parts;
-    pack_panel(g, panel * PANEL, w16, dw, second);
-    multiply_panel(g, panel * PANEL, g->groups * part / g->parts, g->groups * (part + 1) / g->parts, w16, dw, second);
+    for (int64_t task = first; task < end; task++) {
+        int64_t panel = task / g->parts, part = task % g->parts;
+        pack_panel(g, panel * PANEL, w16, dw, second);
+        multiply_panel(g, panel * PANEL, g->groups * part / g->parts, g->groups * (part + 1) / g->parts, w16, dw,
+                       second);
+    }
+}
+
+/* Row groups [first, end), packed (through the thread's scratch). */
+static void pack_tasks(const void *ctx, int64_t first, int64_t end, int thread) {
+    const igemm *g = ctx;
+    for (int64_t group = first; group < end; group++)
+        pack_group(g, g->x, group, g->scratch + g->share * (size_t)thread);
 }
 #endif
 
-/* spruce_quant_igemm, its tasks shared with `team`'s idle threads (as owner of `slot`)
- * where team is not NULL, else with torch's OpenMP threads. */
-int spruce_quant_igemm_team(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                            const float *bias, float *y, spruce_team *team, int64_t slot) {
+/* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks. Returns 1
+ * when the scratch memory cannot be had, 2 where this CPU (or build) has no AVX-512 VNNI. */
+int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                       const float *bias, float *y) {
 #if defined(__x86_64__)
     if (spruce_quant_best_isa() < ISA_AVX512VNNI || is_k_type(type)) return 2;
-    int64_t nb = k / QK, groups = (rows + LANES - 1) / LANES, threads = 1;
-#if defined(_OPENMP)
-    if (team == NULL) threads = omp_get_max_threads();
-#endif
+    int64_t nb = k / QK, groups = (rows + LANES - 1) / LANES;
+    int threads = task_threads();
     size_t xp_bytes = (size_t)(groups * nb * 16 * LANES) * sizeof(int32_t);
     size_t front = xp_bytes + (size_t)(groups * nb * 2 * LANES) * sizeof(float);
     /* per thread: a packed panel, and a row group's qx, dx, sx on the way to packing */
@@ -221,36 +227,13 @@ int spruce_quant_igemm_team(int64_t type, const uint8_t *w, int64_t n, int64_t k
     int64_t panels = (n + PANEL - 1) / PANEL, parts = 1;
     while (parts < groups && panels * parts < 4 * threads) parts++;
     igemm g = {type, n, k, nb, rows, groups, row_bytes(type, k), parts, w, bias, y,
-               (const int32_t *)memory, (const float *)(memory + xp_bytes)};
-    if (team != NULL) {
-        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, memory + front);
-        spruce_team_run(team, slot, panels * parts, panel_task, &g, memory + front, panel_bytes);
-        free(memory);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t t = 0;
-#if defined(_OPENMP)
-        t = omp_get_thread_num();
-#endif
-        char *own = memory + front + share * (size_t)t;
-#pragma omp for schedule(static)
-        for (int64_t group = 0; group < groups; group++) pack_group(&g, x, group, own);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < panels * parts; task++) panel_task(&g, task, own);
-    }
+               (const int32_t *)memory, (const float *)(memory + xp_bytes), x, memory + front, share};
+    share_tasks(groups, 1, threads, pack_tasks, &g);
+    share_tasks(panels * parts, 1, threads, panel_tasks, &g);
     free(memory);
     return 0;
 #else
-    (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y, (void)team, (void)slot;
+    (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y;
     return 2;
 #endif
-}
-
-/* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks. Returns 1
- * when the scratch memory cannot be had, 2 where this CPU (or build) has no AVX-512 VNNI. */
-int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                       const float *bias, float *y) {
-    return spruce_quant_igemm_team(type, w, n, k, x, rows, bias, y, NULL, 0);
 }

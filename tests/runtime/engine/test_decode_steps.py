@@ -76,15 +76,6 @@ def test_steps_in_c_equal_forward_passes(request, monkeypatch, fixture, qtype, r
 
 
 @needs_c
-def test_steps_in_row_parts_equal_forward_passes(tiny_qwen2_dir, monkeypatch):
-    loaded = load_model(str(tiny_qwen2_dir), quantization="q4_1")
-    batch = [[3 + i % 7, 40 + i, 77, 12 + 5 * i][: 2 + i % 3] for i in range(37)]
-    monkeypatch.setattr(decode_plan, "_row_parts", 2)
-    (c_ids, c_best), (f_ids, f_best) = both_paths(loaded, batch, 3, monkeypatch)
-    assert c_ids == f_ids and c_best == f_best
-
-
-@needs_c
 def test_float_embedding_table(tiny_llama_dir, monkeypatch):
     """An embedding table kept in float32 (only the linear layers quantized) is looked up
     in C as the model looks it up."""

@@ -4,14 +4,12 @@ bias; it stands aside for hooked modules and extend batches."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from spruce.runtime.executor.kernels import cpu_library, cpu_quant_ops
+from spruce.runtime.executor.kernels import cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models import decode_plan
 from spruce.runtime.models.layers import PLAIN_KINDS
@@ -178,70 +176,3 @@ def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, 
     monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
     monkeypatch.setattr(decode_plan.DecodePlan, "ends_with_head", lambda *a: False)
     assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))
-
-
-@contextlib.contextmanager
-def float_kernels(isa: str):
-    """The C kernels bound to `isa`'s variant meanwhile (avx2: the float GEMM takes the
-    many-row matmuls; avx512: the integer GEMM where the CPU has VNNI); skips where the CPU
-    or build has no such variant."""
-    if isa not in cpu_library.available_isas() or cpu_quant_ops.best_isa() == "scalar":
-        pytest.skip(f"this CPU or build has no {isa} kernels")
-    previous = cpu_library.use_isa(isa)
-    try:
-        yield
-    finally:
-        cpu_library.use_isa(previous)
-
-
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])  # the integer GEMM (VNNI) or the float GEMM
-@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("requests,parts", [(2 * decode_plan.MIN_PART_ROWS + 5, 2), (50, 3)])
-def test_row_parts_equal_the_whole_batch(tiny_qwen2_dir, monkeypatch, isa, qtype, requests, parts):
-    """Decode steps in parts of rows, a thread each (the governor's choice beside a busy
-    process), give the whole batch's logits bit for bit, and leave the thread count as it
-    was; a batch too small for the parts runs whole."""
-    with float_kernels(isa):
-        loaded = load_model(str(tiny_qwen2_dir), quantization=qtype)
-        # lengths (positions) that differ between a part's rows and the next part's
-        prompts = [[3 + i % 7, 40 + i, 77, 12 + 5 * i, 9, 21][: 2 + i % 5] for i in range(requests)]
-        whole = decode(loaded, prompts, 4, torch.float32)
-        lib, calls = cpu_library.load_library(), []
-        split = lib.spruce_decode_layers_split
-        monkeypatch.setattr(
-            lib, "spruce_decode_layers_split", lambda *a: calls.append(a[-1]) or split(*a)
-        )
-        threads = torch.get_num_threads()
-        monkeypatch.setattr(decode_plan, "_row_parts", parts)
-        in_parts = decode(loaded, prompts, 4, torch.float32)
-        assert calls == [parts] * 4 and torch.get_num_threads() == threads
-        assert torch.equal(in_parts, whole)
-        few = prompts[: parts * decode_plan.MIN_PART_ROWS - 1]
-        decode(loaded, few, 1, torch.float32)
-        assert calls == [parts] * 4  # too few rows for the parts: whole
-
-
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])  # the integer GEMM (VNNI) or the float GEMM
-def test_idle_threads_help_a_parts_gemms(tiny_qwen2_dir, monkeypatch, isa):
-    """A thread of a step in parts with no part to take runs tasks of the GEMMs a part's
-    thread is running (cpu_team.c): here every step is one part on two threads, so one
-    thread only helps, many times a step; the logits stay the whole batch's bit for bit."""
-    threads = torch.get_num_threads()
-    with float_kernels(isa):
-        loaded = load_model(str(tiny_qwen2_dir), quantization="q4_1")
-        prompts = [[3 + i % 7, 40 + i, 77, 12 + 5 * i, 9, 21][: 2 + i % 5] for i in range(40)]
-        whole = decode(loaded, prompts, 6, torch.float32)
-        lib = cpu_library.load_library()
-        split, helped = (
-            lib.spruce_decode_layers_split,
-            ctypes.c_int64.in_dll(lib, "spruce_team_helped"),
-        )
-        monkeypatch.setattr(lib, "spruce_decode_layers", lambda *a: split(*a, 1))
-        torch.set_num_threads(2)
-        try:
-            before = helped.value
-            for _ in range(5):  # the helpers' claims race the owner's: several rounds
-                assert torch.equal(decode(loaded, prompts, 6, torch.float32), whole)
-            assert helped.value > before
-        finally:
-            torch.set_num_threads(threads)
