@@ -71,9 +71,9 @@
  * [R, table_stride]; rows, seq_lens, new_slots int64 [B]. D must be a multiple of 16 (on
  * every variant, so they all accept the same shapes), at most MAX_DIM.
  */
-#include <omp.h>
 #include <unistd.h>
 
+#include "cpu_parallel.h"
 #include "cpu_register_vector.h"
 
 #if AL == 8

@@ -205,6 +205,39 @@ static void NAME(store)(CACHE_T *cache, float *scales, const float *row, int64_t
 #endif
 }
 
+/* One call's arguments, for its tasks. */
+typedef struct {
+    const float *q, *k_new, *v_new;
+    int64_t q_stride, new_stride;
+    const int64_t *new_slots, *rows, *seq_lens;
+    CACHE_T *k_cache, *v_cache;
+    float *k_scale, *v_scale, *out;
+    const int32_t *req_to_token;
+    int64_t table_stride, heads, kv_heads, dim, window, span, parts;
+    float scale;
+} NAME(call);
+
+/* Items [first, end): each a request, or one kv head of a request (c->parts of them). */
+static void NAME(items)(const void *ctx, int64_t first, int64_t end, int thread) {
+    const NAME(call) *c = ctx;
+    int64_t parts = c->parts, kv_heads = c->kv_heads, dim = c->dim, row_len = kv_heads * dim;
+    (void)thread;
+    for (int64_t item = first; item < end; item++) {
+        int64_t b = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
+        if (c->new_slots != NULL) {
+            int64_t at = c->new_slots[b] * row_len + h0 * dim, scale_at = c->new_slots[b] * kv_heads + h0;
+            const float *k_new = c->k_new + b * c->new_stride + h0 * dim, *v_new = c->v_new + b * c->new_stride + h0 * dim;
+            NAME(store)(c->k_cache + at, c->k_scale ? c->k_scale + scale_at : NULL, k_new, h1 - h0, dim);
+            NAME(store)(c->v_cache + at, c->v_scale ? c->v_scale + scale_at : NULL, v_new, h1 - h0, dim);
+        }
+        /* a sliding window reads only the last `window` tokens: the tail of the row */
+        int64_t len = c->seq_lens[b], from = c->window > 0 && len > c->window ? len - c->window : 0;
+        NAME(attend)(c->q + b * c->q_stride, c->k_cache, c->v_cache, c->k_scale, c->v_scale,
+                     c->req_to_token + c->rows[b] * c->table_stride + from, len - from, c->out + b * c->heads * dim,
+                     c->heads, kv_heads, dim, c->scale, c->span, h0, h1);
+    }
+}
+
 int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, const float *k_new, const float *v_new,
                                 int64_t new_stride, const int64_t *new_slots, CACHE_T *k_cache,
                                 CACHE_T *v_cache, float *k_scale, float *v_scale, const int32_t *req_to_token, int64_t table_stride,
@@ -212,27 +245,15 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
                                 int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window) {
     if (heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim % 16 != 0 || dim > MAX_DIM) return 1;
     if (CACHE_SCALED && (k_scale == NULL || v_scale == NULL)) return 1;
-    int64_t row_len = kv_heads * dim;
     /* tokens per span: their K and V rows in half the L2 */
-    int64_t span = l2_bytes() / 2 / (2 * row_len * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
-    if (span < BLOCK) span = BLOCK;
-    /* Work items: whole requests, or with fewer requests than threads each request's kv heads
+    int64_t span = l2_bytes() / 2 / (2 * kv_heads * dim * (int64_t)sizeof(CACHE_T)) / BLOCK * BLOCK;
+    /* Items: whole requests, or with fewer requests than threads each request's kv heads
      * one by one (their query heads, and the new token's K/V of those heads, are theirs alone). */
-    int64_t parts = batch < omp_get_max_threads() ? kv_heads : 1, items = batch * parts;
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
-    for (int64_t item = 0; item < items; item++) {
-        int64_t b = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
-        if (new_slots != NULL) {
-            int64_t at = new_slots[b] * row_len + h0 * dim, scale_at = new_slots[b] * kv_heads + h0;
-            NAME(store)(k_cache + at, k_scale ? k_scale + scale_at : NULL, k_new + b * new_stride + h0 * dim, h1 - h0,
-                        dim);
-            NAME(store)(v_cache + at, v_scale ? v_scale + scale_at : NULL, v_new + b * new_stride + h0 * dim, h1 - h0,
-                        dim);
-        }
-        /* a sliding window reads only the last `window` tokens: the tail of the row */
-        int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
-        NAME(attend)(q + b * q_stride, k_cache, v_cache, k_scale, v_scale, req_to_token + rows[b] * table_stride + first,
-                     seq_lens[b] - first, out + b * heads * dim, heads, kv_heads, dim, scale, span, h0, h1);
-    }
+    int threads = task_threads();
+    int64_t parts = batch < threads ? kv_heads : 1;
+    NAME(call) c = {q, k_new, v_new, q_stride, new_stride, new_slots, rows, seq_lens, k_cache, v_cache, k_scale,
+                    v_scale, out, req_to_token, table_stride, heads, kv_heads, dim, window, span < BLOCK ? BLOCK : span,
+                    parts, scale};
+    share_tasks(batch * parts, 1, threads, NAME(items), &c);
     return 0;
 }
