@@ -13,6 +13,7 @@ BENCHMARKS = {
     "spec": "spruce.runtime.bench.spec",
     "kernels": "spruce.runtime.bench.kernels",
     "fairness": "spruce.runtime.bench.fairness",
+    "shapes": "spruce.runtime.bench.shapes",
 }
 
 
