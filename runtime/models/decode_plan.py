@@ -140,6 +140,23 @@ class StepArgs(ctypes.Structure):
     )
 
 
+def layout(struct: type[ctypes.Structure]) -> list[int]:
+    """The struct's size, then its fields' offsets in order."""
+    return [ctypes.sizeof(struct)] + [getattr(struct, name).offset for name, _ in struct._fields_]
+
+
+def check_layout(lib: ctypes.CDLL) -> None:
+    """Raises when StepLayer / StepArgs do not lie as cpu_decode_step.c's structs do (a field
+    added to one side only); a plan checks before it runs any step."""
+    expected = layout(StepLayer) + layout(StepArgs)
+    out = (ctypes.c_int64 * (len(expected) + 8))()
+    found = list(out[: lib.spruce_step_layout(out)])
+    if found != expected:
+        raise RuntimeError(
+            f"cpu_decode_step.c's step structs {found} differ from decode_plan's {expected}"
+        )
+
+
 def _head(model: nn.Module, kinds: PlainKinds) -> tuple[nn.Module, nn.Module] | None:
     """(final norm, output projection) when the step can end with them in C: the plain
     norm and a quantized projection without bias (tied: the embedding table); else None."""
@@ -154,6 +171,7 @@ class DecodePlan:
         c = model.config
         self.config = c
         self.lib = load_library()
+        check_layout(self.lib)
         self.qkv_width = c.q_size + 2 * c.kv_size
         self.inter = model.layers[0].mlp.down_proj.in_features
         self.head = _head(model, kinds)

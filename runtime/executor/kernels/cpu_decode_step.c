@@ -78,6 +78,26 @@ typedef struct {
     float *logits;
 } step_args;
 
+/* Where the fields of step_layer and step_args lie, for decode_plan.py's ctypes mirrors to
+ * check at load: into `out`, each struct's size and then its fields' offsets in declaration
+ * order (step_layer's, then step_args'); returns how many numbers it wrote. */
+#define LAYER_FIELDS(X) X(norm) X(eps) X(type) X(weight) X(n) X(k) X(qkv_bias) X(cos) X(sin) \
+    X(k_cache) X(v_cache) X(k_scale) X(v_scale) X(window)
+#define ARGS_FIELDS(X) X(residual) X(h) X(out) X(qkv) X(attn) X(gate_up) X(act) X(rows) X(hidden) X(q_size) \
+    X(kv_size) X(heads) X(kv_heads) X(head_dim) X(inter) X(isa) X(positions) X(slots) X(table_rows) X(seq_lens) \
+    X(table) X(table_stride) X(scale) X(cache_kind) X(kernel) X(final_norm) X(final_eps) X(head_type) X(vocab) \
+    X(head) X(logits)
+int64_t PER_ISA(spruce_step_layout)(int64_t *out) {
+    int64_t n = 0;
+    out[n++] = (int64_t)sizeof(step_layer);
+#define LAYER_OFFSET(F) out[n++] = (int64_t)offsetof(step_layer, F);
+    LAYER_FIELDS(LAYER_OFFSET)
+    out[n++] = (int64_t)sizeof(step_args);
+#define ARGS_OFFSET(F) out[n++] = (int64_t)offsetof(step_args, F);
+    ARGS_FIELDS(ARGS_OFFSET)
+    return n;
+}
+
 /* y [rows, n] = x [rows, k] @ W^T (+ bias) through the kernel the table gives W's type. */
 static int linear(const step_args *s, int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x,
                   const float *bias, float *y) {

@@ -91,6 +91,7 @@ SIGNATURES = {
     "spruce_decode_layers": [_P, _I64, _P],  # layers, count, step (decode_plan.StepLayer, StepArgs)
     # layers, count, step, steps, embedding type (-1: float32), table, ids, best
     "spruce_decode_steps": [_P, _I64, _P, _I64, _I64, _P, _P, _P],
+    "spruce_step_layout": [_P],  # out: the step structs' sizes and field offsets
 }
 # fmt: on
 SIGNATURES["spruce_decode_attention_f16"] = SIGNATURES["spruce_decode_attention_f32"]
@@ -104,7 +105,7 @@ PER_ISA_KERNELS = (
 PER_ISA_KERNELS += ("spruce_prefill_attention", "spruce_rms_norm")
 PER_ISA_KERNELS += ("spruce_silu_mul", "spruce_rotary", "spruce_gemv", "spruce_quant_gemm")
 PER_ISA_KERNELS += ("spruce_decode_layers", "spruce_argmax_rows")
-PER_ISA_KERNELS += ("spruce_decode_steps",)
+PER_ISA_KERNELS += ("spruce_decode_steps", "spruce_step_layout")
 
 _RESULT_TYPES = {  # the rest return nothing
     "spruce_decode_attention_f32": ctypes.c_int,
@@ -118,6 +119,7 @@ _RESULT_TYPES = {  # the rest return nothing
     "spruce_quant_igemm": ctypes.c_int,
     "spruce_decode_layers": ctypes.c_int,
     "spruce_decode_steps": ctypes.c_int,
+    "spruce_step_layout": _I64,
 }
 
 _library: ctypes.CDLL | None = None

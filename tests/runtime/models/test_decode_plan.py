@@ -4,12 +4,13 @@ bias; it stands aside for hooked modules and extend batches."""
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from spruce.runtime.executor.kernels import cpu_quant_ops
+from spruce.runtime.executor.kernels import cpu_library, cpu_quant_ops
 from spruce.runtime.executor.model_runner import ForwardItem, ModelRunner
 from spruce.runtime.models import decode_plan
 from spruce.runtime.models.layers import PLAIN_KINDS
@@ -176,3 +177,17 @@ def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, 
     monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
     monkeypatch.setattr(decode_plan.DecodePlan, "ends_with_head", lambda *a: False)
     assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))
+
+
+def test_step_structs_checked_against_the_c_layout(monkeypatch):
+    """The ctypes mirrors of the C step structs are checked field by field at load: a field
+    that one side lacks makes the plan refuse to run."""
+    lib = cpu_library.load_library()
+    decode_plan.check_layout(lib)  # as they are: equal
+
+    class Short(ctypes.Structure):
+        _fields_ = decode_plan.StepArgs._fields_[:-1]
+
+    monkeypatch.setattr(decode_plan, "StepArgs", Short)
+    with pytest.raises(RuntimeError, match="step structs"):
+        decode_plan.check_layout(lib)
