@@ -17,8 +17,8 @@ module has hooks (the step breakdown of `spruce bench offline` times the modules
 sees the module path). Anything else goes through the modules as before.
 
 The layer loop itself runs in C (cpu_decode_step.c: one ctypes call a step instead of nine
-a layer), except where rows share a request (speculative drafts), whose K/V the pool must
-hold before the kernel attends: there the same calls are made from Python (`run_calls`).
+a layer); rows of one request (speculative drafts) are served too, as the attention kernel
+stores every row's K/V before any row attends.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from spruce.runtime.executor.kernels import cpu_quant_ops
-from spruce.runtime.executor.kernels.cpu_attention import KERNELS, scale_pointers
+from spruce.runtime.executor.kernels.cpu_attention import scale_pointers
 from spruce.runtime.executor.kernels.cpu_library import load_library
 
 
@@ -241,8 +241,6 @@ class DecodePlan:
 
     def run(self, x: torch.Tensor, ctx, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on x [rows, hidden] (the embeddings): (last MLP output, residual)."""
-        if ctx.shared_rows:
-            return self.run_calls(x, ctx, backend)
         buffers = self._buffers(x)
         self._step(buffers, ctx, backend, None)
         residual, out = buffers[0], buffers[2]
@@ -250,13 +248,8 @@ class DecodePlan:
 
     def ends_with_head(self, ctx, logits_rows) -> bool:
         """Whether `logits` serves this step: a head the plan holds, every row's logits and
-        no hidden states wanted, no rows sharing a request."""
-        return (
-            self.head is not None
-            and logits_rows is None
-            and ctx.hidden_rows is None
-            and not ctx.shared_rows
-        )
+        no hidden states wanted."""
+        return self.head is not None and logits_rows is None and ctx.hidden_rows is None
 
     def logits(self, x: torch.Tensor, ctx, backend) -> torch.Tensor:
         """`run`, then the final norm and the output projection in the same C call: the
@@ -380,96 +373,6 @@ class DecodePlan:
             entry.k_scale, entry.v_scale = scale_pointers(pool.scales(layer))
             entry.window = backend.windows[layer] or 0
         self.cache_of = key
-
-    def run_calls(self, x: torch.Tensor, ctx, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """`run` as one call per kernel from Python: rows that share a request store their
-        K/V in the pool before attending."""
-        c, lib, rows = self.config, self.lib, x.shape[0]
-        hidden = c.hidden_size
-        residual, h, out, qkv, attn, gate_up, act = self._buffers(x)
-        p_res, p_h, p_out, p_qkv, p_attn = (t.data_ptr() for t in (residual, h, out, qkv, attn))
-        p_gate_up, p_act = gate_up.data_ptr(), act.data_ptr()
-        attention = self._attention_call(ctx, backend, qkv, p_attn)
-        positions = cpu_quant_ops.int64(ctx.positions)
-        rms_norm, rotary, linear = lib.spruce_rms_norm, lib.spruce_rotary, self._linear(rows)
-        isa = cpu_quant_ops.ISAS.index(cpu_quant_ops.best_isa())  # follows cpu_library.use_isa
-        width, heads = self.qkv_width, c.num_heads + c.num_kv_heads
-        first = True
-        for norm_args, (qkv_w, o_w, gate_up_w, down_w), bias, (cos, sin), layer in self.layers:
-            norm1, norm2, eps1, eps2 = norm_args
-            if first:  # the residual stream starts as the embeddings
-                rms_norm(p_res, None, norm1, p_h, rows, hidden, eps1)
-                first = False
-            else:
-                rms_norm(p_out, p_res, norm1, p_h, rows, hidden, eps1)
-            _check(linear(*qkv_w, p_h, rows, bias, p_qkv, isa))
-            rotary(p_qkv, width, rows, heads, c.head_dim, positions.data_ptr(), cos, sin)
-            attention(layer)
-            _check(linear(*o_w, p_attn, rows, None, p_out, isa))
-            rms_norm(p_out, p_res, norm2, p_h, rows, hidden, eps2)
-            _check(linear(*gate_up_w, p_h, rows, None, p_gate_up, isa))
-            lib.spruce_silu_mul(p_gate_up, p_act, rows, self.inter)
-            _check(linear(*down_w, p_act, rows, None, p_out, isa))
-        return out, residual
-
-    def _linear(self, rows: int):
-        """linear(type, blocks, n, k, x, rows, bias, y, isa): the kernel cpu_quant_ops.kernel
-        picks for `rows`, per weight type (only the integer GEMV takes the isa)."""
-        lib = self.lib
-        kernels = {
-            "integer": lib.spruce_quant_linear,
-            "igemm": lambda *args: lib.spruce_quant_igemm(*args[:-1]),
-            "gemm": lambda *args: lib.spruce_quant_gemm(*args[:-1]),
-        }
-        by_type = {  # by ggml type id, the kernels' first argument
-            cpu_quant_ops.QUANT_TYPES[q].ggml_id: kernels[cpu_quant_ops.kernel(q, rows)]
-            for q in self.qtypes
-        }
-        first = next(iter(by_type.values()))
-        if all(chosen is first for chosen in by_type.values()):
-            return first
-        return lambda *args: by_type[args[0]](*args)
-
-    def _attention_call(self, ctx, backend, qkv: torch.Tensor, p_attn: int):
-        """attention(layer): stores the layer's new K/V and attends (the native backend's
-        C decode kernel, called as CpuDecodeAttention calls it). Where rows share a request
-        (speculative drafts), a row reads the K/V of the rows before it, which the kernel's
-        own store (each row on its thread) would race with: the pool is written first."""
-        c, lib, rows = self.config, self.lib, qkv.shape[0]
-        group = ctx.backend_state.decode
-        table = backend.req_to_token.table
-        table_rows, seq_lens, slots = map(
-            cpu_quant_ops.int64, (group.table_rows, group.seq_lens, ctx.out_slots)
-        )
-        pool = backend.pool
-        fn = getattr(lib, KERNELS[pool.k[0].dtype])
-        p_qkv, width = qkv.data_ptr(), self.qkv_width
-        new = (p_qkv + 4 * c.q_size, p_qkv + 4 * (c.q_size + c.kv_size), width, slots.data_ptr())
-        if ctx.shared_rows:
-            k, v = qkv[:, c.q_size :].split(c.kv_size, dim=1)[:2]
-            k, v = (t.view(rows, c.num_kv_heads, c.head_dim) for t in (k, v))
-            new = (None, None, 0, None)
-        fixed = (
-            table.data_ptr(),
-            table.stride(0),
-            table_rows.data_ptr(),
-            seq_lens.data_ptr(),
-            p_attn,
-        )
-
-        # the default argument holds the tensors behind the pointers for as long as the closure
-        def attention(layer: int, _tensors=(table_rows, seq_lens, slots)) -> None:
-            if ctx.shared_rows:
-                pool.write(layer, slots, k, v)
-            failed = fn(
-                p_qkv, width, *new, pool.k[layer].data_ptr(), pool.v[layer].data_ptr(),
-                *scale_pointers(pool.scales(layer)),
-                *fixed, rows, c.num_heads, c.num_kv_heads, c.head_dim, backend.scale, backend.windows[layer] or 0,
-            )  # fmt: skip
-            if failed:
-                raise _attention_refused(c)
-
-        return attention
 
 
 def _attention_refused(c) -> ValueError:

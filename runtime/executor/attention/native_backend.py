@@ -128,7 +128,7 @@ class NativeAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer, ctx):
         state: _NativeState = ctx.backend_state
         window = self.windows[layer]
-        fused = state.all_decode and self.cpu_kernel is not None and not ctx.shared_rows
+        fused = state.all_decode and self.cpu_kernel is not None
         if fused:  # the kernel stores the new K/V itself
             return self._attend_decode(q, layer, window, state.decode, new_kv=(k, v, ctx.out_slots))
         self.pool.write(layer, ctx.out_slots, k, v)

@@ -52,10 +52,10 @@
  * as it saved); other prefetch distances and locality hints; contiguous slots against
  * decode tokens a batch apart (no difference, so the pool's allocation order does not
  * matter).
- * When given the step's new K/V, each request first stores its own token's K/V into its
- * slot (converted to the cache type), so one call replaces the pool write and the
- * attention; the new token is the last of its context, so only its own thread reads it.
- * Requests are spread over OpenMP threads, and with fewer requests than threads each
+ * When given the step's new K/V, the call first stores every row's K/V into its slot
+ * (converted to the cache type), then attends, so one call replaces the pool write and the
+ * attention, also for rows of one request (speculative drafts: each reads the ones before).
+ * Requests are spread over the threads (cpu_parallel.h), and with fewer requests than threads each
  * request's kv heads (batch 1 at 2 threads: SmolLM2's 3 kv heads go 2 + 1 instead of all on
  * one thread while the other waited; whole batch-1 decode 1.02-1.04x, alternated in one
  * process on a 2-core Zen 4 VM). Loaded into a process that runs torch, the

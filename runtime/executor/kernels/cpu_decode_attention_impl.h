@@ -217,24 +217,40 @@ typedef struct {
     float scale;
 } NAME(call);
 
-/* Items [first, end): each a request, or one kv head of a request (c->parts of them). */
-static void NAME(items)(const void *ctx, int64_t first, int64_t end, int thread) {
+/* Item `item`'s request b and its kv heads [*h0, *h1): a request, or one kv head of one
+ * (c->parts of them). */
+static inline int64_t NAME(item)(const NAME(call) *c, int64_t item, int64_t *h0, int64_t *h1) {
+    int64_t parts = c->parts;
+    *h0 = parts == 1 ? 0 : item % parts, *h1 = parts == 1 ? c->kv_heads : *h0 + 1;
+    return item / parts;
+}
+
+/* Items [first, end): their new K/V into the cache. */
+static void NAME(store_items)(const void *ctx, int64_t first, int64_t end, int thread) {
     const NAME(call) *c = ctx;
-    int64_t parts = c->parts, kv_heads = c->kv_heads, dim = c->dim, row_len = kv_heads * dim;
+    int64_t kv_heads = c->kv_heads, dim = c->dim, h0, h1;
     (void)thread;
     for (int64_t item = first; item < end; item++) {
-        int64_t b = item / parts, h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? kv_heads : h0 + 1;
-        if (c->new_slots != NULL) {
-            int64_t at = c->new_slots[b] * row_len + h0 * dim, scale_at = c->new_slots[b] * kv_heads + h0;
-            const float *k_new = c->k_new + b * c->new_stride + h0 * dim, *v_new = c->v_new + b * c->new_stride + h0 * dim;
-            NAME(store)(c->k_cache + at, c->k_scale ? c->k_scale + scale_at : NULL, k_new, h1 - h0, dim);
-            NAME(store)(c->v_cache + at, c->v_scale ? c->v_scale + scale_at : NULL, v_new, h1 - h0, dim);
-        }
+        int64_t b = NAME(item)(c, item, &h0, &h1);
+        int64_t at = c->new_slots[b] * kv_heads * dim + h0 * dim, scale_at = c->new_slots[b] * kv_heads + h0;
+        const float *k_new = c->k_new + b * c->new_stride + h0 * dim, *v_new = c->v_new + b * c->new_stride + h0 * dim;
+        NAME(store)(c->k_cache + at, c->k_scale ? c->k_scale + scale_at : NULL, k_new, h1 - h0, dim);
+        NAME(store)(c->v_cache + at, c->v_scale ? c->v_scale + scale_at : NULL, v_new, h1 - h0, dim);
+    }
+}
+
+/* Items [first, end): their attention. */
+static void NAME(attend_items)(const void *ctx, int64_t first, int64_t end, int thread) {
+    const NAME(call) *c = ctx;
+    int64_t dim = c->dim, h0, h1;
+    (void)thread;
+    for (int64_t item = first; item < end; item++) {
+        int64_t b = NAME(item)(c, item, &h0, &h1);
         /* a sliding window reads only the last `window` tokens: the tail of the row */
         int64_t len = c->seq_lens[b], from = c->window > 0 && len > c->window ? len - c->window : 0;
         NAME(attend)(c->q + b * c->q_stride, c->k_cache, c->v_cache, c->k_scale, c->v_scale,
                      c->req_to_token + c->rows[b] * c->table_stride + from, len - from, c->out + b * c->heads * dim,
-                     c->heads, kv_heads, dim, c->scale, c->span, h0, h1);
+                     c->heads, c->kv_heads, dim, c->scale, c->span, h0, h1);
     }
 }
 
@@ -254,6 +270,8 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
     NAME(call) c = {q, k_new, v_new, q_stride, new_stride, new_slots, rows, seq_lens, k_cache, v_cache, k_scale,
                     v_scale, out, req_to_token, table_stride, heads, kv_heads, dim, window, span < BLOCK ? BLOCK : span,
                     parts, scale};
-    share_tasks(batch * parts, 1, threads, NAME(items), &c);
+    /* every new K/V first: rows of one request (drafts) read the ones before them */
+    if (new_slots != NULL) share_tasks(batch * parts, 1, threads, NAME(store_items), &c);
+    share_tasks(batch * parts, 1, threads, NAME(attend_items), &c);
     return 0;
 }

@@ -5,7 +5,6 @@ bias; it stands aside for hooked modules and extend batches."""
 from __future__ import annotations
 
 import ctypes
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,31 +125,6 @@ def test_head_in_c_only_for_the_plain_norm_and_a_quantized_head_without_bias(tin
     assert decode_plan.build(model, PLAIN_KINDS).head is None  # the layers still planned
 
 
-def test_each_weight_type_takes_its_own_kernel_for_the_rows():
-    """A model whose layers mix formats (Q4_K_M files: Q4_K and Q6_K next to 32-value
-    blocks) takes the kernel cpu_quant_ops.kernel picks per layer, by that format's limits."""
-    calls = []
-    plan = decode_plan.DecodePlan.__new__(decode_plan.DecodePlan)
-    plan.lib = SimpleNamespace(
-        spruce_quant_linear=lambda *args: calls.append(("integer", args)) or 0,
-        spruce_quant_igemm=lambda *args: calls.append(("igemm", args)) or 0,
-        spruce_quant_gemm=lambda *args: calls.append(("gemm", args)) or 0,
-    )
-    q4_1, q4_k = (cpu_quant_ops.QUANT_TYPES[name].ggml_id for name in ("q4_1", "q4_k"))
-    plan.qtypes = {"q4_1", "q4_k"}
-    for rows in (cpu_quant_ops.K_INTEGER_MAX_ROWS + 1, 64):
-        calls.clear()
-        linear = plan._linear(rows)
-        for kind in (q4_1, q4_k):
-            linear(kind, 0, 64, 32, 0, rows, None, 0, 1)
-        expected = [cpu_quant_ops.kernel("q4_1", rows), "gemm"]
-        assert [name for name, _ in calls] == expected
-        assert [len(args) for _, args in calls] == [9 if expected[0] == "integer" else 8, 8]
-    calls.clear()
-    plan._linear(1)(q4_k, 0, 64, 32, 0, 1, None, 0, 1)
-    assert [name for name, _ in calls] == ["integer"]
-
-
 def test_kernel_table_follows_each_weight_type():
     """The C loop's table by ggml type id holds cpu_quant_ops.kernel's choice per format."""
     plan = decode_plan.DecodePlan.__new__(decode_plan.DecodePlan)
@@ -162,21 +136,6 @@ def test_kernel_table_follows_each_weight_type():
         for name, kind in (("q4_1", q4_1), ("q4_k", q4_k)):
             assert codes[kind] == decode_plan.KERNEL_CODES[cpu_quant_ops.kernel(name, rows)]
         assert plan._kernel_codes(rows, isa) is codes  # built once per row count
-
-
-@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-@pytest.mark.parametrize(
-    "requests,kv_dtype", [(1, torch.float32), (3, torch.float16), (MANY, torch.int8)]
-)
-def test_loop_in_c_equals_calls_from_python(tiny_qwen2_dir, monkeypatch, qtype, requests, kv_dtype):
-    """cpu_decode_step.c makes the same kernel calls as `run_calls` (and, ending with the
-    head, as the model's final norm and output projection), bit for bit."""
-    loaded = load_model(str(tiny_qwen2_dir), quantization=qtype)
-    prompts = [[3 + i, 40 + i, 77, 12 + 5 * i][: 2 + i] for i in range(requests)]
-    in_c = decode(loaded, prompts, 5, kv_dtype)
-    monkeypatch.setattr(decode_plan.DecodePlan, "run", decode_plan.DecodePlan.run_calls)
-    monkeypatch.setattr(decode_plan.DecodePlan, "ends_with_head", lambda *a: False)
-    assert torch.equal(in_c, decode(loaded, prompts, 5, kv_dtype))
 
 
 def test_step_structs_checked_against_the_c_layout(monkeypatch):
