@@ -1,5 +1,6 @@
 """llama.cpp's own benchmarks on the same GGUF file, for same-run ratios: `llama-bench`
-(tg128 batch-1 decode at each thread count asked for, pp512 prefill) and
+(tg128 batch-1 decode at each thread count asked for and after a long prompt, pp512
+prefill) and
 `llama-batched-bench` (sequences of 128 prompt + 128 generated tokens), and `llama-server`
 for request-level comparisons (speculative decoding). `extra` holds arguments for the tools,
 e.g. `-nr` (no weight repacking: llama.cpp's AMX repack crashes in some VMs), which each
@@ -46,6 +47,15 @@ def llama_singles(tool: str, model: str, threads: list[int], extra: str = "") ->
     rows = llama_bench(tool, model, [most], ["-p", "512", "-n", "0"], extra)
     prefill = (row["avg_ts"] for row in rows if row["n_prompt"] and row["n_threads"] == most)
     return out | {"pp512": next(prefill)}
+
+
+def llama_depth(tool: str, model: str, threads: int, depth: int, extra: str = "") -> float:
+    """tokens/s of batch-1 decode (tg128) after `depth` tokens in the context (llama-bench's
+    -d), the mean of 2 repetitions (each fills the context again)."""
+    rows = llama_bench(
+        tool, model, [threads], ["-p", "0", "-n", "128", "-d", str(depth), "-r", "2"], extra
+    )
+    return next(row["avg_ts"] for row in rows if row["n_gen"])
 
 
 def llama_bench(tool: str, model: str, threads: list[int], test: list[str], extra: str) -> list:
@@ -110,6 +120,10 @@ def table_rows(threads: int) -> list[tuple[str, str]]:
         ("tg128_t1", "batch-1 decode (tg128), 1 thread"),
         ("tg128", f"batch-1 decode (tg128), {threads} threads"),
         ("pp512", "prefill, 512-token prompt (pp512)"),
+        (
+            "tg128_d4096",
+            f"batch-1 decode after a 4096-token prompt (tg128 @ d4096), {threads} threads",
+        ),
         *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
         *(
             (f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated")

@@ -5,14 +5,17 @@ batch, that step against the model's bare matrix multiplications for the batch (
 pairs, see step_over_matmuls), batch-1 decode tokens/s and the prefill tokens/s of one long
 prompt (means of 5 runs). `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
-`--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128 at 1 and N threads, pp512) and
-`llama-batched-bench` (16 and 64 sequences of 128 prompt + 128 generated tokens) on the same
-GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
+`--model-shape 1b|8b --quant Q4_0|Q4_K|...` runs on random weights in a real model's shape
+(bench/shapes.py: written into the cache when missing).
+`--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128 at 1 and N threads and after a
+4096-token prompt, pp512) and `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128
+generated tokens) on the same GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
 workloads through Spruce, and prints the ratios in one table with the thread wait policy in
 use; the batch-1 and prefill rows are the median of `--compare-rounds` rounds that run both
 engines back to back (bench.alternating_rounds), and Spruce's batch-1 is also timed there
-with one decode step a call. Without the binaries (on PATH or in --llama-cpp-bin) it says
-so and skips them.
+with one decode step a call. It also measures the memory bandwidth (bench/bandwidth.py) and
+prints batch-1 decode as a share of it. Without the binaries (on PATH or in
+--llama-cpp-bin) it says so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
@@ -31,6 +34,7 @@ import time
 import torch
 
 from spruce.runtime.bench import alternating_rounds, write_json
+from spruce.runtime.bench.bandwidth import decode_bytes_per_token, memory_bandwidth
 from spruce.runtime.bench.breakdown import (
     bare_matmul_seconds,
     one_step_a_call,
@@ -42,11 +46,14 @@ from spruce.runtime.bench.llama_cpp import (
     PARALLEL,
     llama_batched,
     llama_cpp_tools,
+    llama_depth,
     llama_singles,
     run_llama_cpp,
     table_rows,
 )
+from spruce.runtime.bench.shapes import add_shape_arguments, model_file
 from spruce.runtime.config import wait_policy
+from spruce.runtime.errors import SpruceError
 
 USES_ENGINE = True
 
@@ -82,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", default=None, metavar="FILE.png", help="chart tokens/s vs parallel sequences"
     )
     parser.add_argument("--output-json", default=None)
+    add_shape_arguments(parser)
 
 
 def synthetic_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -235,6 +243,10 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     from spruce.runtime.engine.offline import Engine
     from spruce.runtime.models.loading.loader import load_model
 
+    if args.model_shape:
+        if "model_path" in engine_options:
+            raise SpruceError("give --model or --model-shape, not both")
+        engine_options = engine_options | {"model_path": model_file(args.model_shape, args.quant)}
     config = EngineConfig.from_options(**engine_options)
     model = config.model
     loaded = load_model(
@@ -371,6 +383,8 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
         args.compare_rounds,
     )
     ours, theirs = ours | medians(ours_runs), theirs | medians(theirs_runs)
+    ours["tg128_d4096"] = depth_decode(engine, tokenizer)
+    theirs["tg128_d4096"] = llama_depth(tools[0], path, threads, DEPTH, args.llama_cpp_args)
     steps = engine.core.scheduler.decode_steps
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy(),
                            "decode_steps": steps}  # fmt: skip
@@ -395,6 +409,42 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
             print(
                 f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |"
             )
+    result["llama_cpp"]["bandwidth"] = print_bandwidth(
+        path, threads, ours["tg128"], theirs["tg128"]
+    )
+
+
+def print_bandwidth(path: str, threads: int, ours: float, theirs: float) -> dict:
+    """The memory bandwidth measured now and batch-1 decode (tokens/s) as a share of it."""
+    bandwidth, per_token = memory_bandwidth(threads), decode_bytes_per_token(path)
+    shares = {"Spruce": per_token * ours / bandwidth, "llama.cpp": per_token * theirs / bandwidth}
+    print(
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB, {threads} threads, best "
+        f"of 5); a decode step reads {per_token / 1e9:.2f} GB of weights; batch-1 decode uses "
+        + ", ".join(f"{name} {share:.0%}" for name, share in shares.items())
+        + " of the bandwidth"
+    )
+    return {"bytes_per_s": bandwidth, "weight_bytes_per_token": per_token, "share": shares}
+
+
+DEPTH = 4096  # the long-context row: batch-1 decode after a prompt this long
+
+
+def depth_decode(engine, tokenizer, repetitions: int = 2) -> float:
+    """Batch-1 decode tokens/s after a DEPTH-token prompt, as llama-bench's tg128 at -d 4096:
+    the decode steps' own seconds (the step log), the mean of `repetitions` generations of
+    DECODE_STEPS tokens; after the first, the prompt comes from the prefix cache."""
+    prompt = synthetic_prompts(tokenizer, 1, DEPTH, DEPTH, seed=DEPTH)
+    params = {"max_new_tokens": DECODE_STEPS + 1, "temperature": 0, "ignore_eos": True}
+    engine.flush_cache()
+    rates = []
+    for _ in range(repetitions):
+        engine.core.step_log = []
+        engine.generate(input_ids=prompt, sampling_params=params)
+        steps = [step for step in engine.core.step_log if step.all_decode]
+        engine.core.step_log = None
+        rates.append(sum(s.steps for s in steps) / sum(s.seconds * s.steps for s in steps))
+    return statistics.mean(rates)
 
 
 def measure_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:

@@ -18,6 +18,7 @@ import torch
 from spruce.runtime.bench import alternating_rounds, llama_cpp, offline
 from spruce.runtime.bench.llama_cpp import (
     llama_cpp_tools,
+    llama_depth,
     llama_singles,
     run_llama_cpp,
     table_rows,
@@ -49,16 +50,21 @@ def tool(folder, name: str, output: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
+DEPTH_ROW = {"n_prompt": 0, "n_gen": 128, "n_depth": 4096, "n_threads": 2, "avg_ts": 33.0}
+
+
 def bench_tool(folder) -> None:
-    """A llama-bench that prints the rows of the test it is asked for (-p 512 or -n 128)."""
+    """A llama-bench that prints the rows of the test it is asked for (-p 512, -n 128 or -d
+    4096); each call's arguments are appended to llama-bench.args, one line a call."""
     prefill = json.dumps([r for r in BENCH if r["n_prompt"]])
     decode = json.dumps([r for r in BENCH if r["n_gen"]])
     path = folder / "llama-bench"
     log = folder / "llama-bench.args"
     path.write_text(
         f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\n"
-        f"open({str(log)!r}, 'w').write(' '.join(args))\n"
-        f"print({prefill!r} if args[args.index('-p') + 1] == '512' else {decode!r})\n"
+        f"open({str(log)!r}, 'a').write(' '.join(args) + '\\n')\n"
+        f"if '-d' in args:\n    print({json.dumps([DEPTH_ROW])!r})\n"
+        f"else:\n    print({prefill!r} if args[args.index('-p') + 1] == '512' else {decode!r})\n"
     )
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
@@ -80,10 +86,14 @@ def test_thread_rows_and_extra_arguments(tmp_path):
         llama_cpp.llama_bench = real
     assert singles == {"tg128_t1": 40.0, "tg128_t2": 70.0, "tg128": 70.0, "pp512": 190.0}
     assert calls == [([1, 2], ["-p", "0", "-n", "128"]), ([2], ["-p", "512", "-n", "0"])]
-    bench_args = (tmp_path / "llama-bench.args").read_text().split()
+    bench_args = (tmp_path / "llama-bench.args").read_text().splitlines()[-1].split()
     assert bench_args[bench_args.index("-t") + 1] == "2"  # prefill at the largest count
     assert bench_args[-2:] == ["--repack", "0"]  # llama-bench's spelling of no repacking
-    assert {key for key, _ in table_rows(2)} <= set(out) | set(singles)
+    assert llama_depth(tools[0], "m.gguf", 2, 4096, "-nr") == 33.0
+    depth_args = (tmp_path / "llama-bench.args").read_text().splitlines()[-1].split()
+    assert depth_args[depth_args.index("-d") + 1] == "4096" and depth_args[-2:] == ["--repack", "0"]
+    depth = {"tg128_d4096": 33.0}
+    assert {key for key, _ in table_rows(2)} <= set(out) | set(singles) | set(depth)
     assert llama_cpp_tools(str(tmp_path / "none")) is None
 
 
@@ -211,21 +221,17 @@ def test_spec_rows_on_two_llama_servers(tmp_path):
             assert s.connect_ex(("127.0.0.1", int(url.rsplit(":", 1)[1]))) != 0
 
 
-def test_fixed_thread_probes_set_the_governor_aside_and_restore_it(monkeypatch):
-    """tg128 at 1 and N threads and pp512 at N run at exactly that count: no governor acts
-    meanwhile (it could take the 1-thread probe back to all threads); afterwards both are
-    as they were. The 1-thread round skips the prefill probe; a third probe decodes one
-    step a call (the same engine without multi-step calls), then decode_steps is back."""
+def test_fixed_thread_probes_run_at_their_thread_count_and_restore_it(monkeypatch):
+    """tg128 at 1 and N threads and pp512 at N run at exactly that count; afterwards the
+    count is as it was. The 1-thread round skips the prefill probe; a third probe decodes
+    one step a call (the same engine without multi-step calls), then decode_steps is back."""
     seen = []
-    governor = object()
     scheduler = SimpleNamespace(decode_steps=8)
-    engine = SimpleNamespace(core=SimpleNamespace(governor=governor, scheduler=scheduler))
+    engine = SimpleNamespace(core=SimpleNamespace(scheduler=scheduler))
 
     def probe(engine_, tokenizer, with_prefill):
         core = engine_.core
-        seen.append(
-            (torch.get_num_threads(), core.governor, with_prefill, core.scheduler.decode_steps)
-        )
+        seen.append((torch.get_num_threads(), with_prefill, core.scheduler.decode_steps))
         rates = {
             "batch1_decode_tokens_per_s": 10.0 * torch.get_num_threads()
             + core.scheduler.decode_steps
@@ -240,6 +246,6 @@ def test_fixed_thread_probes_set_the_governor_aside_and_restore_it(monkeypatch):
         "pp512": 9.0,
         "tg128_one_step": 21.0,
     }
-    assert seen == [(1, None, False, 8), (2, None, True, 8), (2, None, False, 1)]
-    assert torch.get_num_threads() == before and engine.core.governor is governor
+    assert seen == [(1, False, 8), (2, True, 8), (2, False, 1)]
+    assert torch.get_num_threads() == before
     assert scheduler.decode_steps == 8
