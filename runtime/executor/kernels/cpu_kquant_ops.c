@@ -1,6 +1,7 @@
 /* The K formats of llama.cpp on quantized-weight linear layers: super-blocks of 256 values
  * read as 8 groups of 32, each group against one 16-bit activation block (cpu_quant_ops.c
- * quantizes the activations and runs the row loop; this file reads one weight row).
+ * quantizes the activations and shares the weight rows among threads; this file's kernels
+ * read four weight rows at a time, or one).
  *
  *   Q4_K  fp16 d, dmin; 8 six-bit scales sc_j and mins m_j packed in 12 bytes; 4-bit q.
  *         w = d sc_j q - dmin m_j, so a group adds dx (d sc_j sum(q qx) - dmin m_j sx).
@@ -11,8 +12,8 @@
  *         qh). w = d sc q, so a group adds dx d (sc_a sum_lo(q qx) + sc_b sum_hi(q qx)).
  *
  * The integer dot products are exact (int32 lanes); the scales apply in float. Every
- * group's values become 32 signed bytes, so the dot products are the 32-value formats'
- * (cpu_quant.h), on each instruction set. */
+ * group's values become 32 values widened to 16 bits, so the dot products are the 32-value
+ * formats' (cpu_quant.h), on each instruction set. */
 #include "cpu_quant.h"
 
 #define GROUPS (QK_K / QK)
@@ -103,24 +104,28 @@ void kquant_row_scalar(int64_t type, const uint8_t *w, const activations *a, flo
 }
 
 #if defined(__x86_64__)
+/* Groups 4 half .. 4 half + 3 of a Q6_K super-block as 32 signed bytes each: the low or
+ * high nibbles of ql's two chunks, bits 2 part of qh moved to bits 4-5, less 32. */
+TARGET_AVX2 static inline void k6_half_avx2(const uint8_t *block, int half, __m256i q[4]) {
+    const block_q6_k *b = (const block_q6_k *)block;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half));
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half + 32));
+    __m256i h = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * half));
+    __m256i nibbles[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                          _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+    __m256i top[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
+    for (int part = 0; part < 4; part++)
+        q[part] = _mm256_sub_epi8(_mm256_or_si256(nibbles[part], _mm256_and_si256(top[part], top2)), _mm256_set1_epi8(32));
+}
+
 /* A super-block's 8 groups as 32 signed bytes each, on whole registers. */
 TARGET_AVX2 static inline void k_values_avx2(int64_t type, const uint8_t *block, __m256i q[GROUPS]) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     if (type == TYPE_Q6_K) {
-        const block_q6_k *b = (const block_q6_k *)block;
-        for (int half = 0; half < 2; half++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half + 32));
-            __m256i h = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * half));
-            __m256i nibbles[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
-                                  _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                  _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
-            __m256i top[4] = {h, _mm256_srli_epi16(h, 2), _mm256_srli_epi16(h, 4), _mm256_srli_epi16(h, 6)};
-            for (int part = 0; part < 4; part++) {
-                __m256i high = _mm256_slli_epi16(_mm256_and_si256(top[part], _mm256_set1_epi8(3)), 4);
-                q[4 * half + part] = _mm256_sub_epi8(_mm256_or_si256(nibbles[part], high), _mm256_set1_epi8(32));
-            }
-        }
+        k6_half_avx2(block, 0, q);
+        k6_half_avx2(block, 1, q + 4);
         return;
     }
     const uint8_t *qs = (type == TYPE_Q4_K ? ((const block_q4_k *)block)->qs : ((const block_q5_k *)block)->qs);
@@ -159,48 +164,147 @@ TARGET_AVX2 void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int6
     }
 }
 
-/* The row loop, once per instruction set (DOT_HALVES from cpu_quant.h), its body
- * instantiated per row count (constant: the accumulators stay in registers). */
-#define KQUANT_ROW(NAME, TARGET, DOT_HALVES)                                                             \
-    TARGET static inline __attribute__((always_inline)) void NAME##_body(                                \
-        int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t rows) {          \
-        int64_t nb = a->k / QK;                                                                          \
-        __m256 acc[MAX_ROWS];                                                                            \
-        float extra[MAX_ROWS] = {0};                                                                     \
-        for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();                             \
+/* A super-block's scales for one weight row over its 8 groups, in float lanes: Q4_K / Q5_K
+ * d sc_g in *lo (both halves of a group) and -dmin m_g in *mins; Q6_K d sc_2g in *lo
+ * (values 0..15 of group g) and d sc_2g+1 in *hi (values 16..31). The six-bit scales and
+ * mins are unpacked four at a time in 32-bit words (llama.cpp's kmask steps). */
+TARGET_AVX2 static inline void k_scales_avx2(int64_t type, const uint8_t *block, __m256 *lo, __m256 *hi,
+                                             __m256 *mins) {
+    if (type == TYPE_Q6_K) {
+        const block_q6_k *b = (const block_q6_k *)block;
+        __m128i sc = _mm_loadu_si128((const __m128i *)b->scales);
+        sc = _mm_shuffle_epi8(sc, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        return;
+    }
+    const block_q4_k *b = (const block_q4_k *)block; /* Q5_K starts alike */
+    uint32_t u[3], sc[2], m[2];
+    memcpy(u, b->scales, 12);
+    sc[0] = u[0] & 0x3f3f3f3f, m[0] = u[1] & 0x3f3f3f3f;
+    sc[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    m[1] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    __m128i scales = _mm_set_epi32(0, 0, (int)sc[1], (int)sc[0]), mins8 = _mm_set_epi32(0, 0, (int)m[1], (int)m[0]);
+    *lo = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(b->d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales)));
+    *mins = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(b->dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins8)));
+    *hi = *lo;
+}
+
+/* Group g of a Q4_K / Q5_K super-block widened to 16 bits: values 0..15 in *lo, 16..31 in
+ * *hi. The bytes are zero-extended into 16-bit lanes whose low nibble is group 2c's value
+ * and high nibble group 2c + 1's (chunk c = g / 2). */
+TARGET_AVX2 static inline void k4_group16(int64_t type, const uint8_t *block, int g, __m256i *lo, __m256i *hi) {
+    const uint8_t *qs = (type == TYPE_Q4_K ? ((const block_q4_k *)block)->qs : ((const block_q5_k *)block)->qs);
+    __m256i v[2];
+    for (int h = 0; h < 2; h++) {
+        v[h] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 32 * (g / 2) + 16 * h)));
+        v[h] = g % 2 ? _mm256_srli_epi16(v[h], 4) : _mm256_and_si256(v[h], _mm256_set1_epi16(0x0f));
+        if (type == TYPE_Q5_K) { /* bit g of qh[l] -> bit 4 */
+            __m256i qh = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(((const block_q5_k *)block)->qh + 16 * h)));
+            qh = g < 4 ? _mm256_slli_epi16(qh, 4 - g) : _mm256_srli_epi16(qh, g - 4);
+            v[h] = _mm256_or_si256(v[h], _mm256_and_si256(qh, _mm256_set1_epi16(0x10)));
+        }
+    }
+    *lo = v[0], *hi = v[1];
+}
+
+/* Weight rows (WROWS: 1, or 4 at `stride` bytes) of a K format against ROWS activation rows,
+ * both constants: out[r * MAX_ROWS + m]. Per super-block and weight row the scales become
+ * float lanes once (k_scales_avx2) and meet each activation row's 8 group scales dx in one
+ * multiply; each group's exact integer dot then takes one multiply-add (Q6_K, a scale per 16
+ * values: a multiply and a multiply-add summed into the row's accumulator), and Q4_K /
+ * Q5_K's mins one per super-block against dx sx. The loops go group by group over the weight
+ * rows, so the 4 x ROWS accumulators are independent chains in flight together. Every
+ * (weight row, activation row) pair runs the same operations in the same order whatever
+ * WROWS and ROWS, so a row's result does not depend on the tile it was computed in. Each
+ * super-block step prefetches its share of the four rows 8 rows ahead (the region of four
+ * rows is contiguous: a step's share is four super-blocks). */
+#define KQUANT_TILE(ISA, TARGET, DOT_HALVES)                                                             \
+    TARGET static inline __attribute__((always_inline)) void kquant_##ISA##_body(                       \
+        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride,    \
+        const int WROWS, const int ROWS) {                                                               \
+        const int64_t nb = a->k / QK, bytes = block_bytes(type);                                         \
+        __m256 acc[4][MAX_ROWS];                                                                         \
+        for (int r = 0; r < WROWS; r++)                                                                  \
+            for (int m = 0; m < ROWS; m++) acc[r][m] = _mm256_setzero_ps();                              \
         for (int64_t sb = 0; sb < a->k / QK_K; sb++) {                                                   \
-            const uint8_t *block = w + sb * block_bytes(type);                                           \
-            float scale[GROUPS][2], offset[GROUPS];                                                      \
-            __m256i q[GROUPS];                                                                           \
-            k_scales(type, block, scale, offset);                                                        \
-            k_values_avx2(type, block, q);                                                               \
-            for (int g = 0; g < GROUPS; g++) {                                                           \
-                int64_t b = sb * GROUPS + g;                                                             \
-                __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[g]));                       \
-                __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[g], 1));                  \
-                for (int64_t m = 0; m < rows; m++) {                                                     \
-                    float d = a->dx[m * nb + b];                                                         \
-                    __m256i lo, hi;                                                                      \
-                    DOT_HALVES(w_lo, w_hi, a->qx + m * a->k + b * QK, &lo, &hi);                         \
+            if (WROWS == 4) {                                                                            \
+                const char *ahead = (const char *)w + 8 * stride + sb * 4 * bytes;                       \
+                for (int64_t line = 0; line < 4 * bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0); \
+            }                                                                                            \
+            const uint8_t *block[4];                                                                     \
+            _Alignas(32) float s_lo[4][MAX_ROWS][GROUPS], s_hi[4][MAX_ROWS][GROUPS];                     \
+            _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                    \
+                block[r] = w + r * stride + sb * bytes;                                                  \
+                __m256 scale_lo, scale_hi, mins;                                                         \
+                k_scales_avx2(type, block[r], &scale_lo, &scale_hi, &mins);                              \
+                for (int m = 0; m < ROWS; m++) {                                                         \
+                    __m256 dx = _mm256_loadu_ps(a->dx + m * nb + sb * GROUPS);                           \
+                    _mm256_store_ps(s_lo[r][m], _mm256_mul_ps(scale_lo, dx));                            \
                     if (type == TYPE_Q6_K) {                                                             \
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(scale[g][0] * d), acc[m]); \
-                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(scale[g][1] * d), acc[m]); \
+                        _mm256_store_ps(s_hi[r][m], _mm256_mul_ps(scale_hi, dx));                        \
                     } else {                                                                             \
+                        __m256 dxsx = _mm256_mul_ps(dx, _mm256_loadu_ps(a->sx + m * nb + sb * GROUPS));  \
+                        acc[r][m] = _mm256_fmadd_ps(mins, dxsx, acc[r][m]);                              \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+            const int16_t *x = a->qx + sb * QK_K;                                                        \
+            if (type == TYPE_Q6_K) {                                                                     \
+                _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                           \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                            \
+                        __m256i q[4];                                                                    \
+                        k6_half_avx2(block[r], half, q);                                                 \
+                        _Pragma("GCC unroll 4") for (int part = 0; part < 4; part++) {                   \
+                            int g = 4 * half + part;                                                     \
+                            __m256i w_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q[part]));        \
+                            __m256i w_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q[part], 1));   \
+                            for (int m = 0; m < ROWS; m++) {                                             \
+                                __m256i lo, hi;                                                          \
+                                DOT_HALVES(w_lo, w_hi, x + m * a->k + g * QK, &lo, &hi);                 \
+                                __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_broadcast_ss(&s_lo[r][m][g])); \
+                                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_broadcast_ss(&s_hi[r][m][g]), t); \
+                                acc[r][m] = _mm256_add_ps(acc[r][m], t);                                 \
+                            }                                                                            \
+                        }                                                                                \
+                    }                                                                                    \
+                }                                                                                        \
+                continue;                                                                                \
+            }                                                                                            \
+            _Pragma("GCC unroll 8") for (int g = 0; g < GROUPS; g++) {                                   \
+                _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                \
+                    __m256i w_lo, w_hi;                                                                  \
+                    k4_group16(type, block[r], g, &w_lo, &w_hi);                                         \
+                    for (int m = 0; m < ROWS; m++) {                                                     \
+                        __m256i lo, hi;                                                                  \
+                        DOT_HALVES(w_lo, w_hi, x + m * a->k + g * QK, &lo, &hi);                         \
                         __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));                       \
-                        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scale[g][0] * d), acc[m]);          \
-                        extra[m] += offset[g] * d * a->sx[m * nb + b];                                   \
+                        acc[r][m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&s_lo[r][m][g]), acc[r][m]); \
                     }                                                                                    \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int64_t m = 0; m < rows; m++) out[m] = hsum8(acc[m]) + extra[m];                            \
+        for (int r = 0; r < WROWS; r++)                                                                  \
+            for (int m = 0; m < ROWS; m++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]);                     \
     }                                                                                                    \
-    TARGET void NAME(int64_t type, const uint8_t *w, const activations *a, float *out) {                 \
-        CALL_ROWS(NAME##_body, type, a->rows, w, a, out)                                                 \
+    TARGET static inline __attribute__((always_inline)) void kquant_##ISA##_types(                               \
+        int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride, const int WROWS, \
+        const int ROWS) {                                                                                \
+        switch (type) {                                                                                  \
+        case TYPE_Q4_K: kquant_##ISA##_body(TYPE_Q4_K, w, a, out, stride, WROWS, ROWS); return;                 \
+        case TYPE_Q5_K: kquant_##ISA##_body(TYPE_Q5_K, w, a, out, stride, WROWS, ROWS); return;                 \
+        default: kquant_##ISA##_body(TYPE_Q6_K, w, a, out, stride, WROWS, ROWS); return;                        \
+        }                                                                                                \
     }
 
-KQUANT_ROW(kquant_row_avx2, TARGET_AVX2, dot_halves_avx2)
-KQUANT_ROW(kquant_row_vnni, TARGET_VNNI, dot_halves_vnni)
+KQUANT_TILE(avx2, TARGET_AVX2, dot_halves_avx2)
+KQUANT_TILE(vnni, TARGET_VNNI, dot_halves_vnni)
+
+ROW_KERNEL(TARGET_AVX2 void kquant_row_avx2, kquant_avx2_types)
+ROW_KERNEL(TARGET_VNNI void kquant_row_vnni, kquant_vnni_types)
+TILE4_KERNEL(TARGET_AVX2 void kquant_tile4_avx2, kquant_avx2_types, 2)
+TILE4_KERNEL(TARGET_VNNI void kquant_tile4_vnni, kquant_vnni_types, 4)
 #else
 void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out) {
     kquant_dequantize_row(type, w, k, out);

@@ -77,27 +77,43 @@ typedef struct {
 
 typedef void (*row_fn)(int64_t type, const uint8_t *w, const activations *a, float *out);
 
-/* Calls BODY(type, w, a, out, rows) with type and rows (1..MAX_ROWS) as constants. */
-#define CALL_ROWS(BODY, T, ROWS, ...)                                                                \
-    switch (ROWS) {                                                                                   \
-    case 1: BODY(T, __VA_ARGS__, 1); return;                                                          \
-    case 2: BODY(T, __VA_ARGS__, 2); return;                                                          \
-    case 3: BODY(T, __VA_ARGS__, 3); return;                                                          \
-    default: BODY(T, __VA_ARGS__, 4); return;                                                         \
+/* The SIMD kernels' entry points from one body per format family, TYPES(type, w, a, out,
+ * stride, WROWS, ROWS), whose weight-row count WROWS and activation-row count ROWS are
+ * constants (the accumulators stay in registers). ROW_KERNEL: one weight row against the
+ * activation rows, out[m]. TILE4_KERNEL: four weight rows at `stride` bytes against the
+ * activation rows, at most TILE_ROWS of them at a time (the registers: 16 ymm on AVX2, 32
+ * with AVX-512VL), out[r * MAX_ROWS + m]. DECL is the function's attributes and name. */
+#define ROW_KERNEL(DECL, TYPES)                                                                       \
+    DECL(int64_t type, const uint8_t *w, const activations *a, float *out) {                          \
+        switch (a->rows) {                                                                            \
+        case 1: TYPES(type, w, a, out, 0, 1, 1); return;                                              \
+        case 2: TYPES(type, w, a, out, 0, 1, 2); return;                                              \
+        case 3: TYPES(type, w, a, out, 0, 1, 3); return;                                              \
+        default: TYPES(type, w, a, out, 0, 1, 4); return;                                             \
+        }                                                                                             \
     }
-#define SWITCH_TYPE_ROWS(BODY, TYPE, ROWS, ...)                                                      \
-    switch (TYPE) {                                                                                   \
-    case TYPE_Q8_0: CALL_ROWS(BODY, TYPE_Q8_0, ROWS, __VA_ARGS__)                                     \
-    case TYPE_Q4_0: CALL_ROWS(BODY, TYPE_Q4_0, ROWS, __VA_ARGS__)                                     \
-    default: CALL_ROWS(BODY, TYPE_Q4_1, ROWS, __VA_ARGS__)                                            \
+#define TILE4_KERNEL(DECL, TYPES, TILE_ROWS)                                                          \
+    DECL(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride) {          \
+        for (int64_t first = 0; first < a->rows; first += TILE_ROWS) {                                \
+            int64_t nb = a->k / QK, count = a->rows - first < TILE_ROWS ? a->rows - first : TILE_ROWS; \
+            activations part = {a->qx + first * a->k, a->dx + first * nb, a->sx + first * nb, a->k, count}; \
+            switch (count) {                                                                          \
+            case 1: TYPES(type, w, &part, out + first, stride, 4, 1); break;                          \
+            case 2: TYPES(type, w, &part, out + first, stride, 4, 2); break;                          \
+            case 3: TYPES(type, w, &part, out + first, stride, 4, TILE_ROWS > 2 ? 3 : 1); break;      \
+            default: TYPES(type, w, &part, out + first, stride, 4, TILE_ROWS > 2 ? 4 : 1); break;     \
+            }                                                                                         \
+        }                                                                                             \
     }
 
-/* The K formats (cpu_kquant_ops.c): one weight row against the activation rows, and one
- * row dequantized. */
+/* The K formats (cpu_kquant_ops.c): one weight row or four against the activation rows,
+ * and one row dequantized. */
 #define HIDDEN __attribute__((visibility("hidden")))
 HIDDEN void kquant_row_scalar(int64_t type, const uint8_t *w, const activations *a, float *out);
 HIDDEN void kquant_row_avx2(int64_t type, const uint8_t *w, const activations *a, float *out);
 HIDDEN void kquant_row_vnni(int64_t type, const uint8_t *w, const activations *a, float *out);
+HIDDEN void kquant_tile4_avx2(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride);
+HIDDEN void kquant_tile4_vnni(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride);
 HIDDEN void kquant_dequantize_row(int64_t type, const uint8_t *w, int64_t k, float *out);
 HIDDEN void kquant_dequantize_row_avx2(int64_t type, const uint8_t *w, int64_t k, float *out); /* needs AVX2 */
 

@@ -138,71 +138,6 @@ TARGET_AVX2 static inline void load_weight16(int64_t type, const uint8_t *block,
 }
 
 /* Integer dot of a widened weight block with 32 int16 activations, 8 int32 partial sums. */
-TARGET_AVX2 static inline __m256i dot16_avx2(__m256i lo, __m256i hi, const int16_t *x) {
-    __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_add_epi32(a, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
-}
-
-TARGET_VNNI static inline __m256i dot16_vnni(__m256i lo, __m256i hi, const int16_t *x) {
-    __m256i a = _mm256_dpwssd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_dpwssd_epi32(a, hi, _mm256_loadu_si256((const __m256i *)(x + 16)));
-}
-
-/* The SIMD row loop, once per instruction set (DOT is dot16 above). Per row m:
- * a float vector accumulates dw dx dot, a scalar the Q4 terms in sx. The body is
- * instantiated per (type, rows) with both constant, so the row loops unroll and the
- * accumulators stay in registers (with a run-time row count they went through the stack:
- * about 3x slower at batch 1). */
-/* A block's weight scale dw and its second term: Q4_0's -8 dw (w = dw (q - 8)), Q4_1's
- * offset m (w = dw q + m), none for Q8_0. */
-TARGET_AVX2 static inline void block_scales(int64_t type, const uint8_t *block, float *dw, float *second) {
-    uint16_t d16;
-    memcpy(&d16, block, 2);
-    *dw = _cvtsh_ss(d16);
-    *second = type == TYPE_Q4_0 ? -8.0f * *dw : type == TYPE_Q4_1 ? _cvtsh_ss(((const block_q4_1 *)block)->m) : 0.0f;
-}
-
-#define SIMD_ROW(NAME, TARGET, DOT)                                                                  \
-    TARGET static inline __attribute__((always_inline)) void NAME##_body(                            \
-        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t rows) { \
-        int64_t nb = a->k / QK, bytes = block_bytes(type);                                            \
-        __m256 acc[MAX_ROWS];                                                                         \
-        float extra[MAX_ROWS] = {0};                                                                  \
-        for (int64_t m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();                          \
-        for (int64_t b = 0; b < nb; b++) {                                                            \
-            const uint8_t *block = w + b * bytes;                                                     \
-            float dw, second;                                                                         \
-            block_scales(type, block, &dw, &second);                                                  \
-            __m256i w_lo, w_hi;                                                                       \
-            load_weight16(type, block, &w_lo, &w_hi);                                                 \
-            for (int64_t m = 0; m < rows; m++) {                                                      \
-                float d = a->dx[m * nb + b];                                                          \
-                __m256 dot = _mm256_cvtepi32_ps(DOT(w_lo, w_hi, a->qx + m * a->k + b * QK));          \
-                acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * d), acc[m]);                        \
-                if (type != TYPE_Q8_0) extra[m] += second * d * a->sx[m * nb + b];                    \
-            }                                                                                         \
-        }                                                                                             \
-        for (int64_t m = 0; m < rows; m++) out[m] = hsum8(acc[m]) + extra[m];                         \
-    }                                                                                                 \
-    TARGET static void NAME(int64_t type, const uint8_t *w, const activations *a, float *out) {      \
-        SWITCH_TYPE_ROWS(NAME##_body, type, a->rows, w, a, out)                                       \
-    }
-
-SIMD_ROW(row_avx2, TARGET_AVX2, dot16_avx2)
-SIMD_ROW(row_vnni, TARGET_VNNI, dot16_vnni)
-
-/* Four weight rows (at `stride` bytes) against ROWS activation rows: a tile of 4 x ROWS
- * outputs, with the activation blocks loaded once for the four weight rows and each weight
- * block widened once for the ROWS activation rows; the 4 x ROWS accumulators are independent
- * chains (one weight row at a time waited on each block's multiply-add: about 1.3x slower at
- * batch 1, and more per extra activation row). ROWS is a constant, at most TILE_ROWS of the
- * variant (the accumulators, activations and scales stay in registers: 16 ymm on AVX2, 32
- * with AVX-512VL). The arithmetic per (weight row, activation row) is SIMD_ROW's, in the
- * same order, so the results are identical whatever the tile (the compiler contracts
- * SIMD_ROW's Q4 term to the multiply-add written out here; a test checks).
- * Four rows read at once are four interleaved streams, which the hardware prefetcher did
- * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each block
- * step prefetches its share (4 blocks, two lines cover them) of the rows 8 ahead. */
 TARGET_AVX2 static inline __m256i dot16x_avx2(__m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
     return _mm256_add_epi32(_mm256_madd_epi16(lo, x_lo), _mm256_madd_epi16(hi, x_hi));
 }
@@ -211,121 +146,138 @@ TARGET_VNNI static inline __m256i dot16x_vnni(__m256i lo, __m256i hi, __m256i x_
     return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), lo, x_lo), hi, x_hi);
 }
 
-/* Q4_1: the four rows' block headers (d, m) as floats in one conversion, lanes 2r = d and
- * 2r + 1 = m of row r. With the products d dx and m dx sx in vectors this saved ~12% of
- * the batch-1 Q4_1 matmuls (for Q4_0 and Q8_0, one fp16 per block, it lost). Row r's d dx
- * then reaches its multiply-add as a broadcast load from a stored copy rather than a lane
- * permute: batch-1 matmuls in cache 2-3% faster on Zen 4, the same at 2-4 rows. */
-TARGET_AVX2 static inline __m256 block_scales4(const uint8_t *block, int64_t stride) {
-    uint32_t h[4];
-    for (int r = 0; r < 4; r++) memcpy(&h[r], block + r * stride, 4);
-    return _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
+static inline short half_at(const uint8_t *p) {
+    short h;
+    memcpy(&h, p, 2);
+    return h;
 }
 
-/* The activation rows' block b: 32 int16 values in two vectors each. */
-#define LOAD_X(ROWS)                                                                                 \
-    __m256i x_lo[MAX_ROWS], x_hi[MAX_ROWS];                                                           \
-    for (int m = 0; m < ROWS; m++) {                                                                  \
-        const int16_t *x = a->qx + m * a->k + b * QK;                                                 \
-        x_lo[m] = _mm256_loadu_si256((const __m256i *)x);                                             \
-        x_hi[m] = _mm256_loadu_si256((const __m256i *)(x + 16));                                      \
-    }                                                                                                 \
-    const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                                 \
-    _mm_prefetch(ahead, _MM_HINT_T0);                                                                 \
-    _mm_prefetch(ahead + 63, _MM_HINT_T0);
+/* The fp16 at p of `count` (<= STEP) blocks `bytes` apart, as float lanes (0 past count). */
+#define STEP 8 /* blocks whose scales are converted and multiplied as one vector */
+TARGET_AVX2 static inline __m256 halves8(const uint8_t *p, int64_t bytes, const int count) {
+    if (count == STEP)
+        return _mm256_cvtph_ps(_mm_setr_epi16(half_at(p), half_at(p + bytes), half_at(p + 2 * bytes),
+                                              half_at(p + 3 * bytes), half_at(p + 4 * bytes), half_at(p + 5 * bytes),
+                                              half_at(p + 6 * bytes), half_at(p + 7 * bytes)));
+    short h[STEP] = {0};
+    for (int j = 0; j < count; j++) h[j] = half_at(p + j * bytes);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
 
-#define SIMD_TILE(NAME, TARGET, DOTX)                                                                \
-    TARGET static inline __attribute__((always_inline)) void NAME##_body(                            \
-        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride, \
-        const int ROWS) {                                                                             \
-        int64_t nb = a->k / QK, bytes = block_bytes(type);                                            \
-        __m256 acc[4][MAX_ROWS];                                                                      \
-        float extra[4][MAX_ROWS];                                                                     \
-        for (int r = 0; r < 4; r++)                                                                   \
-            for (int m = 0; m < ROWS; m++) acc[r][m] = _mm256_setzero_ps(), extra[r][m] = 0.0f;       \
-        for (int64_t b = 0; b < nb; b++) {                                                            \
-            LOAD_X(ROWS)                                                                              \
-            for (int r = 0; r < 4; r++) {                                                             \
-                const uint8_t *block = w + r * stride + b * bytes;                                    \
-                float dw, second;                                                                     \
-                block_scales(type, block, &dw, &second);                                              \
-                __m256i w_lo, w_hi;                                                                   \
-                load_weight16(type, block, &w_lo, &w_hi);                                             \
-                for (int m = 0; m < ROWS; m++) {                                                      \
-                    float d = a->dx[m * nb + b];                                                      \
-                    __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
-                    acc[r][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * d), acc[r][m]);              \
-                    if (type != TYPE_Q8_0) extra[r][m] += second * d * a->sx[m * nb + b];             \
-                }                                                                                     \
-            }                                                                                         \
-        }                                                                                             \
-        for (int r = 0; r < 4; r++)                                                                   \
-            for (int m = 0; m < ROWS; m++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]) + extra[r][m];    \
-    }                                                                                                 \
-    TARGET static inline __attribute__((always_inline)) void NAME##_q4_1(                            \
-        const uint8_t *w, const activations *a, float *out, const int64_t stride, const int ROWS) {   \
-        int64_t nb = a->k / QK, bytes = sizeof(block_q4_1);                                           \
-        __m256 acc[4][MAX_ROWS], extra[MAX_ROWS];                                                     \
+/* Q4_1: the fp16 pairs (d, m) heading `count` (<= STEP) blocks `bytes` apart, as float lanes
+ * *d and *m (0 past count): one 32-bit load per block, then d and m apart. */
+TARGET_AVX2 static inline void pairs8(const uint8_t *p, int64_t bytes, const int count, __m256 *d, __m256 *m) {
+    int u[STEP] = {0};
+    for (int j = 0; j < count; j++) memcpy(&u[j], p + j * bytes, 4);
+    __m256i dm = count == STEP ? _mm256_setr_epi32(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7])
+                               : _mm256_loadu_si256((const __m256i *)u);
+    dm = _mm256_shuffle_epi8(dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5,
+                                                  8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    dm = _mm256_permute4x64_epi64(dm, 0xd8); /* d of blocks 0..7, then m of blocks 0..7 */
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1));
+}
+
+/* `count` (<= STEP) floats as lanes (0 past count). */
+TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
+    if (count == STEP) return _mm256_loadu_ps(p);
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes));
+}
+
+/* The SIMD kernel of the 32-value formats, once per instruction set (DOTX above): WROWS
+ * weight rows (1, or 4 at `stride` bytes) against ROWS activation rows, both constants (the
+ * accumulators stay in registers; with a run-time row count they went through the stack:
+ * about 3x slower at batch 1): out[r * MAX_ROWS + m].
+ * The blocks go STEP at a time. Per step and weight row, the blocks' fp16 scales dw become
+ * one float vector, multiplied by each activation row's STEP scales dx; the second term
+ * (Q4_0's -8 dw sx dx, w = dw (q - 8); Q4_1's m sx dx, w = dw q + m) takes one multiply-add
+ * per step. Each block then costs its integer dot and one multiply-add by its dw dx
+ * (broadcast from a stored copy). The loops go block by block over the weight rows, so the
+ * 4 x ROWS accumulators are independent chains (one weight row at a time waited on each
+ * block's multiply-add). Every (weight row, activation row) pair runs the same operations
+ * in the same order whatever WROWS and ROWS, so its result does not depend on the tile.
+ * Four rows read at once are four interleaved streams, which the hardware prefetcher did
+ * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each step
+ * prefetches its share of the rows 8 ahead (four rows are one contiguous region: a step's
+ * share is 4 STEP blocks). */
+#define SIMD_TILE(ISA, TARGET, DOTX)                                                                 \
+    TARGET static inline __attribute__((always_inline)) void ISA##_step(                             \
+        const int64_t type, const uint8_t *w, const activations *a, __m256 acc[4][MAX_ROWS],         \
+        const int64_t stride, const int64_t b, const int count, const int WROWS, const int ROWS) {   \
+        const int64_t nb = a->k / QK, bytes = block_bytes(type);                                      \
+        _Alignas(32) float scale[4][MAX_ROWS][STEP];                                                  \
+        __m256 dx[MAX_ROWS], dxsx[MAX_ROWS];                                                          \
         for (int m = 0; m < ROWS; m++) {                                                              \
-            extra[m] = _mm256_setzero_ps();                                                           \
-            for (int r = 0; r < 4; r++) acc[r][m] = _mm256_setzero_ps();                              \
+            dx[m] = floats8(a->dx + m * nb + b, count);                                               \
+            dxsx[m] = _mm256_mul_ps(dx[m], floats8(a->sx + m * nb + b, count));                       \
         }                                                                                             \
-        for (int64_t b = 0; b < nb; b++) {                                                            \
-            LOAD_X(ROWS)                                                                              \
-            const uint8_t *block = w + b * bytes;                                                     \
-            __m256 dm = block_scales4(block, stride), ds[MAX_ROWS];                                   \
-            float dsv[MAX_ROWS][8];                                                                   \
+        _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                     \
+            const uint8_t *first = w + r * stride + b * bytes;                                        \
+            __m256 dw, second;                                                                        \
+            if (type == TYPE_Q4_1)                                                                    \
+                pairs8(first, bytes, count, &dw, &second);                                            \
+            else                                                                                      \
+                dw = halves8(first, bytes, count), second = _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)); \
             for (int m = 0; m < ROWS; m++) {                                                          \
-                ds[m] = _mm256_mul_ps(dm, _mm256_set1_ps(a->dx[m * nb + b]));                         \
-                _mm256_storeu_ps(dsv[m], ds[m]);                                                      \
-                extra[m] = _mm256_fmadd_ps(ds[m], _mm256_set1_ps(a->sx[m * nb + b]), extra[m]);       \
+                _mm256_store_ps(scale[r][m], _mm256_mul_ps(dw, dx[m]));                               \
+                if (type != TYPE_Q8_0) acc[r][m] = _mm256_fmadd_ps(second, dxsx[m], acc[r][m]);       \
             }                                                                                         \
-            for (int r = 0; r < 4; r++) {                                                             \
+        }                                                                                             \
+        _Pragma("GCC unroll 8") for (int j = 0; j < count; j++) {                                     \
+            __m256i x_lo[MAX_ROWS], x_hi[MAX_ROWS];                                                   \
+            for (int m = 0; m < ROWS; m++) {                                                          \
+                const int16_t *x = a->qx + m * a->k + (b + j) * QK;                                   \
+                x_lo[m] = _mm256_loadu_si256((const __m256i *)x);                                     \
+                x_hi[m] = _mm256_loadu_si256((const __m256i *)(x + 16));                              \
+                __asm__("" : "+x"(x_lo[m]), "+x"(x_hi[m])); /* in registers for the WROWS rows */     \
+            }                                                                                         \
+            _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                 \
                 __m256i w_lo, w_hi;                                                                   \
-                load_weight16(TYPE_Q4_1, block + r * stride, &w_lo, &w_hi);                           \
+                load_weight16(type, w + r * stride + (b + j) * bytes, &w_lo, &w_hi);                  \
                 for (int m = 0; m < ROWS; m++) {                                                      \
                     __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
-                    __m256 scale = _mm256_broadcast_ss(&dsv[m][2 * r]);                               \
-                    acc[r][m] = _mm256_fmadd_ps(dot, scale, acc[r][m]);                               \
+                    acc[r][m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[r][m][j]), acc[r][m]); \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
-        for (int m = 0; m < ROWS; m++) {                                                              \
-            float extras[8];                                                                          \
-            _mm256_storeu_ps(extras, extra[m]);                                                       \
-            for (int r = 0; r < 4; r++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]) + extras[2 * r + 1]; \
-        }                                                                                             \
     }                                                                                                 \
-    TARGET static inline __attribute__((always_inline)) void NAME##_rows(                            \
-        int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride, const int ROWS) { \
-        switch (type) {                                                                               \
-        case TYPE_Q8_0: NAME##_body(TYPE_Q8_0, w, a, out, stride, ROWS); return;                     \
-        case TYPE_Q4_0: NAME##_body(TYPE_Q4_0, w, a, out, stride, ROWS); return;                     \
-        default: NAME##_q4_1(w, a, out, stride, ROWS); return;                                       \
-        }                                                                                             \
-    }
-
-/* out[r * MAX_ROWS + m]: weight row r (of 4) against activation row m (< a->rows <= MAX_ROWS),
- * in tiles of at most TILE_ROWS activation rows (the accumulators in registers). */
-#define TILE_FN(NAME, TARGET, TILE_ROWS)                                                             \
-    TARGET static void NAME(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride) { \
-        for (int64_t first = 0; first < a->rows; first += TILE_ROWS) {                                \
-            int64_t nb = a->k / QK, count = a->rows - first < TILE_ROWS ? a->rows - first : TILE_ROWS; \
-            activations part = {a->qx + first * a->k, a->dx + first * nb, a->sx + first * nb, a->k, count}; \
-            float *o = out + first;                                                                   \
-            switch (count) {                                                                          \
-            case 1: NAME##_tile_rows(type, w, &part, o, stride, 1); break;                            \
-            case 2: NAME##_tile_rows(type, w, &part, o, stride, 2); break;                            \
-            case 3: NAME##_tile_rows(type, w, &part, o, stride, TILE_ROWS > 2 ? 3 : 1); break;        \
-            default: NAME##_tile_rows(type, w, &part, o, stride, TILE_ROWS > 2 ? 4 : 1); break;       \
+    TARGET static inline __attribute__((always_inline)) void ISA##_body(                             \
+        const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride, \
+        const int WROWS, const int ROWS) {                                                            \
+        const int64_t nb = a->k / QK, bytes = block_bytes(type);                                      \
+        __m256 acc[4][MAX_ROWS];                                                                      \
+        for (int r = 0; r < WROWS; r++)                                                               \
+            for (int m = 0; m < ROWS; m++) acc[r][m] = _mm256_setzero_ps();                           \
+        int64_t b = 0;                                                                                \
+        for (; b + STEP <= nb; b += STEP) {                                                           \
+            if (WROWS == 4) {                                                                         \
+                const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                     \
+                for (int64_t line = 0; line < 4 * STEP * bytes; line += 64)                           \
+                    _mm_prefetch(ahead + line, _MM_HINT_T0);                                          \
             }                                                                                         \
+            ISA##_step(type, w, a, acc, stride, b, STEP, WROWS, ROWS);                                \
+        }                                                                                             \
+        if (b < nb) ISA##_step(type, w, a, acc, stride, b, (int)(nb - b), WROWS, ROWS);               \
+        for (int r = 0; r < WROWS; r++)                                                               \
+            for (int m = 0; m < ROWS; m++) out[r * MAX_ROWS + m] = hsum8(acc[r][m]);                  \
+    }                                                                                                 \
+    TARGET static inline __attribute__((always_inline)) void ISA##_types(                            \
+        int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride, const int WROWS, \
+        const int ROWS) {                                                                             \
+        switch (type) {                                                                               \
+        case TYPE_Q8_0: ISA##_body(TYPE_Q8_0, w, a, out, stride, WROWS, ROWS); return;               \
+        case TYPE_Q4_0: ISA##_body(TYPE_Q4_0, w, a, out, stride, WROWS, ROWS); return;               \
+        default: ISA##_body(TYPE_Q4_1, w, a, out, stride, WROWS, ROWS); return;                      \
         }                                                                                             \
     }
 
-SIMD_TILE(tile4_avx2_tile, TARGET_AVX2, dot16x_avx2)
-SIMD_TILE(tile4_vnni_tile, TARGET_VNNI, dot16x_vnni)
-TILE_FN(tile4_avx2, TARGET_AVX2, 2)
-TILE_FN(tile4_vnni, TARGET_VNNI, 4)
+SIMD_TILE(avx2, TARGET_AVX2, dot16x_avx2)
+SIMD_TILE(vnni, TARGET_VNNI, dot16x_vnni)
+ROW_KERNEL(TARGET_AVX2 static void row_avx2, avx2_types)
+ROW_KERNEL(TARGET_VNNI static void row_vnni, vnni_types)
+TILE4_KERNEL(TARGET_AVX2 static void tile4_avx2, avx2_types, 2)
+TILE4_KERNEL(TARGET_VNNI static void tile4_vnni, vnni_types, 4)
 #endif
 
 typedef void (*tile4_fn)(int64_t type, const uint8_t *w, const activations *a, float *out, int64_t stride);
@@ -338,7 +290,7 @@ typedef struct {
     const float *dx, *sx, *bias;
     float *y;
     row_fn row;
-    tile4_fn tile4; /* four weight rows at a time (the 32-value formats), or NULL */
+    tile4_fn tile4; /* four weight rows at a time, or NULL */
 } gemv_call;
 
 #define TILE 16 /* weight rows per tile (a multiple of 4) */
@@ -391,8 +343,8 @@ void spruce_quant_gemv(int64_t type, const uint8_t *w, int64_t n, int64_t k, con
     int k_type = is_k_type(type);
     gemv_call g = {type, n, k, rows, y_stride, w, qx, dx, sx, bias, y, k_type ? kquant_row_scalar : row_scalar, NULL};
 #if defined(__x86_64__)
-    if (isa == ISA_AVX2) g.row = k_type ? kquant_row_avx2 : row_avx2, g.tile4 = k_type ? NULL : tile4_avx2;
-    if (isa == ISA_AVX512VNNI) g.row = k_type ? kquant_row_vnni : row_vnni, g.tile4 = k_type ? NULL : tile4_vnni;
+    if (isa == ISA_AVX2) g.row = k_type ? kquant_row_avx2 : row_avx2, g.tile4 = k_type ? kquant_tile4_avx2 : tile4_avx2;
+    if (isa == ISA_AVX512VNNI) g.row = k_type ? kquant_row_vnni : row_vnni, g.tile4 = k_type ? kquant_tile4_vnni : tile4_vnni;
 #endif
     int64_t tiles = (n + TILE - 1) / TILE;
     int threads = task_threads();
