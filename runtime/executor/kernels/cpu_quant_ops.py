@@ -7,8 +7,9 @@ block_bytes]. `kernel` picks one of three for the row count (`linear` calls it):
   integer  up to `integer_max_rows` activation rows (decode, small batches: 8 to 12, by
            instruction set and format), quantized to 16-bit blocks, meet each weight row
            in integer dot products, the weights read from memory once;
-  igemm    more rows of a 32-value format on a CPU with AVX-512 VNNI: the same quantized
-           activations and integer products, 16 rows to a vector (`integer_gemm_linear`);
+  igemm    more rows of a 32-value format on a CPU with AVX-512 VNNI or AVX2 (from
+           `igemm_min_rows`): the same quantized activations and integer products, the
+           vector lanes activation rows (`integer_gemm_linear`);
   gemm     more rows otherwise: a float32 GEMM that dequantizes the weights as it packs
            them (`gemm_linear`; its activations stay float).
 
@@ -55,7 +56,9 @@ ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # AVX2 core).
 INTEGER_MAX_ROWS = {"scalar": 8, "avx2": 12, "avx512vnni": 10}
 K_INTEGER_MAX_ROWS = 8
-IGEMM_ISA = "avx512vnni"  # the integer GEMM's instruction set (vpdpwssd on 512-bit vectors)
+# The integer GEMM's instruction sets (vpdpwssd on 512-bit vectors, vpmaddwd on 256-bit ones)
+# and from how many rows it runs on each (below, past the integer kernel: the float GEMM).
+IGEMM_MIN_ROWS = {"avx2": 13, "avx512vnni": 0}
 
 _cpu_best: int | None = None  # this CPU's best, uncapped (asked once)
 
@@ -122,7 +125,7 @@ def linear(
     if chosen == "integer":
         return integer_linear(x, qtype, blocks, bias, isa)
     if chosen == "igemm":
-        return integer_gemm_linear(x, qtype, blocks, bias)
+        return integer_gemm_linear(x, qtype, blocks, bias, isa)
     return gemm_linear(x, qtype, blocks, bias)
 
 
@@ -132,12 +135,12 @@ def kernel(qtype: str, rows: int, isa: str | None = None) -> str:
     isa = isa or best_isa()
     if rows <= integer_max_rows(qtype, isa):
         return "integer"
-    return "igemm" if igemm_runs(qtype, isa) else "gemm"
+    return "igemm" if igemm_runs(qtype, isa) and rows >= IGEMM_MIN_ROWS[isa] else "gemm"
 
 
 def igemm_runs(qtype: str, isa: str | None = None) -> bool:
     """Whether the integer GEMM runs `qtype` on `isa` (default: the best allowed here)."""
-    return (isa or best_isa()) == IGEMM_ISA and QUANT_TYPES[qtype].block_size == BLOCK
+    return (isa or best_isa()) in IGEMM_MIN_ROWS and QUANT_TYPES[qtype].block_size == BLOCK
 
 
 def integer_max_rows(qtype: str, isa: str | None = None) -> int:
@@ -161,12 +164,25 @@ def integer_linear(
 
 
 def integer_gemm_linear(
-    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qtype: str,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """`linear` through the integer GEMM (cpu_quant_igemm.c: the integer kernel's quantized
-    activations and products, 16 activation rows to a vector); needs AVX-512 VNNI and a
-    32-value format."""
-    return _call_linear(load_library().spruce_quant_igemm, x, qtype, blocks, bias)
+    activations and products, the vector lanes activation rows) on `isa` (default: the best
+    allowed here); needs AVX2 or AVX-512 VNNI and a 32-value format."""
+    isa_index = ISAS.index(isa) if isa else _best_index()
+    return _call_linear(_igemm_kernel(), x, qtype, blocks, bias, isa_index)
+
+
+def _igemm_kernel():
+    """spruce_quant_igemm_isa: spruce_quant_linear's arguments (the ISA last)."""
+    kernel = load_library().spruce_quant_igemm_isa
+    kernel.argtypes = load_library().spruce_quant_linear.argtypes
+    kernel.restype = load_library().spruce_quant_linear.restype
+    return kernel
 
 
 def gemm_linear(
@@ -197,7 +213,9 @@ def _call_linear(
         type_id, blocks.data_ptr(), n, k, x.data_ptr(), rows, bias_ptr, y.data_ptr(), *extra
     )
     if failed == 2:
-        raise ValueError(f"the integer GEMM needs AVX-512 VNNI and a 32-value format, not {qtype}")
+        raise ValueError(
+            f"the integer GEMM needs AVX2 or AVX-512 VNNI and a 32-value format, not {qtype}"
+        )
     if failed:
         raise MemoryError(
             f"no memory for the work buffers of a {rows} x {k} quantized linear layer"

@@ -17,7 +17,7 @@ def test_each_kernel_that_runs_the_format_times_a_pass(tiny_llama_dir):
     layers = kernels.quantized_linears(load_model(str(tiny_llama_dir), quantization="q4_1").model)
     assert layers and all(m.qtype == "q4_1" for m in layers)
     times = kernels.time_passes(layers, rows=20, repeats=1)
-    expected = {"integer", "gemm"} | ({"igemm"} if ops.best_isa() == ops.IGEMM_ISA else set())
+    expected = {"integer", "gemm"} | ({"igemm"} if ops.igemm_runs("q4_1") else set())
     assert set(times) == expected and all(t > 0 for t in times.values())
 
 

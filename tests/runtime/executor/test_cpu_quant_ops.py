@@ -253,8 +253,14 @@ def test_many_rows_path_equals_its_kernels_reference(cpu_isa, qtype):
 def test_kernel_by_rows_isa_and_format():
     assert ops.kernel("q4_1", 1, "avx512vnni") == "integer"
     assert ops.kernel("q4_1", ops.INTEGER_MAX_ROWS["avx512vnni"] + 1, "avx512vnni") == "igemm"
-    assert ops.kernel("q4_1", ops.INTEGER_MAX_ROWS["avx2"] + 1, "avx2") == "gemm"
+    past_gemv = ops.INTEGER_MAX_ROWS["avx2"] + 1
+    first_igemm = max(past_gemv, ops.IGEMM_MIN_ROWS["avx2"])
+    assert ops.kernel("q4_0", first_igemm, "avx2") == "igemm"
+    assert all(ops.kernel("q4_0", r, "avx2") == "gemm" for r in range(past_gemv, first_igemm))
+    assert ops.kernel("q8_0", 64, "avx2") == "igemm"
+    assert ops.kernel("q4_1", ops.INTEGER_MAX_ROWS["scalar"] + 1, "scalar") == "gemm"
     assert ops.kernel("q4_k", ops.K_INTEGER_MAX_ROWS + 1, "avx512vnni") == "gemm"
+    assert ops.kernel("q4_k", 64, "avx2") == "gemm"
 
 
 IGEMM_TYPES = [q for q in QTYPES if q not in K_TYPES]
@@ -269,16 +275,20 @@ IGEMM_SHAPES = [
     (64, 96, 576),
     (70, 41, 160),
 ]
-needs_vnni = pytest.mark.skipif(
-    ops.IGEMM_ISA not in ops.available_isas(),
-    reason=f"this CPU lacks AVX-512 VNNI (runs {ops.available_isas()})",
-)
 
 
-@needs_vnni
+@pytest.fixture(params=list(ops.IGEMM_MIN_ROWS))
+def igemm_isa(request) -> str:
+    """Each variant of the integer GEMM (AVX2, AVX-512 VNNI), passed to it explicitly; one
+    this CPU lacks is a skip that says so."""
+    if request.param not in ops.available_isas():
+        pytest.skip(f"this CPU lacks {request.param} (runs {ops.available_isas()})")
+    return request.param
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("qtype,rows,n,k", [(q, *s) for q in IGEMM_TYPES for s in IGEMM_SHAPES])
-def test_integer_gemm_matches_block_reference(qtype, rows, n, k, with_bias):
+def test_integer_gemm_matches_block_reference(igemm_isa, qtype, rows, n, k, with_bias):
     """The integer GEMM makes the GEMV's exact integer dot per block; only the order of the
     float sums of scaled blocks differs, so it agrees with the block reference and with the
     GEMV within float32 rounding."""
@@ -286,19 +296,32 @@ def test_integer_gemm_matches_block_reference(qtype, rows, n, k, with_bias):
     blocks = random_blocks(qtype, n, k, rng)
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if with_bias else None
-    y = ops.integer_gemm_linear(x, qtype, blocks, bias)
+    y = ops.integer_gemm_linear(x, qtype, blocks, bias, igemm_isa)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     expected = reference_linear(x.numpy(), qtype, blocks, k) + (0 if bias is None else bias.numpy())
     scale = np.abs(expected).max()
     assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * scale), np.abs(
         y - expected
     ).max()
-    gemv = ops.integer_linear(x, qtype, blocks, bias, isa=ops.IGEMM_ISA)
+    gemv = ops.integer_linear(x, qtype, blocks, bias, isa=igemm_isa)
     assert torch.allclose(y, gemv, rtol=1e-5, atol=1e-5 * scale)
+    dequantized = x @ ops.dequantize(qtype, blocks, k).T + (0 if bias is None else bias)
+    assert torch.allclose(y, dequantized, rtol=1e-3, atol=1e-3 * scale)  # activations' rounding
 
 
-@needs_vnni
-def test_integer_gemm_is_the_same_on_any_thread_count():
+def test_integer_gemm_variants_make_the_same_sums():
+    """The AVX2 and AVX-512 VNNI variants: the same exact integer sums, scaled alike."""
+    if ops.available_isas()[-1] != "avx512vnni":
+        pytest.skip(f"needs both variants (this CPU runs {ops.available_isas()})")
+    rng = np.random.default_rng(9)
+    blocks = random_blocks("q4_0", 70, 320, rng)
+    x = torch.from_numpy(rng.standard_normal((33, 320)).astype(np.float32))
+    avx2 = ops.integer_gemm_linear(x, "q4_0", blocks, isa="avx2")
+    vnni = ops.integer_gemm_linear(x, "q4_0", blocks, isa="avx512vnni")
+    assert torch.allclose(avx2, vnni, rtol=1e-6, atol=1e-6 * vnni.abs().max())
+
+
+def test_integer_gemm_is_the_same_on_any_thread_count(igemm_isa):
     """Each output is one sum in one order, whichever thread makes it (weight panels split
     over threads, or panels and row groups when the panels are few)."""
     rng = np.random.default_rng(7)
@@ -309,7 +332,7 @@ def test_integer_gemm_is_the_same_on_any_thread_count():
         results = []
         for count in (1, 2, 3, 4):
             torch.set_num_threads(count)
-            results.append(ops.integer_gemm_linear(x, "q4_1", blocks))
+            results.append(ops.integer_gemm_linear(x, "q4_1", blocks, isa=igemm_isa))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
@@ -319,8 +342,11 @@ def test_integer_gemm_refuses_what_it_cannot_run():
     rng = np.random.default_rng(8)
     blocks = random_blocks("q4_k", 4, 256, rng)
     x = torch.zeros(20, 256)
-    with pytest.raises(ValueError, match="AVX-512 VNNI and a 32-value format"):
+    with pytest.raises(ValueError, match="AVX2 or AVX-512 VNNI and a 32-value format"):
         ops.integer_gemm_linear(x, "q4_k", blocks)
+    q4 = random_blocks("q4_0", 4, 256, rng)
+    with pytest.raises(ValueError, match="AVX2 or AVX-512 VNNI"):
+        ops.integer_gemm_linear(x, "q4_0", q4, isa="scalar")
 
 
 GEMM_SHAPES = [
