@@ -56,6 +56,9 @@ from spruce.runtime.config import wait_policy
 from spruce.runtime.errors import SpruceError
 
 USES_ENGINE = True
+# --model-shape's context (unless --context-length is given): the files advertise their
+# models' 131072 tokens, and the KV pool must hold one whole context; the rows need 4096 + 129
+SHAPE_CONTEXT = 8192
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,7 +249,8 @@ def run(args: argparse.Namespace, engine_options: dict) -> int:
     if args.model_shape:
         if "model_path" in engine_options:
             raise SpruceError("give --model or --model-shape, not both")
-        engine_options = engine_options | {"model_path": model_file(args.model_shape, args.quant)}
+        path = model_file(args.model_shape, args.quant)
+        engine_options = {"context_length": SHAPE_CONTEXT} | engine_options | {"model_path": path}
     config = EngineConfig.from_options(**engine_options)
     model = config.model
     loaded = load_model(

@@ -145,32 +145,30 @@ def _affine_fit(
 ) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's make_qkx2_quants over rows of x: the (scale, min) with x ~ scale * q - min,
     q in 0..nmax, of least w-weighted squared error among the min/max fit and `steps` + 1
-    least-squares fits (each error from the sums: sum w (s q + m - x)^2 expanded)."""
-    low = np.minimum(x.min(axis=1), 0)
-    span = x.max(axis=1) - low
-    shifted, inv_span = x - low[:, None], _inverse(span)
+    least-squares fits; as there, each fit rounds from the best min found so far."""
+    high, offset = x.max(axis=1), np.minimum(x.min(axis=1), 0)
     sum_w, wx = w.sum(axis=1), w * x
-    sum_x, sum_x2 = wx.sum(axis=1), _dot(wx, x)
+    sum_x = wx.sum(axis=1)
 
-    def sums(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        q = np.clip(np.rint(iscale[:, None] * shifted), 0, nmax)
-        wq = w * q
-        return wq.sum(axis=1), _dot(wq, q), _dot(wq, x)
+    def levels(numerator: float) -> np.ndarray:
+        iscale = np.float32(numerator) * _inverse(high - offset)
+        return np.clip(np.rint(iscale[:, None] * (x - offset[:, None])), 0, nmax)
 
-    def error(s, m, sum_l, sum_l2, sum_xl) -> np.ndarray:
-        return (s * s * sum_l2 + 2 * s * m * sum_l + m * m * sum_w
-                - 2 * s * sum_xl - 2 * m * sum_x + sum_x2)  # fmt: skip
+    def error(s: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+        return _dot(w, np.square(s[:, None] * q + m[:, None] - x))
 
-    scale, offset = span / np.float32(nmax), low
-    best = error(scale, offset, *sums(nmax * inv_span))
+    scale = (high - offset) / np.float32(nmax)
+    best = error(scale, offset, levels(nmax))
     for step in range(steps + 1):
-        sum_l, sum_l2, sum_xl = sums(np.float32(nmax - 1 + 0.1 * step) * inv_span)
+        q = levels(nmax - 1 + 0.1 * step)
+        wq = w * q
+        sum_l, sum_l2, sum_xl = wq.sum(axis=1), _dot(wq, q), _dot(wq, x)
         det = sum_w * sum_l2 - sum_l * sum_l
         s = (sum_w * sum_xl - sum_x * sum_l) * _inverse(det)
         m = (sum_l2 * sum_x - sum_l * sum_xl) * _inverse(det)
         s = np.where(m > 0, sum_xl * _inverse(sum_l2), s)
         m = np.minimum(m, 0)
-        trial = error(s, m, sum_l, sum_l2, sum_xl)
+        trial = error(s, m, q)
         better = (det > 0) & (trial < best)
         scale, offset = np.where(better, s, scale), np.where(better, m, offset)
         best = np.where(better, trial, best)
@@ -185,13 +183,9 @@ def _six_bits(values: np.ndarray, top: np.ndarray) -> np.ndarray:
 def _quantize_q4_k(x: np.ndarray, search: bool) -> np.ndarray:
     nb = len(x)
     sub = x.reshape(nb * 8, 32)
-    average = np.sqrt(np.square(x).mean(axis=1))  # llama.cpp's weights: av_x + |x|
-    scales, mins = (
-        v.reshape(nb, 8)
-        for v in _affine_fit(
-            sub, np.repeat(average, 8)[:, None] + np.abs(sub), 15, 20 if search else 0
-        )
-    )
+    average = np.sqrt(np.square(sub).mean(axis=1))  # llama.cpp's weights: av_x + |x|
+    fit = _affine_fit(sub, average[:, None] + np.abs(sub), 15, 20 if search else 0)
+    scales, mins = (v.reshape(nb, 8) for v in fit)
     top_scale, top_min = scales.max(axis=1), mins.max(axis=1)
     ls, lm = _six_bits(scales, top_scale), _six_bits(mins, top_min)
     out = _empty_blocks("q4_k", nb)
