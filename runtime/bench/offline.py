@@ -6,16 +6,16 @@ pairs, see step_over_matmuls), batch-1 decode tokens/s and the prefill tokens/s 
 prompt (means of 5 runs). `--compare hf` runs the same
 requests through transformers' batched `generate` in the same process and prints the ratio.
 `--model-shape 1b|8b --quant Q4_0|Q4_K|...` runs on random weights in a real model's shape
-(bench/shapes.py: written into the cache when missing).
+(bench/shapes.py: written into the cache when missing), at an 8192-token context.
 `--compare llama.cpp` runs llama.cpp's `llama-bench` (tg128 at 1 and N threads and after a
 4096-token prompt, pp512) and `llama-batched-bench` (16 and 64 sequences of 128 prompt + 128
-generated tokens) on the same GGUF file and threads (`--llama-cpp-args` adds arguments, e.g. `-nr`), runs the same
-workloads through Spruce, and prints the ratios in one table with the thread wait policy in
-use; the batch-1 and prefill rows are the median of `--compare-rounds` rounds that run both
-engines back to back (bench.alternating_rounds), and Spruce's batch-1 is also timed there
-with one decode step a call. It also measures the memory bandwidth (bench/bandwidth.py) and
-prints batch-1 decode as a share of it. Without the binaries (on PATH or in
---llama-cpp-bin) it says so and skips them.
+generated tokens) on the same GGUF file and threads (`--llama-cpp-args` adds arguments, e.g.
+`-nr`), runs the same workloads through Spruce, and prints the ratios in one table with the
+thread wait policy in use; the batch-1 and prefill rows are the median of `--compare-rounds`
+rounds that run both engines back to back (bench.alternating_rounds), and Spruce's batch-1
+is also timed there with one decode step a call. It also measures the memory bandwidth
+(bench/bandwidth.py) and prints batch-1 decode as a share of it. Without the binaries (on
+PATH or in --llama-cpp-bin) it says so and skips them.
 `--breakdown` times the parts of a batch-1 decode step (matmuls, attention, norms, other
 model ops, the runner, sampling, the scheduler). `--plot FILE.png` draws output tokens/s
 against parallel sequences (1, 4, 16, 64 x (128 + 128) tokens) for Spruce, llama.cpp
