@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,7 @@ def model_file(shape: str, quant: str, folder: Path | None = None) -> str:
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
-        print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return str(path)
 
 
