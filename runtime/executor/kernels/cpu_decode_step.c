@@ -28,7 +28,7 @@ int PER_ISA(spruce_quant_gemm)(int64_t type, const uint8_t *w, int64_t n, int64_
 int spruce_quant_linear(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
                         const float *bias, float *y, int64_t isa);
 int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                       const float *bias, float *y);
+                       const float *bias, float *y, int64_t isa);
 void PER_ISA(spruce_argmax_rows)(const float *x, int64_t rows, int64_t n, int64_t *ids, float *values);
 void spruce_dequantize_rows(int64_t type, const uint8_t *w, int64_t k, const int64_t *ids, int64_t count,
                             float *out);
@@ -103,7 +103,7 @@ static int linear(const step_args *s, int64_t type, const uint8_t *w, int64_t n,
                   const float *bias, float *y) {
     switch (type >= 0 && type < KERNEL_TYPES ? s->kernel[type] : KERNEL_GEMM) {
     case KERNEL_INTEGER: return spruce_quant_linear(type, w, n, k, x, s->rows, bias, y, s->isa);
-    case KERNEL_IGEMM: return spruce_quant_igemm(type, w, n, k, x, s->rows, bias, y);
+    case KERNEL_IGEMM: return spruce_quant_igemm(type, w, n, k, x, s->rows, bias, y, s->isa);
     default: return PER_ISA(spruce_quant_gemm)(type, w, n, k, x, s->rows, bias, y);
     }
 }

@@ -84,7 +84,7 @@ SIGNATURES = {
     "spruce_quant_linear": [_I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64],
     # type, blocks, n, k, x, rows, bias, y
     "spruce_quant_gemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P],
-    "spruce_quant_igemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P],  # the same
+    "spruce_quant_igemm": [_I64, _P, _I64, _I64, _P, _I64, _P, _P, _I64],  # the same, isa
     "spruce_dequantize_rows": [_I64, _P, _I64, _P, _I64, _P],  # type, blocks, k, ids, count, out
     "spruce_quant_best_isa": [],
     "spruce_float_best_isa": [],

@@ -274,8 +274,8 @@ static void pack_tasks(const void *ctx, int64_t first, int64_t end, int thread) 
 /* y[rows, n] = x[rows, k] @ W^T (+ bias), W n rows of Q8_0 / Q4_0 / Q4_1 blocks, on `isa`
  * (ISA_AVX2 or ISA_AVX512VNNI). Returns 1 when the scratch memory cannot be had, 2 for a
  * K format, another ISA, or one this CPU (or build) lacks. */
-int spruce_quant_igemm_isa(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                           const float *bias, float *y, int64_t isa) {
+int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
+                       const float *bias, float *y, int64_t isa) {
 #if defined(__x86_64__)
     if ((isa != ISA_AVX2 && isa != ISA_AVX512VNNI) || isa > spruce_quant_best_isa() || is_k_type(type)) return 2;
     int64_t nb = k / QK, groups = (rows + LANES - 1) / LANES;
@@ -301,10 +301,4 @@ int spruce_quant_igemm_isa(int64_t type, const uint8_t *w, int64_t n, int64_t k,
     (void)type, (void)w, (void)n, (void)k, (void)x, (void)rows, (void)bias, (void)y, (void)isa;
     return 2;
 #endif
-}
-
-/* spruce_quant_igemm_isa on this CPU's best ISA (AVX-512 VNNI, else AVX2). */
-int spruce_quant_igemm(int64_t type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t rows,
-                       const float *bias, float *y) {
-    return spruce_quant_igemm_isa(type, w, n, k, x, rows, bias, y, spruce_quant_best_isa());
 }

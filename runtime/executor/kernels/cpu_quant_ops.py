@@ -175,15 +175,7 @@ def integer_gemm_linear(
     activations and products, the vector lanes activation rows) on `isa` (default: the best
     allowed here); needs AVX2 or AVX-512 VNNI and a 32-value format."""
     isa_index = ISAS.index(isa) if isa else _best_index()
-    return _call_linear(_igemm_kernel(), x, qtype, blocks, bias, isa_index)
-
-
-def _igemm_kernel():
-    """spruce_quant_igemm_isa: spruce_quant_linear's arguments (the ISA last)."""
-    kernel = load_library().spruce_quant_igemm_isa
-    kernel.argtypes = load_library().spruce_quant_linear.argtypes
-    kernel.restype = load_library().spruce_quant_linear.restype
-    return kernel
+    return _call_linear(load_library().spruce_quant_igemm, x, qtype, blocks, bias, isa_index)
 
 
 def gemm_linear(
