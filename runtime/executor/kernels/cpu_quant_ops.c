@@ -189,18 +189,19 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
  * weight rows (1, or 4 at `stride` bytes) against ROWS activation rows, both constants (the
  * accumulators stay in registers; with a run-time row count they went through the stack:
  * about 3x slower at batch 1): out[r * MAX_ROWS + m].
- * The blocks go STEP at a time. Per step and weight row, the blocks' fp16 scales dw become
- * one float vector, multiplied by each activation row's STEP scales dx; the second term
- * (Q4_0's -8 dw sx dx, w = dw (q - 8); Q4_1's m sx dx, w = dw q + m) takes one multiply-add
- * per step. Each block then costs its integer dot and one multiply-add by its dw dx
- * (broadcast from a stored copy). The loops go block by block over the weight rows, so the
+ * The blocks go STEP at a time. Per step and weight row, Q4_0's and Q4_1's fp16 scales dw
+ * become one float vector, multiplied by each activation row's STEP scales dx; the second
+ * term (Q4_0's -8 dw sx dx, w = dw (q - 8); Q4_1's m sx dx, w = dw q + m) takes one
+ * multiply-add per step. Each block then costs its integer dot and one multiply-add by its
+ * dw dx (broadcast from a stored copy). Q8_0, with no second term, converts each block's
+ * scale alone (weights from memory: the step's conversions cost it ~15%). The loops go block by block over the weight rows, so the
  * 4 x ROWS accumulators are independent chains (one weight row at a time waited on each
  * block's multiply-add). Every (weight row, activation row) pair runs the same operations
  * in the same order whatever WROWS and ROWS, so its result does not depend on the tile.
  * Four rows read at once are four interleaved streams, which the hardware prefetcher did
- * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each step
- * prefetches its share of the rows 8 ahead (four rows are one contiguous region: a step's
- * share is 4 STEP blocks). */
+ * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each block
+ * prefetches its share of the rows 8 ahead (four rows are one contiguous region: a block's
+ * share is 4 blocks). */
 #define SIMD_TILE(ISA, TARGET, DOTX)                                                                 \
     TARGET static inline __attribute__((always_inline)) void ISA##_step(                             \
         const int64_t type, const uint8_t *w, const activations *a, __m256 acc[4][MAX_ROWS],         \
@@ -212,7 +213,7 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
             dx[m] = floats8(a->dx + m * nb + b, count);                                               \
             dxsx[m] = _mm256_mul_ps(dx[m], floats8(a->sx + m * nb + b, count));                       \
         }                                                                                             \
-        _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < WROWS && type != TYPE_Q8_0; r++) {                \
             const uint8_t *first = w + r * stride + b * bytes;                                        \
             __m256 dw, second;                                                                        \
             if (type == TYPE_Q4_1)                                                                    \
@@ -225,6 +226,12 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
             }                                                                                         \
         }                                                                                             \
         _Pragma("GCC unroll 8") for (int j = 0; j < count; j++) {                                     \
+            if (WROWS == 4) { /* the share of block j: 4 blocks, two or three lines */                \
+                const char *ahead = (const char *)w + 8 * stride + (b + j) * 4 * bytes;               \
+                _mm_prefetch(ahead, _MM_HINT_T0);                                                     \
+                _mm_prefetch(ahead + 64, _MM_HINT_T0);                                                \
+                if (4 * bytes > 128) _mm_prefetch(ahead + 128, _MM_HINT_T0);                          \
+            }                                                                                         \
             __m256i x_lo[MAX_ROWS], x_hi[MAX_ROWS];                                                   \
             for (int m = 0; m < ROWS; m++) {                                                          \
                 const int16_t *x = a->qx + m * a->k + (b + j) * QK;                                   \
@@ -234,10 +241,14 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
             }                                                                                         \
             _Pragma("GCC unroll 4") for (int r = 0; r < WROWS; r++) {                                 \
                 __m256i w_lo, w_hi;                                                                   \
-                load_weight16(type, w + r * stride + (b + j) * bytes, &w_lo, &w_hi);                  \
+                const uint8_t *block = w + r * stride + (b + j) * bytes;                              \
+                load_weight16(type, block, &w_lo, &w_hi);                                             \
                 for (int m = 0; m < ROWS; m++) {                                                      \
                     __m256 dot = _mm256_cvtepi32_ps(DOTX(w_lo, w_hi, x_lo[m], x_hi[m]));              \
-                    acc[r][m] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[r][m][j]), acc[r][m]); \
+                    __m256 s = type == TYPE_Q8_0                                                      \
+                                   ? _mm256_set1_ps(_cvtsh_ss((uint16_t)half_at(block)) * a->dx[m * nb + b + j]) \
+                                   : _mm256_broadcast_ss(&scale[r][m][j]);                            \
+                    acc[r][m] = _mm256_fmadd_ps(dot, s, acc[r][m]);                                   \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
@@ -245,17 +256,12 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
     TARGET static inline __attribute__((always_inline)) void ISA##_body(                             \
         const int64_t type, const uint8_t *w, const activations *a, float *out, const int64_t stride, \
         const int WROWS, const int ROWS) {                                                            \
-        const int64_t nb = a->k / QK, bytes = block_bytes(type);                                      \
+        const int64_t nb = a->k / QK;                                                                 \
         __m256 acc[4][MAX_ROWS];                                                                      \
         for (int r = 0; r < WROWS; r++)                                                               \
             for (int m = 0; m < ROWS; m++) acc[r][m] = _mm256_setzero_ps();                           \
         int64_t b = 0;                                                                                \
         for (; b + STEP <= nb; b += STEP) {                                                           \
-            if (WROWS == 4) {                                                                         \
-                const char *ahead = (const char *)w + 8 * stride + b * 4 * bytes;                     \
-                for (int64_t line = 0; line < 4 * STEP * bytes; line += 64)                           \
-                    _mm_prefetch(ahead + line, _MM_HINT_T0);                                          \
-            }                                                                                         \
             ISA##_step(type, w, a, acc, stride, b, STEP, WROWS, ROWS);                                \
         }                                                                                             \
         if (b < nb) ISA##_step(type, w, a, acc, stride, b, (int)(nb - b), WROWS, ROWS);               \
