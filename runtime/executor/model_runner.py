@@ -150,8 +150,8 @@ class ModelRunner:
 
     def _build(self, items: list[ForwardItem]) -> tuple[ForwardContext, torch.Tensor]:
         """The step's context and input ids. Its small tensors come from Python lists in as
-        few torch calls as will do: at batch-1 decode each call ran from caches the weights
-        had just swept (tens of microseconds, against a few when warm)."""
+        few torch calls as will do: at batch-1 decode each call runs from caches the weights
+        have just swept, so it costs far more than it would warm."""
         prefix_cpu = [it.prefix_len for it in items]
         extend_cpu = [len(it.new_ids) for it in items]
         row_ids = [it.row for it in items]

@@ -3,20 +3,18 @@
  * For each request b, all its query heads attend over the request's seq_len tokens, whose
  * slots are req_to_token[rows[b], 0..seq_len); query head h reads kv head h / G (GQA).
  * Keys are processed in blocks of BLOCK tokens with an online softmax, so each K and V
- * element is read from memory once and nothing is gathered into a temporary. The `group` query heads of one kv head are one pass (up to MAX_PASS heads; a
- * larger group takes several), so each K/V load serves them all.
+ * element is read from memory once and nothing is gathered into a temporary. The `group`
+ * query heads of one kv head are one pass (up to MAX_PASS heads; a larger group takes
+ * several), so each K/V load serves them all.
  *
  * Vector width: `avec` of AL floats, one register of the instruction set
  * (cpu_register_vector.h: 8 on AVX2, 16 on AVX-512 and the portable build). A block is 16
  * tokens: one head's scores of a block fill SCORE_VECS vectors (2 on AVX2).
  *
- * Registers decide the speed. An earlier version used 16-float vectors everywhere (two ymm
- * on AVX2) and kept every head's q and accumulator and a whole block's dot products live
- * (~100 ymm worth against 16 registers): it spent ~475 cycles per (token, kv head) in
- * spills, for ~50 cycles of arithmetic (SmolLM2-135M: group 3, head_dim 64; batch 64 and
- * 150 tokens took ~4.5 ms per layer call on one thread, now ~0.7-0.9 ms, float16 cache, on
- * a Zen 3 core). Now each phase of a block works on a register tile that fits (TILE_REGS,
- * 15 ymm on AVX2):
+ * Registers decide the speed. Keeping every head's q and accumulator and a whole block's
+ * dot products live at once (with 16-float vectors, two ymm each on AVX2) asks for far more
+ * than the 16 ymm registers, and the spills then cost more than the arithmetic. So each
+ * phase of a block works on a register tile that fits (TILE_REGS, 15 ymm on AVX2):
  *   scores: T tokens at a time (score_tile), for each AL-float chunk of the head dimension
  *     each token's K chunk is loaded (widened) once and multiplied into the G x T dot
  *     accumulators; q (pre-multiplied by `scale`) is read from an L1 copy as an FMA memory
@@ -42,25 +40,21 @@
  * depending on another, so the core keeps as many misses in flight as it can track; then
  * every kv head's pass finds its part of the span's rows in L2, and the online softmax goes
  * on from span to span (its state, the accumulators in `out`, divided once at the end).
- * Before, each pass ran over all the tokens asking for the rows with prefetches a few blocks
- * ahead of its arithmetic: at batch 64 the kernel then read main memory at 5-7 GB/s of the
- * ~19 GB/s the machine streams, and a layer call took ~3x its time with the rows already
- * in cache. Staged, the same calls are 1.5-2x faster (float16, a Zen 3 VM, alternating old
- * and new code: 64 requests x 150 tokens 1.2-1.4 -> 0.55-0.8 ms per call, 64 x 400 2.9-3.2
- * -> 1.6-2.4 ms, 8 x 500 2x, 16 x 2000 in several spans 5.2 -> 2.0-2.3 ms). Tried and not kept: prefetching the next layer's
- * rows during the GEMMs before it (spread between their tiles: slowed the GEMMs by as much
- * as it saved); other prefetch distances and locality hints; contiguous slots against
- * decode tokens a batch apart (no difference, so the pool's allocation order does not
- * matter).
+ * Passes that ran over all the tokens asking for the rows with prefetches a few blocks ahead
+ * of their arithmetic read main memory at a fraction of what the machine streams, since the
+ * misses then wait on the arithmetic between them; staged, no load waits on arithmetic.
+ * Tried and not kept: prefetching the next layer's rows during the GEMMs before it (spread
+ * between their tiles: it slowed the GEMMs by as much as it saved); other prefetch distances
+ * and locality hints; contiguous slots against decode tokens a batch apart (no difference,
+ * so the pool's allocation order does not matter).
  * When given the step's new K/V, the call first stores every row's K/V into its slot
  * (converted to the cache type), then attends, so one call replaces the pool write and the
  * attention, also for rows of one request (speculative drafts: each reads the ones before).
- * Requests are spread over the threads (cpu_parallel.h), and with fewer requests than threads each
- * request's kv heads (batch 1 at 2 threads: SmolLM2's 3 kv heads go 2 + 1 instead of all on
- * one thread while the other waited; whole batch-1 decode 1.02-1.04x, alternated in one
- * process on a 2-core Zen 4 VM). Loaded into a process that runs torch, the
- * kernel shares torch's libgomp thread pool (same SONAME), so the two never fight over
- * the cores.
+ * Requests are spread over the threads (cpu_parallel.h), and with fewer requests than
+ * threads each request's kv heads (batch 1 at 2 threads: SmolLM2's 3 kv heads go 2 + 1
+ * instead of all on one thread while the other waits). Loaded into a process that runs
+ * torch, the kernel shares torch's libgomp thread pool (same SONAME), so the two never
+ * fight over the cores.
  *
  * With window W > 0 (sliding-window layers), request b reads only its last W tokens:
  * slots req_to_token[rows[b], seq_len - W .. seq_len).

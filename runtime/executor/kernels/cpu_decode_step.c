@@ -2,9 +2,9 @@
  *
  * Per layer the plan makes nine kernel calls (norm, QKV, rotary, attention, O, norm,
  * gate/up, SiLU * up, down). From Python each call cost a ctypes call and its argument
- * conversions, about 1-3 microseconds, while the other threads waited: 270 calls a step on
- * a 30-layer model. Here the same calls, with the same arguments and in the same order,
- * run from C, so the results are the Python loop's bit for bit.
+ * conversions while the other threads waited, 270 calls a step on a 30-layer model. Here the
+ * same calls, with the same arguments and in the same order, run from C, so the results are
+ * the Python loop's bit for bit.
  *
  * Compiled once per instruction set like the float kernels, so each variant calls its own
  * instruction set's norm, rotary, SiLU, attention and float GEMM; the quantized GEMV and

@@ -3,9 +3,9 @@
  * argmax for greedy sampling.
  *
  * Each of these is several torch operators, and each torch operator over a decode batch
- * wakes the OpenMP threads (tens of microseconds on a small VM with sleeping threads),
- * which costs more than the arithmetic. Here a decode batch runs on the calling thread;
- * only inputs large enough to be worth it (prefill) are spread over torch's threads.
+ * wakes the OpenMP threads, which costs more than the arithmetic. Here a decode batch runs
+ * on the calling thread; only inputs large enough to be worth it (prefill) are spread over
+ * torch's threads.
  * The arithmetic follows transformers' order of operations, so results agree with the
  * torch path to float rounding.
  */
@@ -96,7 +96,7 @@ __attribute__((optimize("fp-contract=off"))) void PER_ISA(spruce_rotary)(float *
 /* y[m] = W x[m] (+ bias) for a few rows x (m < rows <= 4), W [n, k] row-major: the weights
  * are streamed once for all rows, four weight rows at a time so the four dot products form
  * independent chains. At batch 1 a decode step is this, bound by reading the weights, and
- * both threads together read them faster than one (measured: 54 vs 39 tokens/s). */
+ * both threads together read them faster than one. */
 #define GEMV_MAX_ROWS 4
 
 static inline void dot_rows(const float *x, int64_t rows, int64_t k, const float *w, int64_t n_here,
@@ -138,8 +138,8 @@ static int64_t argmax_row(const float *row, int64_t n) {
     int64_t best = 0, i = 0;
 #if defined(__AVX2__)
     /* the largest value (max_ps(v, m) keeps m where v is NaN) and whether a NaN is there,
-     * then the first lane equal to it: two vector passes, instead of a compare and branch per
-     * value (65 us over 49,152 logits) */
+     * then the first lane equal to it: two vector passes, instead of a compare and branch
+     * per value */
     __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(row + i);
@@ -169,9 +169,9 @@ static int64_t argmax_row(const float *row, int64_t n) {
 }
 
 /* Each row of x [rows, n] (contiguous): its argmax (argmax_row) in ids, the value there in
- * values (a row whose value is not finite cannot be sampled). torch's argmax and the gather
- * for the value took ~0.18 ms of a batch-1 step over SmolLM2's 49,152 logits (cold, small
- * operators). */
+ * values (a row whose value is not finite cannot be sampled). It replaces torch's argmax and
+ * the gather for the value: two small operators over cold logits, whose overhead outweighs
+ * their work at decode sizes. */
 void PER_ISA(spruce_argmax_rows)(const float *x, int64_t rows, int64_t n, int64_t *ids, float *values) {
 #pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {

@@ -9,8 +9,8 @@ threads.
 
 One build runs on any CPU of its architecture: nothing is compiled for the build machine's
 own instruction set (no -march=native). Only the instruction scheduling is tuned for the
-building CPU (-mtune=native: same instructions, other order and choices), which made the
-batch-64 decode step ~5% faster on an AVX2 machine than -mtune=generic.
+building CPU (-mtune=native: same instructions, other order and choices), which makes the
+decode step faster than -mtune=generic does.
 
 The float kernels (`PER_ISA_SOURCES`) are compiled once per instruction set in `FLOAT_ISAS`
 into differently named functions (`spruce_rms_norm_avx2`, ...); at load, each plain name

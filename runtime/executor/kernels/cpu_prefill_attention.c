@@ -17,12 +17,11 @@
  *            window) get weight 0; the running max moves and rescales the row's sums.
  *   values   per row, the head dimension in passes of VC vectors (64 floats) held in
  *            registers while the block's value rows are added in with their weights.
- * Vectors are one register wide (`avec`, cpu_register_vector.h): with cpu_vector.h's 16-float vectors
- * GCC spilled and shuffled through memory on AVX2 (6x slower than SDPA). Measured on a
- * 2-core Zen 3 VM, SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64), 512
- * new tokens, 2 threads, alternating: 4.1-4.8 ms per layer against 6.3-7.9 ms for torch's
- * scaled_dot_product_attention(is_causal, enable_gqa); BK 32 / RS 2 came out a little ahead
- * of BK 16 / RS 4, BQ 16 and 32 about even.
+ * Vectors are one register wide (`avec`, cpu_register_vector.h): with cpu_vector.h's
+ * 16-float vectors GCC spilled and shuffled through memory on AVX2, far slower than torch's
+ * scaled_dot_product_attention(is_causal, enable_gqa); one register wide, the kernel is
+ * faster than it at SmolLM2-135M's shapes (9 query heads, 3 kv heads, head_dim 64). BK 32 /
+ * RS 2 came out a little ahead of BK 16 / RS 4, BQ 16 and 32 about even.
  *
  * Compiled once per instruction set (cpu_library.py). */
 #include <stdlib.h>

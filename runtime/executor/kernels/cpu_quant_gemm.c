@@ -74,8 +74,8 @@ typedef struct {
 
 /* One 32-value block of Q8_0 / Q4_0 / Q4_1 to floats (Q4: the low nibbles are values
  * 0..15, the high ones 16..31). GCC's generic vector conversions go element by element
- * here, so AVX2 has it in intrinsics (1.5 -> 0.1 ns per value); other builds in loops the
- * compiler vectorizes. */
+ * here, so AVX2 has it in intrinsics, which convert whole vectors at once; other builds in
+ * loops the compiler vectorizes. */
 #if defined(__AVX2__)
 static inline void dequantize_block(int64_t type, const uint8_t *block, float *out) {
     uint16_t h[2];

@@ -8,15 +8,15 @@
  * both products to each row's sum; on AVX2 a vpmaddwd and a vpaddd do the same for 8 rows.
  * A block's integer sums then take their scales once for 16 rows (a conversion and two
  * multiply-adds per 16 vpdpwssd), where the GEMV's layout pays that per row and block;
- * that overhead, not the multiplies, made the GEMV lose to the float GEMM beyond 24 rows
- * (VNNI) or 12 (AVX2).
+ * that overhead, not the multiplies, makes the GEMV lose to the float GEMM past a few rows
+ * (INTEGER_MAX_ROWS in cpu_quant_ops.py).
  *
  *   packed x   once per call: groups of 16 rows, per block of k the 16 pairs of 16 rows
  *              (int16 pairs as int32 lanes), dx and dx sx as 16 floats; rows past the end
  *              are zero.
  *   packed W   per task, a panel of PANEL weight rows widened to int16, in tiles of nw
- *              rows (NW_VNNI, NW_AVX2) with the rows' blocks side by side (the microkernel broadcasts each
- *              pair of values from memory, all from one pointer), with each block's scale
+ *              rows (NW_VNNI, NW_AVX2) with the rows' blocks side by side (the microkernel
+ *              broadcasts each pair of values from memory, all from one pointer), with each block's scale
  *              dw and second term (Q4_0: -8 dw, Q4_1: m, Q8_0: none) as floats; rows past
  *              n are zero.
  *   microkernel  VNNI: NW_VNNI weight rows x 16 activation rows of one or two row groups

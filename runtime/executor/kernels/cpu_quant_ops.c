@@ -187,19 +187,20 @@ TARGET_AVX2 static inline __m256 floats8(const float *p, const int count) {
 
 /* The SIMD kernel of the 32-value formats, once per instruction set (DOTX above): WROWS
  * weight rows (1, or 4 at `stride` bytes) against ROWS activation rows, both constants (the
- * accumulators stay in registers; with a run-time row count they went through the stack:
- * about 3x slower at batch 1): out[r * MAX_ROWS + m].
+ * accumulators stay in registers; with a run-time row count they go through the stack, far
+ * slower at batch 1): out[r * MAX_ROWS + m].
  * The blocks go STEP at a time. Per step and weight row, Q4_0's and Q4_1's fp16 scales dw
  * become one float vector, multiplied by each activation row's STEP scales dx; the second
  * term (Q4_0's -8 dw sx dx, w = dw (q - 8); Q4_1's m sx dx, w = dw q + m) takes one
  * multiply-add per step. Each block then costs its integer dot and one multiply-add by its
  * dw dx (broadcast from a stored copy). Q8_0, with no second term, converts each block's
- * scale alone (weights from memory: the step's conversions cost it ~15%). The loops go block by block over the weight rows, so the
- * 4 x ROWS accumulators are independent chains (one weight row at a time waited on each
- * block's multiply-add). Every (weight row, activation row) pair runs the same operations
- * in the same order whatever WROWS and ROWS, so its result does not depend on the tile.
- * Four rows read at once are four interleaved streams, which the hardware prefetcher did
- * not follow (weights from memory: 1.3-1.45x slower than one row at a time), so each block
+ * scale alone (with weights from memory, converting a whole step's scales at once slows it).
+ * The loops go block by block over the weight rows, so the 4 x ROWS accumulators are
+ * independent chains (one weight row at a time waits on each block's multiply-add). Every
+ * (weight row, activation row) pair runs the same operations in the same order whatever
+ * WROWS and ROWS, so its result does not depend on the tile.
+ * Four rows read at once are four interleaved streams, which the hardware prefetcher does
+ * not follow (with weights from memory, slower than one row at a time), so each block
  * prefetches its share of the rows 8 ahead (four rows are one contiguous region: a block's
  * share is 4 blocks). */
 #define SIMD_TILE(ISA, TARGET, DOTX)                                                                 \

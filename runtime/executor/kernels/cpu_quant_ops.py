@@ -47,18 +47,14 @@ QUANT_TYPES = {
 }
 ISAS = ("scalar", "avx2", "avx512vnni")  # index = the C kernels' ISA number
 # Up to this many activation rows the integer kernel beats the next one (`kernel`), per
-# instruction set. Measured on a 2-core AMD EPYC VM (Zen 4), 2 threads, the bundled model's
-# shapes (the 30 layers' four Q4_1 linears and the Q8_0 output head), per pass: on VNNI,
-# integer / igemm time 1.24-1.34 at 6-8 rows, 1.05 at 10, 0.89-0.92 at 12 (and igemm / GEMM
-# 0.6-0.7 from 12 rows to 64); on AVX2 (both kernels capped at AVX2), integer / GEMM 0.73 at
-# 8, 0.99 at 12, 1.00 at 16, 1.14 at 20. The K formats have no tiled integer path (one
-# weight row at a time): the GEMM already wins at 8 rows there (Q4_K 1.14, Q6_K 1.04 on an
-# AVX2 core).
+# instruction set: past it the next kernel, which shares more of its per-block work between
+# rows, wins. The K formats have no tiled integer path (one weight row at a time), so the
+# GEMM wins there at fewer rows.
 INTEGER_MAX_ROWS = {"scalar": 8, "avx2": 12, "avx512vnni": 10}
 K_INTEGER_MAX_ROWS = 8
 # The integer GEMM's instruction sets: vpmaddwd + vpaddd on 256-bit vectors, vpdpwssd on
-# 512-bit ones. On AVX2 it beats the float GEMM at Llama-3.2-1B's Q4_0 linears from 13 rows
-# to 64 and more, and meets the integer kernel at about 12 rows (INTEGER_MAX_ROWS).
+# 512-bit ones. It takes over where the integer kernel stops (INTEGER_MAX_ROWS) and stays
+# ahead of the float GEMM at decode batch sizes, so it needs no row limit of its own.
 IGEMM_ISAS = ("avx2", "avx512vnni")
 
 _cpu_best: int | None = None  # this CPU's best, uncapped (asked once)
@@ -218,7 +214,7 @@ def _call_linear(
 
 def int64(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous int64, without a torch call where it is already: at batch-1 decode
-    each call ran from caches the weights had just swept (tens of microseconds)."""
+    each call runs from caches the weights have just swept, so it is slow."""
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 

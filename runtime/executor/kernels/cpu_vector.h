@@ -32,8 +32,8 @@ static inline vec load(const float *p) { return *(const vec_unaligned *)p; }
 static inline vec splat(float x) { return (vec){0} + x; }
 
 /* a > b ? a : b per lane. With instructions: GCC lowers a comparison of vectors wider than
- * the registers (16 floats on AVX2) lane by lane, with scalar compares (SiLU over a batch-64
- * decode step spent 3 ns per value on it). */
+ * the registers (16 floats on AVX2) lane by lane, with scalar compares, which made SiLU over
+ * a decode batch slow. */
 static inline vec max2(vec a, vec b) {
 #if defined(__AVX512F__)
     __m512 x, y;
