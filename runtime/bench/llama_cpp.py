@@ -29,22 +29,25 @@ def llama_cpp_tools(bin_dir: str | None) -> tuple[str, str] | None:
 
 
 def run_llama_cpp(
-    tools: tuple[str, str], model: str, threads: list[int], extra: str = ""
+    tools: tuple[str, str], model: str, threads: list[int], extra: str = "", counts=PARALLEL
 ) -> dict[str, float]:
     """tokens/s per parallel count, at the largest thread count: the decode phase and end to
     end (generated tokens over the whole run). The batch-1 and prefill rows come from
     `llama_singles`, in rounds beside Spruce's (bench/offline.py)."""
-    return llama_batched(tools[1], model, max(threads), PARALLEL, extra)
+    return llama_batched(tools[1], model, max(threads), counts, extra) if counts else {}
 
 
-def llama_singles(tool: str, model: str, threads: list[int], extra: str = "") -> dict[str, float]:
-    """tokens/s (llama-bench's means of 5) of batch-1 decode (tg128) at each thread count,
-    `tg128_t<N>`, and `tg128` at the largest, and of prefill (pp512) at the largest."""
-    most = max(threads)
-    rows = llama_bench(tool, model, threads, ["-p", "0", "-n", "128"], extra)
+def llama_singles(
+    tool: str, model: str, threads: list[int], extra: str = "", repetitions: int = 5
+) -> dict[str, float]:
+    """tokens/s (llama-bench's means of `repetitions` runs) of batch-1 decode (tg128) at each
+    thread count, `tg128_t<N>`, and `tg128` at the largest, and of prefill (pp512) at the
+    largest."""
+    most, runs = max(threads), ["-r", str(repetitions)]
+    rows = llama_bench(tool, model, threads, ["-p", "0", "-n", "128", *runs], extra)
     out = {f"tg128_t{row['n_threads']}": row["avg_ts"] for row in rows if row["n_gen"]}
     out["tg128"] = out[f"tg128_t{most}"]
-    rows = llama_bench(tool, model, [most], ["-p", "512", "-n", "0"], extra)
+    rows = llama_bench(tool, model, [most], ["-p", "512", "-n", "0", *runs], extra)
     prefill = (row["avg_ts"] for row in rows if row["n_prompt"] and row["n_threads"] == most)
     return out | {"pp512": next(prefill)}
 
@@ -114,7 +117,7 @@ def llama_batched(
     return out
 
 
-def table_rows(threads: int) -> list[tuple[str, str]]:
+def table_rows(threads: int, counts=PARALLEL) -> list[tuple[str, str]]:
     """(result key, label) of the comparison table's rows."""
     return [
         ("tg128_t1", "batch-1 decode (tg128), 1 thread"),
@@ -124,10 +127,10 @@ def table_rows(threads: int) -> list[tuple[str, str]]:
             "tg128_d4096",
             f"batch-1 decode after a 4096-token prompt (tg128 @ d4096), {threads} threads",
         ),
-        *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in PARALLEL),
+        *((f"decode_{n}", f"{n} sequences x (128 + 128), decode phase") for n in counts),
         *(
             (f"end_to_end_{n}", f"{n} sequences x (128 + 128), end to end, generated")
-            for n in PARALLEL
+            for n in counts
         ),
     ]
 

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder of llama-bench / llama-batched-bench (default: PATH)")  # fmt: skip
     parser.add_argument("--compare-rounds", type=int, default=3,
         help="--compare llama.cpp: rounds of the batch-1 rows (median)")  # fmt: skip
+    parser.add_argument("--compare-parallel", default="16,64",
+        help="--compare llama.cpp: parallel sequence counts of the batched rows ('' for none)")  # fmt: skip
+    parser.add_argument("--compare-repetitions", type=int, default=5,
+        help="--compare llama.cpp: runs averaged per batch-1 / prefill figure, each engine")  # fmt: skip
+    parser.add_argument("--compare-depth", action=argparse.BooleanOptionalAction, default=True,
+        help="--compare llama.cpp: the batch-1 row after a 4096-token prompt")  # fmt: skip
     parser.add_argument("--llama-cpp-args", default="",
         help="more arguments for llama.cpp's tools, e.g. '-nr' (no AMX repack)")  # fmt: skip
     parser.add_argument(
@@ -328,11 +334,11 @@ def print_report(r: dict) -> None:
 # -- llama.cpp on the same GGUF file (its tools: bench/llama_cpp.py) ------------------------
 
 
-def spruce_parallel(engine, tokenizer) -> dict[str, float]:
+def spruce_parallel(engine, tokenizer, counts=PARALLEL) -> dict[str, float]:
     """The llama-batched-bench workload through Spruce: decode-phase and end-to-end tokens/s."""
     out = {}
     params = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}
-    for count in PARALLEL:
+    for count in counts:
         engine.flush_cache()
         r = run_engine(engine, synthetic_prompts(tokenizer, count, 128, 128, seed=count), params)
         out[f"decode_{count}"] = r["decode_step_batch"] / (r["decode_step_ms"] / 1e3)
@@ -340,25 +346,27 @@ def spruce_parallel(engine, tokenizer) -> dict[str, float]:
     return out
 
 
-def fixed_thread_probes(engine, tokenizer, threads: int, with_prefill: bool = True) -> dict:
+def fixed_thread_probes(
+    engine, tokenizer, threads: int, with_prefill: bool = True, repetitions: int = 5
+) -> dict:
     """single_probes with torch (and the C kernels) on `threads` threads, as llama-bench's
     -t sets its own."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return single_probes(engine, tokenizer, with_prefill=with_prefill)
+        return single_probes(engine, tokenizer, repetitions, with_prefill)
     finally:
         torch.set_num_threads(before)
 
 
-def spruce_singles(engine, tokenizer, threads: int) -> dict[str, float]:
+def spruce_singles(engine, tokenizer, threads: int, repetitions: int = 5) -> dict[str, float]:
     """Spruce's side of a round against `llama_singles`: batch-1 decode at 1 and `threads`
     threads, prefill at `threads`; and batch-1 decode at `threads` with one decode step a
     call (`tg128_one_step`: the same engine without multi-step decode calls)."""
-    one = fixed_thread_probes(engine, tokenizer, 1, with_prefill=False)
-    most = fixed_thread_probes(engine, tokenizer, threads)
+    one = fixed_thread_probes(engine, tokenizer, 1, False, repetitions)
+    most = fixed_thread_probes(engine, tokenizer, threads, True, repetitions)
     with one_step_a_call(engine):
-        single = fixed_thread_probes(engine, tokenizer, threads, with_prefill=False)
+        single = fixed_thread_probes(engine, tokenizer, threads, False, repetitions)
     return {
         "tg128_t1": one["batch1_decode_tokens_per_s"],
         "tg128": most["batch1_decode_tokens_per_s"],
@@ -379,16 +387,20 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
         print(f"llama.cpp comparison skipped: {why} (see --llama-cpp-bin)")
         return
     threads, tokenizer = engine.config.num_threads, engine.tokenizer
-    ours = spruce_parallel(engine, tokenizer)
-    theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args)
+    counts = [int(n) for n in args.compare_parallel.split(",") if n.strip()]
+    ours = spruce_parallel(engine, tokenizer, counts)
+    theirs = run_llama_cpp(tools, path, [1, threads], args.llama_cpp_args, counts)
     ours_runs, theirs_runs = alternating_rounds(
-        lambda: spruce_singles(engine, tokenizer, threads),
-        lambda: llama_singles(tools[0], path, [1, threads], args.llama_cpp_args),
+        lambda: spruce_singles(engine, tokenizer, threads, args.compare_repetitions),
+        lambda: llama_singles(
+            tools[0], path, [1, threads], args.llama_cpp_args, args.compare_repetitions
+        ),
         args.compare_rounds,
     )
     ours, theirs = ours | medians(ours_runs), theirs | medians(theirs_runs)
-    ours["tg128_d4096"] = depth_decode(engine, tokenizer)
-    theirs["tg128_d4096"] = llama_depth(tools[0], path, threads, DEPTH, args.llama_cpp_args)
+    if args.compare_depth:
+        ours["tg128_d4096"] = depth_decode(engine, tokenizer)
+        theirs["tg128_d4096"] = llama_depth(tools[0], path, threads, DEPTH, args.llama_cpp_args)
     steps = engine.core.scheduler.decode_steps
     result["llama_cpp"] = {"spruce": ours, "llama.cpp": theirs, "wait_policy": wait_policy(),
                            "decode_steps": steps}  # fmt: skip
@@ -408,7 +420,7 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
         print(f"  {key} by round: Spruce {rates[0]}; llama.cpp {rates[1]}")
     print("| workload (same GGUF), tokens/s | llama.cpp | Spruce | Spruce / llama.cpp |")
     print("| --- | --- | --- | --- |")
-    for key, label in table_rows(threads):
+    for key, label in table_rows(threads, counts):
         if key in theirs and key in ours:
             print(
                 f"| {label} | {theirs[key]:.1f} | {ours[key]:.1f} | {ours[key] / theirs[key]:.2f}x |"

@@ -85,7 +85,10 @@ def test_thread_rows_and_extra_arguments(tmp_path):
     finally:
         llama_cpp.llama_bench = real
     assert singles == {"tg128_t1": 40.0, "tg128_t2": 70.0, "tg128": 70.0, "pp512": 190.0}
-    assert calls == [([1, 2], ["-p", "0", "-n", "128"]), ([2], ["-p", "512", "-n", "0"])]
+    assert calls == [
+        ([1, 2], ["-p", "0", "-n", "128", "-r", "5"]),
+        ([2], ["-p", "512", "-n", "0", "-r", "5"]),
+    ]
     bench_args = (tmp_path / "llama-bench.args").read_text().splitlines()[-1].split()
     assert bench_args[bench_args.index("-t") + 1] == "2"  # prefill at the largest count
     assert bench_args[-2:] == ["--repack", "0"]  # llama-bench's spelling of no repacking
@@ -229,8 +232,9 @@ def test_fixed_thread_probes_run_at_their_thread_count_and_restore_it(monkeypatc
     scheduler = SimpleNamespace(decode_steps=8)
     engine = SimpleNamespace(core=SimpleNamespace(scheduler=scheduler))
 
-    def probe(engine_, tokenizer, with_prefill):
+    def probe(engine_, tokenizer, repetitions, with_prefill):
         core = engine_.core
+        assert repetitions == 3
         seen.append((torch.get_num_threads(), with_prefill, core.scheduler.decode_steps))
         rates = {
             "batch1_decode_tokens_per_s": 10.0 * torch.get_num_threads()
@@ -240,7 +244,7 @@ def test_fixed_thread_probes_run_at_their_thread_count_and_restore_it(monkeypatc
 
     monkeypatch.setattr(offline, "single_probes", probe)
     before = torch.get_num_threads()
-    assert offline.spruce_singles(engine, None, 2) == {
+    assert offline.spruce_singles(engine, None, 2, 3) == {
         "tg128_t1": 18.0,
         "tg128": 28.0,
         "pp512": 9.0,

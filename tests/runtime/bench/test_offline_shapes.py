@@ -25,9 +25,9 @@ def test_compare_on_a_model_shape(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bandwidth, "BUFFER_GIB", 1 / 64)
     # the rows test_llama_cpp.py covers, fixed here; the 4096-token row runs, 8 steps long
     ours = {"tg128_t1": 20.0, "tg128": 35.0, "pp512": 95.0, "tg128_one_step": 30.0}
-    monkeypatch.setattr(offline, "spruce_singles", lambda engine, tokenizer, threads: ours)
+    monkeypatch.setattr(offline, "spruce_singles", lambda engine, tokenizer, threads, reps: ours)
     parallel = {"decode_16": 75.0, "end_to_end_16": 60.0, "decode_64": 150.0, "end_to_end_64": 9.0}
-    monkeypatch.setattr(offline, "spruce_parallel", lambda engine, tokenizer: parallel)
+    monkeypatch.setattr(offline, "spruce_parallel", lambda engine, tokenizer, counts: parallel)
     monkeypatch.setattr(offline, "DECODE_STEPS", 8)
     bins = tmp_path / "bin"
     bins.mkdir()
@@ -61,6 +61,16 @@ def test_compare_on_a_model_shape(tmp_path, monkeypatch, capsys):
     assert "of the bandwidth" in printed
 
     assert main(["bench", "offline", "--model", path, *flags]) == 2  # one model, not two
+
+    # an 8B run in minutes: no batched rows, no 4096-token row
+    for name in ("llama-batched-bench", "llama-bench"):
+        (bins / f"{name}.args").unlink()
+    quick = ["--compare-parallel", "", "--no-compare-depth"]
+    assert main(["bench", "offline", *flags, *quick]) == 0
+    assert not (bins / "llama-batched-bench.args").exists()
+    assert "-d 4096" not in (bins / "llama-bench.args").read_text()
+    compared = json.loads(report.read_text())["llama_cpp"]
+    assert "tg128_d4096" not in compared["spruce"] and "decode_16" not in compared["llama.cpp"]
 
 
 def test_decode_reads_every_weight_but_an_untied_embedding_table(monkeypatch):
