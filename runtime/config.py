@@ -292,14 +292,12 @@ SPIN_COUNT = "3000"  # GOMP_SPINCOUNT: iterations an idle OpenMP thread spins be
 
 def use_omp_wait_policy() -> None:
     """Idle OpenMP threads spin briefly (GOMP_SPINCOUNT=3000, some tens of microseconds),
-    then sleep. A batch-1 decode step is ~200 small parallel regions: sleeping at once
-    (OMP_WAIT_POLICY=PASSIVE) pays a wake-up per region, spinning long holds a core another
-    process needs. Measured on a 2-core AMD VM (engine/threads.py has the figures), with
-    the thread governor that gives the cores back while other processes want them: batch-1
-    decode 132 tokens/s quiet (PASSIVE 79), a batch-64 step beside one busy process 253 ms
-    (PASSIVE 253, libgomp's default spin 443). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT
-    is kept. libgomp reads them once, when torch is first imported, so the entry points
-    (the CLI, the Engine) call this before they import torch; importing a package never does."""
+    then sleep. A decode step is a few hundred short parallel regions: sleeping at once
+    (OMP_WAIT_POLICY=PASSIVE) pays a wake-up per region, spinning long holds a core that
+    other work on the machine needs (docs/cpu.md has the A/B). A user's own OMP_WAIT_POLICY
+    or GOMP_SPINCOUNT is kept. libgomp reads them once, when torch is first imported, so the
+    entry points (the CLI, the Engine) call this before they import torch; importing a
+    package never does."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
