@@ -36,3 +36,16 @@ def decode_bytes_per_token(path: str) -> int:
     tensors = read_gguf(path).tensors
     total = sum(info.nbytes for info in tensors.values())
     return total - tensors["token_embd.weight"].nbytes if "output.weight" in tensors else total
+
+
+def print_bandwidth(path: str, threads: int, ours: float, theirs: float) -> dict:
+    """The memory bandwidth measured now and batch-1 decode (tokens/s) as a share of it."""
+    bandwidth, per_token = memory_bandwidth(threads), decode_bytes_per_token(path)
+    shares = {"Spruce": per_token * ours / bandwidth, "llama.cpp": per_token * theirs / bandwidth}
+    print(
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB, {threads} threads, best "
+        f"of 5); a decode step reads {per_token / 1e9:.2f} GB of weights; batch-1 decode uses "
+        + ", ".join(f"{name} {share:.0%}" for name, share in shares.items())
+        + " of the bandwidth"
+    )
+    return {"bytes_per_s": bandwidth, "weight_bytes_per_token": per_token, "share": shares}

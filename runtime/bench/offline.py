@@ -34,7 +34,7 @@ import time
 import torch
 
 from spruce.runtime.bench import alternating_rounds, write_json
-from spruce.runtime.bench.bandwidth import decode_bytes_per_token, memory_bandwidth
+from spruce.runtime.bench.bandwidth import print_bandwidth
 from spruce.runtime.bench.breakdown import (
     bare_matmul_seconds,
     one_step_a_call,
@@ -51,6 +51,7 @@ from spruce.runtime.bench.llama_cpp import (
     run_llama_cpp,
     table_rows,
 )
+from spruce.runtime.bench.plot import PLOT_COUNTS, plot_scaling
 from spruce.runtime.bench.shapes import add_shape_arguments, model_file
 from spruce.runtime.config import wait_policy
 from spruce.runtime.errors import SpruceError
@@ -430,19 +431,6 @@ def compare_llama_cpp(engine, args: argparse.Namespace, result: dict) -> None:
     )
 
 
-def print_bandwidth(path: str, threads: int, ours: float, theirs: float) -> dict:
-    """The memory bandwidth measured now and batch-1 decode (tokens/s) as a share of it."""
-    bandwidth, per_token = memory_bandwidth(threads), decode_bytes_per_token(path)
-    shares = {"Spruce": per_token * ours / bandwidth, "llama.cpp": per_token * theirs / bandwidth}
-    print(
-        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB, {threads} threads, best "
-        f"of 5); a decode step reads {per_token / 1e9:.2f} GB of weights; batch-1 decode uses "
-        + ", ".join(f"{name} {share:.0%}" for name, share in shares.items())
-        + " of the bandwidth"
-    )
-    return {"bytes_per_s": bandwidth, "weight_bytes_per_token": per_token, "share": shares}
-
-
 DEPTH = 4096  # the long-context row: batch-1 decode after a prompt this long
 
 
@@ -482,8 +470,6 @@ def measure_breakdown(engine, tokenizer, new_tokens: int = 64) -> dict:
 # Output tokens/s against parallel sequences, as a chart
 # ---------------------------------------------------------------------------------------
 
-PLOT_COUNTS = (1, 4, 16, 64)
-
 
 def scaling_curves(engine, args: argparse.Namespace) -> dict[str, dict[int, float]]:
     """Output tokens/s end to end (generated tokens over the whole run) for `count`
@@ -508,26 +494,3 @@ def scaling_curves(engine, args: argparse.Namespace) -> dict[str, dict[int, floa
             "llama.cpp left out of the plot: llama-batched-bench not found or the model is not a GGUF file"
         )
     return curves
-
-
-def plot_scaling(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for name, curve in curves.items():
-        ax.plot(list(curve), list(curve.values()), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(PLOT_COUNTS, [str(n) for n in PLOT_COUNTS])
-    ax.set_yscale("log")
-    ax.set_xlabel("parallel sequences (128 prompt + 128 generated tokens each)")
-    ax.set_ylabel("output tokens/s (end to end)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    print(f"wrote {path}")
