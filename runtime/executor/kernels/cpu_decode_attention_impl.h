@@ -270,8 +270,9 @@ int PER_ISA(NAME(spruce_decode_attention))(const float *q, int64_t q_stride, con
     NAME(call) c = {q, k_new, v_new, q_stride, new_stride, new_slots, rows, seq_lens, k_cache, v_cache, k_scale,
                     v_scale, out, req_to_token, table_stride, heads, kv_heads, dim, window, span < BLOCK ? BLOCK : span,
                     parts, scale};
-    /* every new K/V first: rows of one request (drafts) read the ones before them */
-    if (new_slots != NULL) share_tasks(batch * parts, 1, threads, NAME(store_items), &c);
+    /* every new K/V first (rows of one request, drafts, read the ones before them), on this
+     * thread: a row's store is a few hundred values, less than a parallel region costs */
+    if (new_slots != NULL) NAME(store_items)(&c, 0, batch * parts, 0);
     share_tasks(batch * parts, 1, threads, NAME(attend_items), &c);
     return 0;
 }
